@@ -1,0 +1,252 @@
+"""Decode-attention latency over a (compacted) paged prefix, GPU only.
+
+For each prefix length L (default 1k..128k) and batch size B it times one decode step
+(``q [B, H_q, D]`` over B requests of L slots each, page size 1) for:
+
+    flashinfer_stock   FlashInfer's stock BatchDecodeWithPagedKVCacheWrapper, no beta
+    triton_beta        kernels.biased_attention.triton paged decode, with beta
+    flashinfer_beta    kernels.biased_attention.flashinfer variant, with beta
+
+and reports achieved bytes/s (K + V + beta + slot indices read, output written) against the
+device's measured device-to-device copy bandwidth. Writes JSON (``--out``) and a plot
+(``--plot``). Missing pieces (no flashinfer installed) are recorded as skipped, not faked.
+
+    python -m benchmarks.kernels --out results/kernels.json --plot results/kernels.png
+    (or ``python benchmarks/kernels.py ...``: the script drops its own folder from sys.path,
+    where this file would shadow the ``kernels`` package)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
+DEFAULT_BATCHES = [1, 8, 32]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("kernels_bench.json"), help="JSON path")
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (optional)")
+    p.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
+    p.add_argument("--batches", type=int, nargs="+", default=DEFAULT_BATCHES)
+    p.add_argument("--num-qo-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--shuffle", action="store_true", help="scatter slots over the pool")
+    p.add_argument("--max-gib", type=float, default=24.0, help="skip configs whose KV exceeds this")
+    p.add_argument("--reps", type=int, default=50, help="timed repetitions per point")
+    return p.parse_args(argv)
+
+
+def _time_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median CUDA-event time of ``fn`` in ms, after warm-up, with an L2 flush between."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second), GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """Factories ``(pool, q) -> run`` for every kernel that can be built here."""
+    from kernels.biased_attention import triton as tri
+
+    def triton_beta(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
+        w = tri.BiasedPagedAttention()
+        w.plan(
+            pool["kv_indptr"],
+            pool["kv_indices"],
+            args.num_qo_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
+        return lambda: w.run(q, pool["k"], pool["v"], pool["beta"])
+
+    out: dict[str, Any] = {"triton_beta": triton_beta}
+    try:
+        import flashinfer
+    except ImportError as exc:  # recorded in the JSON, not silently dropped
+        out["flashinfer_stock"] = out["flashinfer_beta"] = f"skipped: {exc}"
+        return out
+    from kernels.biased_attention.flashinfer import FlashInferBiasedPagedDecode
+
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    beta_wrapper = FlashInferBiasedPagedDecode()
+
+    def flashinfer_stock(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        ones = torch.ones(q.shape[0], dtype=torch.int32, device="cuda")
+        w.plan(
+            pool["kv_indptr"],
+            pool["kv_indices"],
+            ones,
+            args.num_qo_heads,
+            args.num_kv_heads,
+            args.head_dim,
+            1,
+            q_data_type=q.dtype,
+        )
+        paged = (pool["k"].unsqueeze(1), pool["v"].unsqueeze(1))
+        return lambda: w.run(q, paged, return_lse=True)
+
+    def flashinfer_beta(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
+        beta_wrapper.plan(
+            pool["kv_indptr"],
+            pool["kv_indices"],
+            args.num_qo_heads,
+            args.num_kv_heads,
+            args.head_dim,
+            q_dtype=q.dtype,
+        )
+        return lambda: beta_wrapper.run(q, pool["k"], pool["v"], pool["beta"])
+
+    out.update(flashinfer_stock=flashinfer_stock, flashinfer_beta=flashinfer_beta)
+    return out
+
+
+def _pool(batch: int, length: int, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    slots = batch * length
+    h, d = args.num_kv_heads, args.head_dim
+    k = torch.randn(slots, h, d, device="cuda", dtype=dtype)
+    v = torch.randn(slots, h, d, device="cuda", dtype=dtype)
+    beta = torch.randn(slots, h, device="cuda") * 0.5
+    beta[::7] = -math.inf  # some masked (padding) slots
+    order = (
+        torch.randperm(slots, device="cuda") if args.shuffle else torch.arange(slots, device="cuda")
+    )
+    return {
+        "k": k,
+        "v": v,
+        "beta": beta,
+        "kv_indices": order.to(torch.int32),
+        "kv_indptr": torch.arange(0, slots + 1, length, dtype=torch.int32, device="cuda"),
+    }
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every (length, batch, kernel); returns the JSON-ready result dict."""
+    dtype = getattr(torch, args.dtype)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    bandwidth = copy_bandwidth_gbs()
+    factories = _kernels(args)
+    rows: list[dict[str, Any]] = []
+    for batch in args.batches:
+        for length in args.lengths:
+            kv_bytes = 2 * batch * length * args.num_kv_heads * args.head_dim * elem
+            if kv_bytes > args.max_gib * (1 << 30):
+                rows.append({"batch": batch, "length": length, "skipped": "over --max-gib"})
+                continue
+            pool = _pool(batch, length, args, dtype)
+            q = torch.randn(batch, args.num_qo_heads, args.head_dim, device="cuda", dtype=dtype)
+            extra = batch * length * 4 + batch * args.num_qo_heads * (args.head_dim * elem + 4)
+            for name, factory in factories.items():
+                row: dict[str, Any] = {"kernel": name, "batch": batch, "length": length}
+                if isinstance(factory, str):
+                    row["skipped"] = factory
+                else:
+                    ms = _time_ms(factory(pool, q), args.reps)
+                    beta_bytes = batch * length * args.num_kv_heads * 4 if "beta" in name else 0
+                    moved = kv_bytes + beta_bytes + extra
+                    row.update(ms=ms, bytes=moved, gbs=moved / (ms * 1e-3) / 1e9)
+                    row["frac_of_copy_bw"] = row["gbs"] / bandwidth
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del pool, q
+            torch.cuda.empty_cache()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "copy_bandwidth_gbs": bandwidth,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": rows,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Latency and achieved bandwidth vs prefix length, one line per (kernel, batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ms, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    series: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    for r in result["results"]:
+        if "ms" in r:
+            series.setdefault((r["kernel"], r["batch"]), []).append(
+                (r["length"], r["ms"], r["gbs"])
+            )
+    for (kernel, batch), pts in sorted(series.items()):
+        pts.sort()
+        xs = [p[0] for p in pts]
+        style = {"triton_beta": "-o", "flashinfer_beta": "-s", "flashinfer_stock": "--^"}[kernel]
+        ax_ms.plot(xs, [p[1] for p in pts], style, label=f"{kernel} B={batch}")
+        ax_bw.plot(xs, [p[2] for p in pts], style, label=f"{kernel} B={batch}")
+    ax_bw.axhline(result["copy_bandwidth_gbs"], color="k", lw=1, ls=":", label="copy bandwidth")
+    for ax, ylabel in ((ax_ms, "decode latency (ms)"), (ax_bw, "achieved GB/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prefix slots per request")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_ms.set_yscale("log")
+    ax_bw.legend(fontsize=7)
+    fig.suptitle(f"biased paged decode on {result['device']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _fix_sys_path() -> None:
+    """Run as a script, sys.path[0] is benchmarks/ and this file shadows ``kernels``."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    root = str(here.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    _fix_sys_path()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA device; none found.", file=sys.stderr)
+        return 2
+    result = run_benchmark(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if args.plot is not None:
+        plot(result, args.plot)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

