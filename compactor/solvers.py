@@ -1,0 +1,300 @@
+"""fp32 solvers for Attention Matching: box-bounded NNLS and ridge least-squares values.
+
+Shape legend: T prefix tokens, t kept, n reference queries, H_q/H_kv heads, D head dim,
+B batch (usually H_kv: one independent problem per KV head), m rows, k unknowns.
+
+All functions accept a single problem (``A [m, k]``) or a batch (``A [B, m, k]``); they
+compute in fp32 (or fp64 if given fp64) and mutate nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attend", "lstsq_values", "nnls", "nnls_gram"]
+
+
+def nnls(
+    A: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    lower: float | torch.Tensor = 0.0,
+    upper: float | torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ridge: float = 0.0,
+    max_iter: int = 300,
+    tol: float = 1e-7,
+    polish_rounds: int | None = None,
+) -> torch.Tensor:
+    """Box-bounded non-negative least squares: argmin_w ||A w - b||^2, lower <= w <= upper.
+
+    Args:
+        A: [m, k] or [B, m, k].
+        b: [m] or [B, m].
+        lower / upper: bounds, scalars or tensors broadcastable to w ([k] / [B, k]);
+            ``upper=None`` means +inf. Default: plain NNLS (w >= 0).
+        mask: optional [k] / [B, k] bool; False entries are padding and are returned as 0.
+        ridge: Tikhonov term, relative to the mean diagonal of A^T A.
+        max_iter / tol: projected-gradient budget and relative stopping tolerance.
+        polish_rounds: cap on active-set rounds (default 2k + 18: exact on convergence).
+
+    Returns:
+        w: [k] or [B, k], dtype of A promoted to at least fp32.
+    """
+    batched = A.dim() == 3
+    if not batched:
+        A, b = A.unsqueeze(0), b.unsqueeze(0)
+        if mask is not None:
+            mask = mask.unsqueeze(0)
+    if A.dim() != 3 or b.dim() != 2 or b.shape != A.shape[:2]:
+        raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
+    dt = torch.promote_types(A.dtype, torch.float32)
+    A, b = A.to(dt), b.to(dt)
+    G = A.transpose(1, 2) @ A
+    c = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
+    w = nnls_gram(
+        G,
+        c,
+        lower=lower,
+        upper=upper,
+        mask=mask,
+        ridge=ridge,
+        max_iter=max_iter,
+        tol=tol,
+        polish_rounds=polish_rounds,
+    )
+    return w if batched else w.squeeze(0)
+
+
+def nnls_gram(
+    G: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    lower: float | torch.Tensor = 0.0,
+    upper: float | torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ridge: float = 0.0,
+    max_iter: int = 300,
+    tol: float = 1e-7,
+    polish_rounds: int | None = None,
+) -> torch.Tensor:
+    """Box-bounded QP min 0.5 w'Gw - c'w on the normal equations (G = A'A, c = A'b).
+
+    Warm start: least squares clamped to the box; then accelerated projected gradient
+    (FISTA, step 1/lambda_max); then a few active-set polishing rounds that make the
+    answer exact whenever the active set was identified.
+
+    Args: G [B, k, k] symmetric PSD, c [B, k]; the rest as in :func:`nnls`.
+    Returns: w [B, k]; padded (mask False) entries are 0.
+    """
+    B, k, _ = G.shape
+    dt = G.dtype
+    if k == 0:
+        return G.new_zeros(B, 0)
+    lo = torch.as_tensor(lower, dtype=dt, device=G.device).expand(B, k).clone()
+    hi_val = math.inf if upper is None else upper
+    hi = torch.as_tensor(hi_val, dtype=dt, device=G.device).expand(B, k).clone()
+    if bool((lo > hi).any()):
+        raise ValueError("nnls: lower bound above upper bound")
+    eye = torch.eye(k, dtype=dt, device=G.device).expand(B, k, k)
+    if mask is not None:
+        m = mask.to(torch.bool)
+        both = m.unsqueeze(1) & m.unsqueeze(2)
+        G = torch.where(both, G, torch.zeros((), dtype=dt)) + torch.diag_embed((~m).to(dt))
+        c = torch.where(m, c, torch.zeros((), dtype=dt))
+        lo = torch.where(m, lo, torch.zeros((), dtype=dt))
+        hi = torch.where(m, hi, torch.zeros((), dtype=dt))
+    diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [B]
+    if ridge > 0:
+        G = G + (ridge * diag_mean)[:, None, None] * eye
+    # Warm start: (nearly) unconstrained least squares, clamped into the box.
+    jitter = (1e-7 * diag_mean)[:, None, None] * eye
+    w = _solve_spd(G + jitter, c)
+    w = torch.minimum(torch.maximum(w, lo), hi)
+    L = torch.linalg.eigvalsh(G)[:, -1].clamp_min(1e-30)  # [B]
+    step = (1.0 / L)[:, None]
+    y, w_prev, t_k = w, w, 1.0
+    scale = c.abs().amax(-1).clamp_min(1e-30)  # [B]
+    for _ in range(max_iter):
+        grad = (G @ y.unsqueeze(-1)).squeeze(-1) - c
+        w_new = torch.minimum(torch.maximum(y - step * grad, lo), hi)
+        t_next = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t_k * t_k))
+        y = w_new + ((t_k - 1.0) / t_next) * (w_new - w_prev)
+        w_prev, w, t_k = w, w_new, t_next
+        if bool(((w - w_prev).abs().amax(-1) * L <= tol * scale).all()):
+            break
+    return _polish(G, c, w, lo, hi, polish_rounds)
+
+
+def lstsq_values(
+    P: torch.Tensor,
+    Y: torch.Tensor,
+    *,
+    ridge: float = 1e-3,
+    prior: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ridge least-squares values: argmin_C ||P C - Y||^2 + lam ||C - prior||^2.
+
+    Used with P = attention weights of the compacted keys (beta included) for each
+    reference query, and Y = the original attention outputs, so that the compacted
+    outputs match the original ones.
+
+    Args:
+        P: [n, t] or [B, n, t] compacted attention weights.
+        Y: [n, D] or [B, n, D] target outputs.
+        ridge: lam relative to the mean diagonal of P^T P (0 = plain least squares).
+        prior: [t, D] / [B, t, D] values to shrink towards (default 0).
+        mask: [t] / [B, t] bool; False rows are padding and come back as prior (or 0).
+
+    Returns:
+        C: [t, D] or [B, t, D] (fp32 or wider).
+    """
+    batched = P.dim() == 3
+    if not batched:
+        P, Y = P.unsqueeze(0), Y.unsqueeze(0)
+        prior = None if prior is None else prior.unsqueeze(0)
+        mask = None if mask is None else mask.unsqueeze(0)
+    if P.dim() != 3 or Y.dim() != 3 or P.shape[:2] != Y.shape[:2]:
+        raise ValueError(f"lstsq_values: P {tuple(P.shape)} and Y {tuple(Y.shape)} do not match")
+    dt = torch.promote_types(P.dtype, torch.float32)
+    P, Y = P.to(dt), Y.to(dt)
+    B, _, t = P.shape
+    G = P.transpose(1, 2) @ P
+    R = P.transpose(1, 2) @ Y
+    eye = torch.eye(t, dtype=dt, device=P.device).expand(B, t, t)
+    if mask is not None:
+        m = mask.to(torch.bool)
+        both = m.unsqueeze(1) & m.unsqueeze(2)
+        G = torch.where(both, G, torch.zeros((), dtype=dt))
+        R = torch.where(m.unsqueeze(-1), R, torch.zeros((), dtype=dt))
+        diag_mean = torch.diagonal(G, dim1=1, dim2=2).sum(-1) / m.sum(-1).clamp_min(1)
+    else:
+        diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1)
+    lam = (max(ridge, 1e-9) * diag_mean.clamp_min(1e-30))[:, None, None]
+    G = G + lam * eye
+    if prior is not None:
+        R = R + lam * prior.to(dt)
+    if mask is not None:
+        # padded rows: identity system -> solution equals prior (or 0)
+        pad = (~mask.to(torch.bool)).to(dt)
+        G = G + torch.diag_embed(pad)
+    C = _solve_spd(G, R)
+    return C if batched else C.squeeze(0)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention with a logit bias: out = softmax(q k' * sm_scale + beta) v.
+
+    Args:
+        q: [..., n, D]; k, v: [..., t, D]; beta: [..., t] fp32 or None;
+        mask: [..., t] bool (False = padding, excluded). sm_scale defaults to 1/sqrt(D).
+
+    Returns:
+        (out [..., n, D] fp32, lse [..., n] fp32) where lse = log sum_j exp(logit_j) is the
+        log attention mass of this block (-inf if every entry is masked).
+    """
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    logits = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if beta is not None:
+        logits = logits + beta.float().unsqueeze(-2)
+    if mask is not None:
+        logits = logits.masked_fill(~mask.unsqueeze(-2), -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30))
+    p = torch.nan_to_num(p, nan=0.0)
+    return p @ v.float(), lse
+
+
+# ---- private helpers -------------------------------------------------------------------
+
+
+def _solve_spd(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """Solve G X = R for batched SPD G [B, k, k]; R [B, k] or [B, k, D]."""
+    vec = R.dim() == 2
+    rhs = R.unsqueeze(-1) if vec else R
+    L, info = torch.linalg.cholesky_ex(G)
+    if bool((info == 0).all()):
+        X = torch.cholesky_solve(rhs, L)
+    else:
+        X = torch.linalg.lstsq(G, rhs).solution
+    return X.squeeze(-1) if vec else X
+
+
+def _polish(
+    G: torch.Tensor,
+    c: torch.Tensor,
+    w: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    max_rounds: int | None = None,
+) -> torch.Tensor:
+    """Primal active-set refinement of an approximate box-QP solution w [B, k].
+
+    Starts from the bounds w sits on, solves the free entries exactly, steps back to the
+    box when the solve leaves it (fixing the entries that hit a bound), and releases the
+    bound entries with a violated KKT sign (all at first, then the worst one). Returns a new tensor; exact at the end
+    whenever it converges within ``max_rounds`` (default 2k + 10).
+    """
+    B, k = w.shape
+    dt = G.dtype
+    zero = torch.zeros((), dtype=dt, device=G.device)
+    span = (hi - lo).clamp(max=1e30)
+    hi_fin = torch.where(torch.isfinite(hi), hi.abs(), torch.zeros((), dtype=dt))
+    eps = 1e-9 * torch.maximum(lo.abs(), hi_fin).clamp_min(1.0)
+    eps = torch.minimum(eps, 0.25 * span.clamp_min(0))
+    at_lo = w <= lo + eps
+    at_hi = (w >= hi - eps) & ~at_lo
+    w = torch.where(at_lo, lo, torch.where(at_hi, hi, w))
+    done = torch.zeros(B, dtype=torch.bool, device=G.device)
+    gscale = c.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+    jit = (1e-12 if dt == torch.float64 else 1e-7) * diag_mean
+    block_rounds = 8
+    for rounds in range(max_rounds if max_rounds is not None else 2 * k + 10 + block_rounds):
+        free = ~(at_lo | at_hi)
+        fixed_val = torch.where(at_lo, lo, torch.where(at_hi, hi, zero))
+        rhs = c - (G @ fixed_val.unsqueeze(-1)).squeeze(-1)
+        both = free.unsqueeze(1) & free.unsqueeze(2)
+        Gf = torch.where(both, G, zero) + torch.diag_embed(torch.where(free, jit[:, None], 1.0))
+        x = _solve_spd(Gf, torch.where(free, rhs, zero))
+        x = torch.where(free, x, fixed_val)
+        ok = torch.isfinite(x).all(-1)
+        inside = ((x >= lo) & (x <= hi)).all(-1) & ok
+        # infeasible: move from w towards x as far as the box allows, fix what hits a bound
+        d = x - w
+        with torch.no_grad():
+            a_lo = torch.where(d < 0, (lo - w) / d.clamp(max=-1e-300), torch.full_like(d, 2.0))
+            a_hi = torch.where(d > 0, (hi - w) / d.clamp(min=1e-300), torch.full_like(d, 2.0))
+            alpha = torch.minimum(a_lo, a_hi).amin(-1).clamp(0.0, 1.0)
+        step_rows = ~inside & ok & ~done
+        w_step = w + alpha.unsqueeze(-1) * d
+        hit_lo = step_rows.unsqueeze(-1) & free & (w_step <= lo + eps)
+        hit_hi = step_rows.unsqueeze(-1) & free & (w_step >= hi - eps) & ~hit_lo
+        move = (inside & ~done).unsqueeze(-1)
+        w = torch.where(move, x, torch.where(step_rows.unsqueeze(-1), w_step, w))
+        at_lo, at_hi = at_lo | hit_lo, at_hi | hit_hi
+        w = torch.where(at_lo, lo, torch.where(at_hi, hi, w))
+        # feasible solve: check KKT on the bound entries; release the worst violator
+        grad = (G @ w.unsqueeze(-1)).squeeze(-1) - c
+        viol = torch.where(at_lo, -grad, zero) + torch.where(at_hi, grad, zero)
+        vtol = 1e-9 * gscale
+        release_row = inside & ~done & (viol > vtol).any(-1)
+        done = done | (inside & ~release_row) | ~ok
+        # release every violator early on (fast), only the worst one later (finite)
+        vmax = viol.amax(-1, keepdim=True)
+        pick = (viol > vtol) if rounds < block_rounds else (viol >= vmax) & (viol > vtol)
+        rel = pick & release_row.unsqueeze(-1)
+        at_lo, at_hi = at_lo & ~rel, at_hi & ~rel
+        if bool(done.all()):
+            break
+    return w

@@ -1,0 +1,232 @@
+"""Attention Matching methods: exact recovery, registry, budgets, bounds, quality."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compactor.methods import Selection, get_method, list_methods
+from compactor.methods.refit import refit
+from compactor.solvers import attend
+from compactor.types import CompactedLayer, CompactedPrefix
+
+AM = ["am-highest", "am-omp", "am-omp-fast"]
+
+
+def clustered(H=2, T=256, n=384, D=32, seed=0):
+    """keys/values [H, T, D], fit and held-out queries [H, n, D] from the same law."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(H, 6, D, generator=g) * 1.5
+    pick = lambda m: torch.gather(  # noqa: E731
+        centers, 1, torch.randint(0, 6, (H, m), generator=g).unsqueeze(-1).expand(-1, -1, D)
+    )
+    keys = pick(T) + torch.randn(H, T, D, generator=g)
+    values = torch.randn(H, T, D, generator=g)
+    return (
+        keys,
+        values,
+        pick(n) + torch.randn(H, n, D, generator=g),
+        pick(n) + torch.randn(H, n, D, generator=g),
+    )
+
+
+def errors(layer: CompactedLayer, keys, values, q):
+    """Mean over heads of relative output error and mean |mass ratio - 1|."""
+    ref, lse = attend(q, keys, values)
+    out_e, mass_e = [], []
+    for h in range(keys.shape[0]):
+        k, v, b = layer.head(h)
+        o, l_c = attend(q[h], k, v, b)
+        out_e.append(float((o - ref[h]).norm() / ref[h].norm()))
+        mass_e.append(float((l_c - lse[h]).exp().sub(1).abs().mean()))
+    return sum(out_e) / len(out_e), sum(mass_e) / len(mass_e)
+
+
+def test_omp_exact_recovery_of_duplicated_keys():
+    """T keys = t distinct keys, key j repeated m_j times (same value): the exact answer
+    is one copy of each with beta_j = log m_j and the original values."""
+    g = torch.Generator().manual_seed(0)
+    H, t, D = 2, 7, 16
+    distinct_k = torch.randn(H, t, D, generator=g) * 0.7
+    distinct_v = torch.randn(H, t, D, generator=g)
+    mult = torch.randint(1, 6, (t,), generator=g)
+    src = torch.repeat_interleave(torch.arange(t), mult)
+    perm = torch.randperm(src.numel(), generator=g)
+    src = src[perm]
+    keys, values = distinct_k[:, src], distinct_v[:, src]
+    q_fit = torch.randn(H, 200, D, generator=g)
+    q_eval = torch.randn(H, 200, D, generator=g)
+    layer = get_method("am-omp", value_ridge=1e-7).compact_layer(keys, values, q_fit, [t] * H)
+    assert layer.head_lengths() == [t] * H
+    assert layer.kept_indices is not None
+    for h in range(H):
+        lo, hi = int(layer.indptr[h]), int(layer.indptr[h + 1])
+        chosen = src[layer.kept_indices[lo:hi]]
+        assert sorted(chosen.tolist()) == list(range(t))  # one copy of each distinct key
+        torch.testing.assert_close(layer.beta[lo:hi], mult[chosen].float().log(), atol=1e-3, rtol=0)
+        torch.testing.assert_close(layer.values[lo:hi], distinct_v[h, chosen], atol=1e-3, rtol=1e-3)
+    out_err, mass_err = errors(layer, keys, values, q_eval)
+    assert out_err < 1e-3 and mass_err < 1e-3
+
+
+def test_registry():
+    names = list_methods()
+    for n in [*AM, "keep-only"]:
+        assert n in names
+    with pytest.raises(ValueError, match="unknown compaction method"):
+        get_method("no-such-method")
+    with pytest.raises(ValueError, match="no parameter"):
+        get_method("am-omp", kk=3)
+    fast = get_method("am-omp-fast")
+    assert (fast.k, fast.tau) == (4, 2) and fast.name == "am-omp-fast"
+    assert get_method("keep-only", inner="am-highest").params() == {
+        "inner": "am-highest",
+        "inner_params": get_method("am-highest").params(),
+    }
+
+
+def test_registry_imports_lazily():
+    code = (
+        "import sys, compactor.methods as m; "
+        "assert 'compactor.methods.attention_matching' not in sys.modules; "
+        "m.get_method('am-omp'); "
+        "assert 'compactor.methods.attention_matching' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("am-omp", {"k": 0}),
+        ("am-omp", {"tau": 0}),
+        ("am-omp", {"k": 1.5}),
+        ("am-omp", {"prune_beta": 1.0}),
+        ("am-omp-fast", {"value_ridge": -1.0}),
+        ("am-highest", {"beta_bounds": (1.0, 2.0)}),
+        ("am-highest", {"beta_bounds": (-math.inf, 3)}),
+        ("am-highest", {"beta_bounds": 3}),
+        ("keep-only", {"inner": 3}),
+    ],
+)
+def test_bad_hyper_parameters(name, params):
+    with pytest.raises(ValueError):
+        get_method(name, **params)
+
+
+@pytest.mark.parametrize("budgets", [[0, 3], [3, 300], [3]])
+def test_bad_budgets(budgets):
+    keys, values, q, _ = clustered(T=64, n=32)
+    with pytest.raises(ValueError, match="budget"):
+        get_method("am-omp").compact_layer(keys, values, q, budgets)
+
+
+def test_bad_shapes():
+    keys, values, q, _ = clustered(T=64, n=32)
+    m = get_method("am-highest")
+    with pytest.raises(ValueError, match="values"):
+        m.compact_layer(keys, values[:, :10], q, [4, 4])
+    with pytest.raises(ValueError, match="queries"):
+        m.compact_layer(keys, values, q[:1], [4, 4])
+
+
+@pytest.mark.parametrize("name", [*AM, "keep-only"])
+def test_ragged_budgets_respected_and_valid(name):
+    keys, values, q, _ = clustered(H=3, T=128, n=192)
+    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    budgets = [5, 17, 1]
+    layer = get_method(name).compact_layer(keys, values, q.to(torch.bfloat16), budgets)
+    lengths = layer.head_lengths()
+    assert all(1 <= n <= b for n, b in zip(lengths, budgets))
+    if name in ("am-highest", "keep-only"):
+        assert lengths == budgets
+    assert layer.keys.dtype == torch.bfloat16 and layer.values.dtype == torch.bfloat16
+    assert layer.beta.dtype == torch.float32
+    prefix = CompactedPrefix(
+        "fp", 128, "h", name, get_method(name).params(), [layer], 32, 3, torch.bfloat16
+    )
+    prefix.validate("fp", num_layers=1, num_kv_heads=3, head_dim=32)
+    assert layer.kept_indices is not None
+    for h in range(3):
+        lo, hi = int(layer.indptr[h]), int(layer.indptr[h + 1])
+        idx = layer.kept_indices[lo:hi]
+        assert idx.unique().numel() == idx.numel()
+        assert torch.equal(layer.keys[lo:hi], keys[h, idx])  # keys are original post-RoPE keys
+
+
+def test_batched_equals_per_head_loop():
+    keys, values, q, _ = clustered(H=3, T=96, n=128, seed=3)
+    budgets = [4, 11, 7]
+    for name in AM:
+        m = get_method(name)
+        batched = m.compact_layer(keys, values, q, budgets)
+        for h in range(3):
+            single = m.compact_layer(keys[h : h + 1], values[h : h + 1], q[h : h + 1], [budgets[h]])
+            lo, hi = int(batched.indptr[h]), int(batched.indptr[h + 1])
+            assert batched.kept_indices is not None and single.kept_indices is not None
+            assert torch.equal(batched.kept_indices[lo:hi], single.kept_indices), name
+            torch.testing.assert_close(batched.beta[lo:hi], single.beta, atol=1e-3, rtol=1e-3)
+
+
+def test_beta_bounds():
+    keys, values, q, _ = clustered(T=200, n=300, seed=1)
+    hi_layer = get_method("am-highest").compact_layer(keys, values, q, [20, 20])
+    assert hi_layer.beta.min() >= -3 - 1e-5 and hi_layer.beta.max() <= 3 + 1e-5
+    tight = get_method("am-highest", beta_bounds=(-0.5, 0.5)).compact_layer(
+        keys, values, q, [20, 20]
+    )
+    assert tight.beta.abs().max() <= 0.5 + 1e-5
+    for name in ("am-omp", "am-omp-fast"):
+        layer = get_method(name).compact_layer(keys, values, q, [20, 20])
+        assert torch.isfinite(layer.beta).all() and layer.beta.min() >= -7 - 1e-4
+    keep = get_method("keep-only").compact_layer(keys, values, q, [20, 20])
+    assert (keep.beta == 0).all()
+
+
+def test_keep_only_uses_the_inner_selection_and_original_values():
+    keys, values, q, _ = clustered(T=128, n=160, seed=2)
+    omp = get_method("am-omp").compact_layer(keys, values, q, [12, 12])
+    keep = get_method("keep-only").compact_layer(keys, values, q, [12, 12])
+    assert omp.kept_indices is not None and keep.kept_indices is not None
+    assert torch.equal(omp.kept_indices, keep.kept_indices)
+    for h in range(2):
+        lo, hi = int(keep.indptr[h]), int(keep.indptr[h + 1])
+        assert torch.equal(keep.values[lo:hi], values[h, keep.kept_indices[lo:hi]])
+
+
+@pytest.mark.parametrize("name", ["am-omp", "am-omp-fast"])
+def test_omp_beats_keep_only_on_held_out(name):
+    keys, values, q_fit, q_eval = clustered(T=256, n=512, seed=4)
+    budgets = [26, 26]
+    am = get_method(name).compact_layer(keys, values, q_fit, budgets)
+    keep = get_method("keep-only", inner=name).compact_layer(keys, values, q_fit, budgets)
+    am_out, am_mass = errors(am, keys, values, q_eval)
+    keep_out, keep_mass = errors(keep, keys, values, q_eval)
+    assert am_out < 0.8 * keep_out
+    assert am_mass < 0.5 * keep_mass
+
+
+def test_refit_after_any_selection_improves_fit():
+    keys, values, q, _ = clustered(T=160, n=256, seed=5)
+    g = torch.Generator().manual_seed(0)
+    sel = Selection.from_lists(
+        [torch.randperm(160, generator=g)[:16], torch.randperm(160, generator=g)[:9]]
+    )
+    assert sel.budgets() == [16, 9]
+    fitted = refit(keys, values, q, sel)
+    plain = refit(keys, values, q, sel, fit_beta=False, fit_values=False)
+    assert (plain.beta == 0).all() and fitted.head_lengths() == [16, 9]
+    f_out, f_mass = errors(fitted, keys, values, q)
+    p_out, p_mass = errors(plain, keys, values, q)
+    assert f_out < p_out and f_mass < p_mass
+
+
+def test_keep_all_is_near_exact():
+    keys, values, q, _ = clustered(T=48, n=128, seed=6)
+    layer = get_method("am-highest").compact_layer(keys, values, q, [48, 48])
+    out_e, mass_e = errors(layer, keys, values, q)
+    assert out_e < 1e-2 and mass_e < 1e-3
