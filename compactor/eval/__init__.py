@@ -1,0 +1,14 @@
+"""Evaluation of compacted prefixes on held-out future queries (see harness and metrics)."""
+
+from compactor.eval.harness import EvalCase, Reference, build_reference, evaluate_prefix, summarize
+from compactor.eval.metrics import AttentionErrors, attention_errors
+
+__all__ = [
+    "AttentionErrors",
+    "EvalCase",
+    "Reference",
+    "attention_errors",
+    "build_reference",
+    "evaluate_prefix",
+    "summarize",
+]

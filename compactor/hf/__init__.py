@@ -1,0 +1,38 @@
+"""transformers glue: load a causal LM, read its KV cache and queries, decode from a compacted prefix.
+
+Shape legend: T prefix tokens, S cache slots per head of the prefix (T for a full prefix,
+max_h t_h over all layers for a compacted one), n queries, H_q / H_kv query / KV heads,
+G = H_q // H_kv, D head dim, V vocabulary.
+
+Everything here runs the model in eval mode under ``torch.inference_mode`` and in the
+model's dtype (fp32 on CPU). Keys, values and queries are post-RoPE, exactly as the model's
+``DynamicCache`` holds keys.
+
+Modules: ``model`` (load, geometry, prefill, query recording) and ``decode``
+(:class:`PrefixState`: decoding after a full or compacted prefix with beta as an SDPA float
+mask and logical positions; greedy and batched generation).
+"""
+
+from compactor.hf.decode import PrefixState, batched_generate, greedy_generate
+from compactor.hf.model import (
+    ModelInfo,
+    PrefillResult,
+    load_model,
+    model_info,
+    pool_gqa,
+    prefill,
+    record_queries,
+)
+
+__all__ = [
+    "ModelInfo",
+    "PrefillResult",
+    "PrefixState",
+    "batched_generate",
+    "greedy_generate",
+    "load_model",
+    "model_info",
+    "pool_gqa",
+    "prefill",
+    "record_queries",
+]

@@ -1,0 +1,343 @@
+"""Decoding after a (full or compacted) prefix in transformers.
+
+Shape legend: T prefix tokens (logical length), S cache slots per head of the prefix (T for
+a full prefix, max t_h over all layers and heads for a compacted one), L layers, B rows,
+H_q / H_kv query / KV heads, D head dim, V vocabulary.
+
+Every layer's cache starts with S slots per KV head (ragged heads padded with beta = -inf,
+layers padded to the same S), the per-slot beta enters SDPA as a float 4-D attention mask
+``[B, H_q, q_len, S + past + q_len]`` (beta on the prefix columns, 0 on earlier new tokens,
+0/-inf causal on the current ones; one mask per layer, swapped in by a pre-hook), and new
+tokens get the *logical* positions ``T, T+1, ...`` whatever S is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from compactor.hf.model import PrefillResult, _attn_modules, model_info
+from compactor.types import CompactedPrefix
+
+_GQA_SDPA = "compactor_gqa_sdpa"
+
+
+def _gqa_sdpa(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with GQA done inside the kernel (no repeat_kv copy of the cache per layer/step).
+
+    query [B, H_q, q, D], key/value [B, H_kv, kv, D], float mask [B, 1|H_q, q, kv] ->
+    output [B, q, H_q, D] (the layout transformers' attention functions return).
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _use_gqa_sdpa(model: Any) -> Iterator[None]:
+    """Run `model`'s attention through :func:`_gqa_sdpa` inside the block (restored after).
+
+    Registers the function with transformers' AttentionInterface on first use (a named
+    addition to its registry; nothing existing is replaced).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if _GQA_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_GQA_SDPA, _gqa_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_GQA_SDPA, sdpa_mask)
+    cfg = model.config
+    saved = cfg._attn_implementation
+    cfg._attn_implementation = _GQA_SDPA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = saved
+
+
+class PrefixState:
+    """A (full or compacted) prefix to decode after; one instance = one growing sequence.
+
+    Attributes:
+        keys / values: per layer [H_kv, S, D] (model dtype); all layers share S.
+        bias: [L, H_kv, S] fp32 beta per layer and slot (0 for a full prefix, -inf on padding).
+        logical_length: T; the first new token gets position T.
+    Mutates: :meth:`forward` appends to this state's own cache (:meth:`fork` for a fresh copy).
+    """
+
+    def __init__(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        bias: torch.Tensor,
+        logical_length: int,
+    ):
+        if not keys or len(keys) != len(values):
+            raise ValueError(
+                f"need one keys and values tensor per layer, got {len(keys)}/{len(values)}"
+            )
+        hkv, s = keys[0].shape[0], keys[0].shape[1]
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if k.dim() != 3 or k.shape != v.shape or k.shape[:2] != (hkv, s):
+                raise ValueError(
+                    f"layer {i}: keys/values must be [H_kv={hkv}, S={s}, D], got "
+                    f"{tuple(k.shape)}/{tuple(v.shape)}"
+                )
+        if bias.shape != (len(keys), hkv, s):
+            raise ValueError(
+                f"bias must be [L, H_kv, S]={(len(keys), hkv, s)}, got {tuple(bias.shape)}"
+            )
+        if logical_length < 1:
+            raise ValueError(f"logical_length must be >= 1, got {logical_length}")
+        self.keys, self.values, self.bias = keys, values, bias.float()
+        self.logical_length = int(logical_length)
+        self.num_new = 0
+        self._cache: Any = None
+        self._pad_hist = torch.zeros(1, 0, dtype=torch.bool)  # [B, num_new] True = padding
+        self._num_real = torch.zeros(1, dtype=torch.long)  # [B] real tokens appended per row
+
+    @classmethod
+    def full(cls, pre: PrefillResult) -> PrefixState:
+        """The uncompacted prefix (beta = 0 everywhere)."""
+        hkv, t, _ = pre.keys[0].shape
+        return cls(list(pre.keys), list(pre.values), torch.zeros(len(pre.keys), hkv, t), t)
+
+    @classmethod
+    def from_compacted(
+        cls, prefix: CompactedPrefix, dtype: torch.dtype | None = None
+    ) -> PrefixState:
+        """Pad a ragged :class:`CompactedPrefix` into S = max_{layer,h} t_h slots (beta -inf pads)."""
+        s = max(1, max(max(layer.head_lengths()) for layer in prefix.layers))
+        hkv, d = prefix.num_kv_heads, prefix.head_dim
+        dt = dtype or prefix.dtype
+        bias = torch.full((len(prefix.layers), hkv, s), float("-inf"))
+        keys, values = [], []
+        for li, layer in enumerate(prefix.layers):
+            k = torch.zeros(hkv, s, d, dtype=dt)
+            v = torch.zeros(hkv, s, d, dtype=dt)
+            for h in range(hkv):
+                kh, vh, bh = layer.head(h)
+                k[h, : kh.shape[0]] = kh.to(dt)
+                v[h, : vh.shape[0]] = vh.to(dt)
+                bias[li, h, : bh.shape[0]] = bh.float()
+            keys.append(k)
+            values.append(v)
+        return cls(keys, values, bias, prefix.logical_length)
+
+    def fork(self) -> PrefixState:
+        """A fresh state over the same prefix tensors (no appended tokens)."""
+        return PrefixState(self.keys, self.values, self.bias, self.logical_length)
+
+    @property
+    def slots(self) -> int:
+        """S, cache slots per head of the prefix."""
+        return int(self.keys[0].shape[1])
+
+    def mask(
+        self,
+        layer: int,
+        q_len: int,
+        num_q_heads: int,
+        dtype: torch.dtype,
+        pad: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, H_q or 1, q_len, S + num_new + q_len] float mask: beta | 0 | causal 0/-inf.
+
+        `pad` [B, q_len] bool marks padding tokens of this append (never attended, like the
+        padding of earlier appends). The head dim is 1 (broadcast) when every KV head of
+        `layer` has the same beta.
+        """
+        hkv, s = self.bias.shape[1:]
+        b = self.bias[layer]
+        heads = 1 if bool((b == b[:1]).all()) else num_q_heads
+        if heads > 1:
+            b = b.repeat_interleave(num_q_heads // hkv, dim=0)
+        bsz = 1 if pad is None else pad.shape[0]
+        out = torch.zeros(bsz, heads, q_len, s + self.num_new + q_len, dtype=dtype)
+        out[:, :, :, :s] = b[:heads, None, :].to(dtype)
+        causal = torch.full((q_len, q_len), float("-inf"), dtype=dtype).triu(1)
+        out[:, :, :, s + self.num_new :] = causal
+        if pad is not None:
+            cols = torch.cat([self._pad_hist.expand(bsz, -1), pad], dim=1)  # [B, num_new + q]
+            out[:, :, :, s:] = out[:, :, :, s:].masked_fill(cols[:, None, None, :], float("-inf"))
+        return out
+
+    def _ensure_cache(self, batch: int) -> Any:
+        if self._cache is None:
+            from transformers import DynamicCache
+
+            cache: Any = DynamicCache()
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                kb = k.unsqueeze(0).expand(batch, -1, -1, -1).clone()
+                cache.update(kb, v.unsqueeze(0).expand(batch, -1, -1, -1).clone(), i)
+            self._cache = cache
+            self._pad_hist = torch.zeros(batch, 0, dtype=torch.bool)
+            self._num_real = torch.zeros(batch, dtype=torch.long)
+        elif self._num_real.shape[0] != batch:
+            raise ValueError(f"this state decodes {self._num_real.shape[0]} rows, got {batch}")
+        return self._cache
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        model: Any,
+        token_ids: Sequence[int] | torch.Tensor,
+        last_only: bool = False,
+        pad: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append `token_ids` and return their logits (fp32). Mutates the cache.
+
+        `token_ids` [q] gives logits [q, V]; a batch [B, q] (rows share the prefix; `pad`
+        [B, q] bool marks padding, e.g. left padding of unequal prompts) gives [B, q, V].
+        Real tokens of a row get positions T + (real tokens the row already has), ...
+        With `last_only` only the last column's logits are computed (q = 1 in the output).
+        Each attention module gets its own layer's mask through a forward pre-hook (built
+        on the fly, so a long append never holds L masks at once).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        batched = ids.dim() == 2
+        ids = ids.reshape(1, -1) if not batched else ids
+        bsz, q_len = ids.shape
+        if q_len < 1:
+            raise ValueError("forward: no tokens")
+        if pad is not None and pad.shape != ids.shape:
+            raise ValueError(f"pad must be [B, q]={tuple(ids.shape)}, got {tuple(pad.shape)}")
+        info = model_info(model)
+        if (info.num_layers, info.num_kv_heads) != tuple(self.bias.shape[:2]):
+            raise ValueError(
+                f"prefix has {self.bias.shape[0]} layers x {self.bias.shape[1]} KV heads, model has "
+                f"{info.num_layers} x {info.num_kv_heads}"
+            )
+        cache = self._ensure_cache(bsz)
+        padm = pad.bool() if pad is not None else torch.zeros(bsz, q_len, dtype=torch.bool)
+        real = (~padm).long()
+        pos = self.logical_length + self._num_real[:, None] + torch.cumsum(real, 1) - real
+        dev, dt = model.device, model.dtype
+        use_pad = padm if bool(padm.any() or self._pad_hist.any()) else None
+
+        def make_hook(li: int) -> Any:
+            def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+                kwargs["attention_mask"] = self.mask(li, q_len, info.num_q_heads, dt, use_pad).to(
+                    dev
+                )
+                return args, kwargs
+
+            return hook
+
+        mods = _attn_modules(model)
+        handles = [
+            m.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)
+        ]
+        try:
+            first = self.mask(0, q_len, info.num_q_heads, dt, use_pad).to(dev)
+            with _use_gqa_sdpa(model):
+                out = model(
+                    input_ids=ids.to(dev),
+                    attention_mask=first,
+                    position_ids=pos.to(dev),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1 if last_only else 0,
+                )
+        finally:
+            for h in handles:
+                h.remove()
+        self.num_new += q_len
+        self._num_real = self._num_real + real.sum(1)
+        self._pad_hist = torch.cat([self._pad_hist, padm], dim=1)
+        logits = out.logits.float()
+        return logits if batched else logits[0]
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: Any,
+    state: PrefixState,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Append `prompt_ids` to `state` and decode up to `max_new_tokens` tokens.
+
+    Greedy when ``temperature == 0``, else sampling with `generator`. Stops after an EOS id
+    (which is included). Mutates `state`.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = state.forward(model, list(prompt_ids), last_only=True)[-1]
+    out: list[int] = []
+    eos = set(eos_ids)
+    for step in range(max_new_tokens):
+        if temperature == 0:
+            tok = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=generator))
+        out.append(tok)
+        if tok in eos or step == max_new_tokens - 1:
+            break
+        logits = state.forward(model, [tok], last_only=True)[-1]
+    return out
+
+
+@torch.inference_mode()
+def batched_generate(
+    model: Any,
+    state: PrefixState,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """:func:`greedy_generate` for several prompts at once after one shared prefix.
+
+    Prompts are left-padded (padding masked out, positions counted per row), decoded for
+    `max_new_tokens` steps in one batch, and each output is cut after its first EOS.
+    Mutates `state` (use ``state.fork()``).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched_generate: need non-empty prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    pad = torch.ones(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(list(p))
+        pad[i, width - len(p) :] = False
+    logits = state.forward(model, ids, last_only=True, pad=pad)[:, -1]
+    steps = []
+    for step in range(max_new_tokens):
+        if temperature == 0:
+            tok = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        steps.append(tok)
+        if step < max_new_tokens - 1:
+            logits = state.forward(model, tok[:, None], last_only=True)[:, -1]
+    out, eos = [], set(eos_ids)
+    for row in torch.stack(steps, 1).tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:cut])
+    return out

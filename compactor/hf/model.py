@@ -1,0 +1,171 @@
+"""Model side of the transformers glue: load, geometry, KV cache and query extraction.
+
+Shape legend: T prefix tokens, n queries, H_q / H_kv query / KV heads, G = H_q // H_kv,
+D head dim, V vocabulary. Keys, values and queries are post-RoPE, exactly as the model's
+``DynamicCache`` holds keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Attention geometry of a llama-like model."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """G = H_q // H_kv."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return float(self.head_dim) ** -0.5
+
+
+def load_model(model_dir: str | Path, device: str = "cpu") -> tuple[Any, Any]:
+    """Load (model, tokenizer-or-None) from a local HF checkpoint, fp32, eval, SDPA attention.
+
+    Raises:
+        ValueError: `model_dir` is not a directory with a config.json.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"not a model directory (no config.json): {path}")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.to(device).eval()
+    model.compactor_model_dir = str(path)  # read by the pipeline for the fingerprint
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def model_info(model: Any) -> ModelInfo:
+    """Geometry of `model` (a HF causal LM with a llama-like config)."""
+    cfg = model.config
+    hq = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+    if hq % hkv:
+        raise ValueError(f"num_attention_heads={hq} is not a multiple of num_key_value_heads={hkv}")
+    return ModelInfo(int(cfg.num_hidden_layers), hq, hkv, d)
+
+
+def pool_gqa(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Pool query heads onto their KV head: [H_q, n, D] -> [H_kv, G*n, D].
+
+    Query heads i*G .. i*G+G-1 read KV head i; their queries are concatenated along n
+    (head i*G first).
+    """
+    if queries.dim() != 3:
+        raise ValueError(f"queries must be [H_q, n, D], got shape {tuple(queries.shape)}")
+    hq, n, d = queries.shape
+    if num_kv_heads < 1 or hq % num_kv_heads:
+        raise ValueError(f"H_q={hq} is not a multiple of num_kv_heads={num_kv_heads}")
+    g = hq // num_kv_heads
+    return queries.reshape(num_kv_heads, g * n, d)
+
+
+def _attn_modules(model: Any) -> list[Any]:
+    layers = model.model.layers
+    return [layer.self_attn for layer in layers]
+
+
+@contextmanager
+def record_queries(
+    model: Any, layers: Sequence[int] | None = None
+) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Record post-RoPE queries of every forward run inside the block.
+
+    Yields ``{layer: [q [H_q, q_len, D], ...]}`` (one entry per forward call, batch row 0),
+    filled as forwards run. The queries are recomputed from the attention module's input
+    exactly as the module does: ``q_proj`` -> (``q_norm`` if the model has one) -> RoPE with
+    the module's ``position_embeddings``. Hooks are removed on exit (mutates nothing else).
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    mods = _attn_modules(model)
+    wanted = set(range(len(mods)) if layers is None else layers)
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in sorted(wanted)}
+    handles = []
+
+    def make_hook(idx: int, mod: Any) -> Any:
+        def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"]
+            b, q_len, _ = hs.shape
+            q = mod.q_proj(hs).view(b, q_len, -1, mod.head_dim).transpose(1, 2)
+            if getattr(mod, "q_norm", None) is not None:
+                q = mod.q_norm(q)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            out[idx].append(q[0].detach())
+
+        return hook
+
+    try:
+        for i in sorted(wanted):
+            handles.append(
+                mods[i].register_forward_pre_hook(make_hook(i, mods[i]), with_kwargs=True)
+            )
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefilled prefix: keys/values per layer [H_kv, T, D] and last-token logits [V]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    last_logits: torch.Tensor
+    queries: list[torch.Tensor] | None  # per layer [H_q, T, D] when asked
+
+
+@torch.inference_mode()
+def prefill(
+    model: Any, token_ids: Sequence[int] | torch.Tensor, with_queries: bool = False
+) -> PrefillResult:
+    """Run the prefix [T] through `model`; return its KV cache (and queries if asked)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    if ids.shape[1] < 1:
+        raise ValueError("prefill: empty prefix")
+    from transformers import DynamicCache
+
+    cache: Any = DynamicCache()
+    if with_queries:
+        with record_queries(model) as rec:
+            out = model(
+                input_ids=ids.to(model.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        queries: list[torch.Tensor] | None = [rec[i][0] for i in sorted(rec)]
+    else:
+        out = model(
+            input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        queries = None
+    keys = [layer.keys[0] for layer in cache.layers]
+    values = [layer.values[0] for layer in cache.layers]
+    return PrefillResult(keys, values, out.logits[0, -1].float(), queries)

@@ -1,0 +1,198 @@
+"""Deterministic RULER-style needle-in-a-haystack cases over the shipped filler text.
+
+Kinds:
+  single      one needle "The special magic number for <key> is <value>."; asked for it.
+  multi-key   `num_needles` needles with distinct keys; asked for one of them.
+  multi-value `num_needles` needles with the same key; asked for all values (score = fraction found).
+
+Every case is a pure function of (tokenizer, num_tokens, kind, seed, ...): the same
+arguments always give the same text, needles and questions. The haystack is cut from
+``compactor/data/filler.txt`` at a seeded paragraph, needles are inserted between sentences
+at seeded depths. The prefix is formatted as the start of a chat user turn (when the
+tokenizer has a chat template) so that a question + end of turn can follow it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+__all__ = [
+    "NIAH_KINDS",
+    "NiahCase",
+    "NiahQuestion",
+    "filler_text",
+    "make_niah",
+    "question_text",
+    "score_answer",
+]
+
+NIAH_KINDS = ("single", "multi-key", "multi-value")
+_ADJ = (
+    "silver",
+    "quiet",
+    "amber",
+    "northern",
+    "crooked",
+    "golden",
+    "hidden",
+    "lonely",
+    "rapid",
+    "frozen",
+)
+_NOUN = (
+    "lantern",
+    "harbor",
+    "orchard",
+    "falcon",
+    "bridge",
+    "meadow",
+    "compass",
+    "willow",
+    "anchor",
+    "tower",
+)
+_SYSTEM = "You are a helpful assistant. Answer briefly."
+
+
+@dataclass(frozen=True)
+class NiahQuestion:
+    """A question (text appended after the prefix) and the answers it expects."""
+
+    text: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NiahCase:
+    """One haystack: `prefix` (text to compact) and questions about it."""
+
+    kind: str
+    seed: int
+    prefix: str
+    questions: tuple[NiahQuestion, ...]
+    needles: tuple[tuple[str, str], ...]  # (key, value)
+
+
+@lru_cache(maxsize=1)
+def filler_text() -> str:
+    """The shipped filler prose (about 35 KB)."""
+    return resources.files("compactor").joinpath("data/filler.txt").read_text(encoding="utf-8")
+
+
+def score_answer(answer: str, expected: tuple[str, ...]) -> float:
+    """Fraction of `expected` strings found (substring) in `answer`."""
+    if not expected:
+        raise ValueError("score_answer: no expected answers")
+    return sum(e in answer for e in expected) / len(expected)
+
+
+def make_niah(
+    tokenizer: Any,
+    num_tokens: int,
+    kind: str = "single",
+    seed: int = 0,
+    num_needles: int = 3,
+    digits: int = 5,
+    chat: bool = True,
+) -> NiahCase:
+    """Build one case whose prefix is about `num_tokens` tokens long (never longer).
+
+    Raises:
+        ValueError: unknown `kind`, `num_tokens` < 64, `num_needles` < 1 or `digits` < 1.
+    """
+    if kind not in NIAH_KINDS:
+        raise ValueError(f"unknown NIAH kind {kind!r}; choose from {', '.join(NIAH_KINDS)}")
+    if num_tokens < 64:
+        raise ValueError(f"num_tokens must be >= 64, got {num_tokens}")
+    if num_needles < 1 or digits < 1:
+        raise ValueError(f"num_needles and digits must be >= 1, got {num_needles}, {digits}")
+    rng = random.Random(f"niah-{kind}-{seed}-{num_tokens}-{num_needles}-{digits}")
+    n = 1 if kind == "single" else num_needles
+    keys = _distinct_keys(rng, 1 if kind == "multi-value" else n)
+    values = [str(rng.randrange(10 ** (digits - 1), 10**digits)) for _ in range(n)]
+    if len(set(values)) < n:
+        values = [str(int(values[0]) + i) for i in range(n)]
+    pairs = [(keys[0] if kind == "multi-value" else keys[i], values[i]) for i in range(n)]
+    needles = [f"The special magic number for {k} is {v}." for k, v in pairs]
+
+    head, tail = _wrap(tokenizer, chat)
+    budget = num_tokens - _count(tokenizer, head) - _count(tokenizer, " ".join(needles)) - 8
+    sentences = _haystack_sentences(rng, tokenizer, max(budget, 16))
+    depths = sorted(rng.randrange(0, len(sentences) + 1) for _ in needles)
+    for offset, (depth, needle) in enumerate(zip(depths, needles)):
+        sentences.insert(depth + offset, needle)
+    prefix = head + " ".join(sentences)
+    while _count(tokenizer, prefix) > num_tokens:  # rare: tokenization at joins
+        sentences.pop(-1 if sentences[-1] not in needles else 0)
+        prefix = head + " ".join(sentences)
+
+    if kind == "multi-value":
+        q = f"What are all the special magic numbers for {keys[0]}?"
+        text = _question(q, tail).replace("number for", "numbers for")
+        questions = [NiahQuestion(text, tuple(values))]
+    else:
+        order = list(range(n))
+        rng.shuffle(order)
+        questions = [
+            NiahQuestion(
+                _question(f"What is the special magic number for {pairs[i][0]}?", tail),
+                (pairs[i][1],),
+            )
+            for i in order[: min(n, 2)]
+        ]
+    return NiahCase(kind, seed, prefix, tuple(questions), tuple(pairs))
+
+
+def question_text(tokenizer: Any, question: str, answer_prefix: str = "", chat: bool = True) -> str:
+    """`question` formatted to follow a :func:`make_niah` prefix (closes the user turn)."""
+    return f"\n\nQuestion: {question}{_wrap(tokenizer, chat)[1]}{answer_prefix}"
+
+
+def _question(q: str, tail: str) -> str:
+    return f"\n\nQuestion: {q}{tail}The special magic number for"
+
+
+def _wrap(tokenizer: Any, chat: bool) -> tuple[str, str]:
+    """(text before the document, text closing the user turn and opening the answer)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if chat and template:
+        marker = "\x00DOC\x00"
+        msgs = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": marker}]
+        full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        head, tail = full.split(marker)
+        return head + "Read the text and remember the special magic numbers.\n\n", tail
+    return "Read the text and remember the special magic numbers.\n\n", "\nAnswer: "
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    if tokenizer is None:
+        return max(1, len(text) // 4)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _distinct_keys(rng: random.Random, n: int) -> list[str]:
+    pool = [f"the {a} {b}" for a in _ADJ for b in _NOUN]
+    return rng.sample(pool, n)
+
+
+def _haystack_sentences(rng: random.Random, tokenizer: Any, budget: int) -> list[str]:
+    """Consecutive filler sentences (wrapping around) starting at a seeded paragraph."""
+    paras = [p.strip() for p in filler_text().split("\n\n") if len(p.strip()) > 200]
+    start = rng.randrange(len(paras))
+    out: list[str] = []
+    used = 0
+    i = start
+    while used < budget:
+        for s in re.split(r"(?<=[.!?])\s+", paras[i % len(paras)]):
+            cost = _count(tokenizer, " " + s)
+            if used + cost > budget:
+                return out
+            out.append(s)
+            used += cost
+        i += 1
+    return out

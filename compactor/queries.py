@@ -1,0 +1,237 @@
+"""Reference queries: what the compacted prefix is fitted to answer.
+
+Shape legend: T prefix tokens, n queries, H_q / H_kv query / KV heads, G = H_q // H_kv,
+D head dim. Every query here is post-RoPE and pooled per KV head (``hf.pool_gqa``: query
+heads i*G..i*G+G-1 -> KV head i, concatenated along n), i.e. ``[H_kv, n, D]``.
+
+Sources (``QUERY_SOURCES``):
+  context-prefill  queries of the prefix's own tokens (the fit set the paper warns about).
+  repeat-prefill   ``{C} Repeat the previous context. {C}``: queries of the second copy of
+                   C, which attend over the first (the prefix cache).
+  self-study       the model answers four kinds of prompts about the prefix (summarize, ask
+                   questions, quote/continue, structure); queries of prompt + answer.
+  random           Gaussian vectors scaled to the mean norm of the real prefix queries.
+  follow-up        real follow-up token sequences (questions users asked of this prefix).
+
+Every source but ``context-prefill`` and ``random`` is a *continuation*: tokens appended
+after the prefix. The continuations are fixed once (:func:`plan_queries`, which runs any
+generation on the full prefix), then :func:`collect_queries` runs them on top of any
+:class:`~compactor.hf.PrefixState` - the full prefix, or for on-policy compaction one whose
+layers < l are already compacted - and records the queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compactor import hf
+
+__all__ = [
+    "QUERY_SOURCES",
+    "SELF_STUDY_PROMPTS",
+    "Continuation",
+    "QueryConfig",
+    "QueryPlan",
+    "collect_queries",
+    "plan_queries",
+    "random_queries",
+    "reservoir",
+]
+
+QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
+REPEAT_INSTRUCTION = " Repeat the previous context. "
+SELF_STUDY_PROMPTS = (
+    "Summarize the text above in a few sentences.",
+    "Ask and answer three questions about the specific facts and numbers in the text above.",
+    "Quote the most important sentence of the text above word for word, then continue it.",
+    "Structure the key information in the text above as a list of short bullet points.",
+)
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    """Which sources to use and how many queries to keep.
+
+    Attributes:
+        sources: names from ``QUERY_SOURCES``.
+        max_queries_per_head: reservoir cap on n for each source, then on the total.
+        self_study_tokens: tokens generated per self-study prompt.
+        self_study_prompts: the prompts (one generation each).
+        temperature: 0 = greedy self-study answers, else sampling with `seed`.
+        random_count: n for the ``random`` source.
+        seed: seeds the reservoirs, random queries and sampling.
+    """
+
+    sources: tuple[str, ...] = ("repeat-prefill", "self-study")
+    max_queries_per_head: int = 2048
+    self_study_tokens: int = 24
+    self_study_prompts: tuple[str, ...] = SELF_STUDY_PROMPTS
+    temperature: float = 0.0
+    random_count: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("QueryConfig.sources is empty")
+        for s in self.sources:
+            if s not in QUERY_SOURCES:
+                raise ValueError(
+                    f"unknown query source {s!r}; choose from {', '.join(QUERY_SOURCES)}"
+                )
+        for name in ("max_queries_per_head", "self_study_tokens", "random_count"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"QueryConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"QueryConfig.temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Tokens appended after the prefix; queries of tokens[keep_from:] are used."""
+
+    source: str
+    tokens: list[int]
+    keep_from: int = 0
+
+
+@dataclass
+class QueryPlan:
+    """The fixed token-level plan of a query set (see module docstring)."""
+
+    config: QueryConfig
+    continuations: list[Continuation] = field(default_factory=list)
+    context_queries: list[torch.Tensor] | None = None  # per layer [H_kv, T, D] (GQA-pooled n)
+    query_norms: list[torch.Tensor] | None = None  # per layer [H_kv] mean real query norm
+
+
+def reservoir(queries: torch.Tensor, cap: int, seed: int = 0) -> torch.Tensor:
+    """Uniform subsample without replacement along n: [H_kv, n, D] -> [H_kv, min(n, cap), D].
+
+    Deterministic for a given (n, cap, seed); keeps the original order of the chosen rows.
+    """
+    if queries.dim() != 3:
+        raise ValueError(f"queries must be [H_kv, n, D], got shape {tuple(queries.shape)}")
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    n = queries.shape[1]
+    if n <= cap:
+        return queries
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(n, generator=g)[:cap].sort().values
+    return queries[:, idx.to(queries.device)]
+
+
+def random_queries(norms: torch.Tensor, n: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian queries [H_kv, n, D], each row rescaled to its head's norm `norms` [H_kv]."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(norms.shape[0], n, head_dim, generator=g)
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return q * norms.float().reshape(-1, 1, 1)
+
+
+def plan_queries(
+    model: Any,
+    tokenizer: Any,
+    token_ids: Sequence[int],
+    prefill: hf.PrefillResult,
+    config: QueryConfig,
+    follow_ups: Sequence[Sequence[int]] | None = None,
+) -> QueryPlan:
+    """Fix the continuations of every source (runs self-study generation on the full prefix).
+
+    Args:
+        token_ids: the prefix [T].
+        prefill: its :func:`hf.prefill` result (with queries when ``context-prefill`` or
+            ``random`` is asked for).
+        follow_ups: token sequences for the ``follow-up`` source.
+    Raises:
+        ValueError: a source needs what is missing (a tokenizer, follow-ups, prefix queries).
+    """
+    info = hf.model_info(model)
+    plan = QueryPlan(config)
+    needs_q = {"context-prefill", "random"} & set(config.sources)
+    if needs_q:
+        if prefill.queries is None:
+            raise ValueError(f"sources {sorted(needs_q)} need prefill(..., with_queries=True)")
+        pooled = [hf.pool_gqa(q.float(), info.num_kv_heads) for q in prefill.queries]
+        plan.context_queries = pooled
+        plan.query_norms = [p.norm(dim=-1).mean(dim=1) for p in pooled]
+    for source in config.sources:
+        if source == "repeat-prefill":
+            instr = _encode(tokenizer, REPEAT_INSTRUCTION) if tokenizer is not None else []
+            plan.continuations.append(Continuation(source, instr + list(token_ids), len(instr)))
+        elif source == "self-study":
+            if tokenizer is None:
+                raise ValueError("the self-study source needs a tokenizer")
+            plan.continuations.extend(_self_study(model, tokenizer, prefill, config))
+        elif source == "follow-up":
+            if not follow_ups:
+                raise ValueError("the follow-up source needs follow_ups (token sequences)")
+            for seq in follow_ups:
+                if len(seq) == 0:
+                    raise ValueError("a follow-up token sequence is empty")
+                plan.continuations.append(Continuation(source, list(seq)))
+    return plan
+
+
+def collect_queries(
+    model: Any,
+    state: hf.PrefixState,
+    plan: QueryPlan,
+    layers: Sequence[int] | None = None,
+) -> dict[int, torch.Tensor]:
+    """Run the plan on top of `state` (forked, not mutated); ``{layer: [H_kv, n, D]}`` fp32.
+
+    Each source is capped at ``max_queries_per_head`` (reservoir), then the concatenation.
+    """
+    info = hf.model_info(model)
+    wanted = list(range(info.num_layers)) if layers is None else list(layers)
+    cfg = plan.config
+    parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
+    cap, seed = cfg.max_queries_per_head, cfg.seed
+    for j, cont in enumerate(plan.continuations):
+        with hf.record_queries(model, wanted) as rec:
+            state.fork().forward(model, cont.tokens, last_only=True)
+        for layer in wanted:
+            q = hf.pool_gqa(rec[layer][0][:, cont.keep_from :].float(), info.num_kv_heads)
+            parts[layer].append(reservoir(q, cap, seed + 1 + j))
+    for layer in wanted:
+        if "context-prefill" in cfg.sources and plan.context_queries is not None:
+            parts[layer].append(reservoir(plan.context_queries[layer], cap, seed))
+        if "random" in cfg.sources and plan.query_norms is not None:
+            norms = plan.query_norms[layer]
+            parts[layer].append(
+                random_queries(norms, cfg.random_count, info.head_dim, seed + layer)
+            )
+    return {layer: reservoir(torch.cat(parts[layer], dim=1), cap, seed) for layer in wanted}
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _self_study(
+    model: Any, tokenizer: Any, prefill: hf.PrefillResult, config: QueryConfig
+) -> list[Continuation]:
+    """One generated answer per prompt, on the full prefix (greedy or sampled), all prompts
+    decoded as one batch."""
+    full = hf.PrefixState.full(prefill)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen = torch.Generator().manual_seed(config.seed)
+    prompts = [_encode(tokenizer, f"\n\n{p}\n") for p in config.self_study_prompts]
+    answers = hf.batched_generate(
+        model,
+        full.fork(),
+        prompts,
+        config.self_study_tokens,
+        eos_ids=eos,
+        temperature=config.temperature,
+        generator=gen,
+    )
+    return [Continuation("self-study", p + a) for p, a in zip(prompts, answers)]

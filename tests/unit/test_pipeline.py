@@ -1,0 +1,166 @@
+"""compactor.pipeline: sinks, chunking, identity, on-policy, errors, real-model run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from compactor import hf
+from compactor.methods import CompactionMethod, register_method
+from compactor.pipeline import compact_prefix, split_budget
+from compactor.types import CompactedLayer
+from tests.unit._tiny import real_model, tiny_llama
+
+
+@register_method("test-identity")
+@dataclasses.dataclass
+class _Identity(CompactionMethod):
+    """Keeps every key (budget ignored), beta 0: the identity compaction."""
+
+    def compact_layer(self, keys, values, queries, budgets, sm_scale=None):
+        H, T, _ = keys.shape
+        indptr = torch.arange(0, H * T + 1, T, dtype=torch.int32)
+        return CompactedLayer(
+            keys.reshape(H * T, -1),
+            values.reshape(H * T, -1),
+            torch.zeros(H * T),
+            indptr,
+            torch.arange(T).repeat(H),
+        )
+
+
+@register_method("test-first")
+@dataclasses.dataclass
+class _First(CompactionMethod):
+    """Keeps the first budget keys of each head with beta = 0.5."""
+
+    def compact_layer(self, keys, values, queries, budgets, sm_scale=None):
+        H, _, D = keys.shape
+        t = int(budgets[0])
+        indptr = torch.arange(0, H * t + 1, t, dtype=torch.int32)
+        return CompactedLayer(
+            keys[:, :t].reshape(-1, D),
+            values[:, :t].reshape(-1, D),
+            torch.full((H * t,), 0.5),
+            indptr,
+            torch.arange(t).repeat(H),
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SRC = ("repeat-prefill",)
+
+
+def test_split_budget():
+    assert split_budget(10, [50, 50]) == [5, 5]
+    assert sum(split_budget(7, [10, 3, 20])) == 7
+    assert split_budget(3, [1, 1, 100]) == [1, 1, 1]
+    with pytest.raises(ValueError, match="budget 1"):
+        split_budget(1, [5, 5])
+
+
+def test_identity_pipeline_equals_full_logits(tiny):
+    ids = _ids(40)
+    prefix, times = compact_prefix(
+        tiny, None, ids[:32], "test-identity", ratio=1.0, query_sources=SRC, progress=False
+    )
+    assert prefix.logical_length == 32 and prefix.num_layers == 2
+    assert times.total >= times.compaction >= 0 and len(times.per_layer) == 2
+    full = tiny(input_ids=torch.tensor([ids])).logits[0, 32:]
+    got = hf.PrefixState.from_compacted(prefix).forward(tiny, ids[32:])
+    torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
+
+
+def test_chunked_identity_matches_unchunked(tiny):
+    ids = _ids(50, seed=1)
+    a, _ = compact_prefix(
+        tiny, None, ids, "test-identity", ratio=1.0, query_sources=SRC, progress=False
+    )
+    b, _ = compact_prefix(
+        tiny,
+        None,
+        ids,
+        "test-identity",
+        ratio=1.0,
+        query_sources=SRC,
+        progress=False,
+        chunk_size=13,
+    )
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.indptr, lb.indptr) and torch.equal(la.kept_indices, lb.kept_indices)
+        torch.testing.assert_close(la.keys, lb.keys)
+
+
+def test_sinks_kept_with_beta_zero_and_budget(tiny):
+    ids = _ids(50, seed=2)
+    prefix, _ = compact_prefix(
+        tiny,
+        None,
+        ids,
+        "test-first",
+        ratio=0.2,
+        query_sources=SRC,
+        progress=False,
+        keep_sink_tokens=3,
+        chunk_size=20,
+    )
+    assert prefix.kept_per_head() == [[10, 10], [10, 10]]
+    layer = prefix.layers[0]
+    _k, _, b = layer.head(1)
+    assert torch.equal(b[:3], torch.zeros(3)) and bool((b[3:] == 0.5).all())
+    # chunks of 20 over the 47 non-sink tokens: budgets 3+3+1 starting at 3, 23, 43
+    assert layer.kept_indices[10:20].tolist() == [0, 1, 2, 3, 4, 5, 23, 24, 25, 43]
+
+
+def test_on_policy_runs_and_matches_shapes(tiny):
+    ids = _ids(30, seed=3)
+    a, _ = compact_prefix(
+        tiny, None, ids, "test-first", tokens=8, query_sources=SRC, progress=False, on_policy=True
+    )
+    b, _ = compact_prefix(
+        tiny, None, ids, "test-first", tokens=8, query_sources=SRC, progress=False
+    )
+    assert a.kept_per_head() == b.kept_per_head() == [[8, 8], [8, 8]]
+    assert a.params["on_policy"] is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0.0}, "ratio must be in"),
+        ({"ratio": 0.5, "tokens": 3}, "exactly one"),
+        ({"tokens": 0}, "tokens must be"),
+        ({"ratio": 0.5, "chunk_size": 0}, "chunk_size"),
+        ({"ratio": 0.5, "keep_sink_tokens": -1}, "keep_sink_tokens"),
+    ],
+)
+def test_bad_arguments(tiny, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compact_prefix(
+            tiny, None, _ids(20), "test-first", query_sources=SRC, progress=False, **kwargs
+        )
+
+
+def test_real_model_am_omp_fast(prepared_model):
+    from compactor.models import fingerprint
+
+    model, tok = real_model(prepared_model)
+    ids = tok("The mill stands where the river bends twice. " * 8)["input_ids"]
+    prefix, times = compact_prefix(
+        model, tok, ids, "am-omp-fast", ratio=0.25, query_sources=SRC, progress=False
+    )
+    prefix.validate(
+        expected_fingerprint=fingerprint(prepared_model), num_layers=30, num_kv_heads=3, head_dim=64
+    )
+    assert max(max(h) for h in prefix.kept_per_head()) <= round(0.25 * len(ids))
+    assert times.prefill > 0 and times.queries > 0 and times.compaction > 0
