@@ -1,0 +1,175 @@
+"""Shared pieces of the score-then-keep baselines (private: not a registry module).
+
+Shape legend: T prefix tokens (of the keys handed in), t kept, n reference queries,
+H_kv KV heads, G query heads per KV head, w window tokens, D head dim.
+
+Reference queries come pooled per KV head (``[H_kv, G*n, D]``, query head h*G+g owns rows
+g*n:(g+1)*n; see ``compactor.hf.pool_gqa``), so a mean or a max over all rows of a KV head
+equals the mean / max over its query heads of their own mean / max.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from compactor.methods.base import (
+    CompactionMethod,
+    Selection,
+    check_layer_inputs,
+    pack_layer,
+    resolve_sm_scale,
+)
+from compactor.methods.refit import refit as am_refit
+from compactor.types import CompactedLayer
+
+REFIT_CHOICES = (None, "am")
+
+
+def attention_probs(
+    keys: torch.Tensor, queries: torch.Tensor, scale: float, window: int = 0
+) -> torch.Tensor:
+    """Softmax attention [H, n, T] fp32 of queries [H, n, D] over keys [H, T, D].
+
+    window > 0: the queries are the last ``window`` prefix tokens' own queries, stacked per
+    query head (n = G*window; row r is token T - window + r % window), so each is causally
+    masked (key j > its position is dropped), as during the prefill.
+    """
+    logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scale)
+    if window > 0:
+        T, n = keys.shape[1], queries.shape[1]
+        if n % window:
+            raise ValueError(f"{n} window queries are not a multiple of window={window}")
+        pos = (T - window) + torch.arange(n) % window  # [n]
+        future = torch.arange(T).unsqueeze(0) > pos.unsqueeze(1)  # [n, T]
+        logits.masked_fill_(future.unsqueeze(0), -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[H, G*n, ...] -> [H, G, n, ...] (ValueError if rows do not split into G groups)."""
+    if group_size < 1 or x.shape[1] % group_size:
+        raise ValueError(f"{x.shape[1]} pooled query rows do not split into {group_size} heads")
+    return x.reshape(x.shape[0], group_size, x.shape[1] // group_size, *x.shape[2:])
+
+
+def avg_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """1-D average pooling over the last dim, same length (zero padding counted, odd kernel)."""
+    if kernel <= 1:
+        return scores
+    return F.avg_pool1d(scores.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+
+
+def topk_selection(scores: torch.Tensor, budgets: Sequence[int]) -> Selection:
+    """Keep the budgets[h] highest scores [H, T] of each head; indices ascending."""
+    t_max = max(budgets)
+    top = scores.topk(t_max, dim=-1).indices
+    mask = torch.arange(t_max).unsqueeze(0) < torch.as_tensor(list(budgets)).unsqueeze(1)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(mask, top, torch.full_like(top, big)).sort(-1).values
+    return Selection(torch.where(mask, idx, torch.zeros((), dtype=torch.int64)), mask)
+
+
+def mask_selection(keep: torch.Tensor) -> Selection:
+    """[H, T] bool -> Selection (indices ascending)."""
+    return Selection.from_lists([torch.nonzero(row).flatten() for row in keep])
+
+
+def global_topk_budgets(scores: torch.Tensor, total: int, floor: int = 1) -> list[int]:
+    """Split ``total`` kept entries over heads by a global top-k of scores [H, T].
+
+    Every head keeps at least ``floor`` (then the global top-k fills the rest).
+    """
+    H, T = scores.shape
+    total = max(min(total, H * T), H * floor)
+    boosted = scores.clone()
+    if floor > 0:
+        top = scores.topk(min(floor, T), dim=-1).indices
+        boosted.scatter_(1, top, math.inf)
+    flat = boosted.flatten().topk(total).indices // T
+    return torch.bincount(flat, minlength=H).tolist()
+
+
+@dataclasses.dataclass
+class ScoreSelectMethod(CompactionMethod):
+    """Base of selection baselines: ``select`` picks keys, ``refit`` decides what follows.
+
+    refit: None keeps the selected keys as they are (beta 0, original values); ``"am"``
+    applies the Attention-Matching refit (NNLS beta within refit_beta_bounds + LS values,
+    :func:`compactor.methods.refit.refit`) on the reference queries.
+    """
+
+    refit: str | None = None
+    refit_beta_bounds: tuple[float, float] = (-3.0, 3.0)
+
+    def __post_init__(self) -> None:
+        if self.refit not in REFIT_CHOICES:
+            raise ValueError(f"refit must be one of {REFIT_CHOICES}, got {self.refit!r}")
+        try:
+            lo, hi = (float(x) for x in self.refit_beta_bounds)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"refit_beta_bounds must be a (lo, hi) pair, got {self.refit_beta_bounds!r}"
+            ) from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= 0 <= hi):
+            raise ValueError(f"refit_beta_bounds need lo <= 0 <= hi, got {(lo, hi)}")
+        self.refit_beta_bounds = (lo, hi)
+
+    def compact_layer(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> CompactedLayer:
+        """Select (see the method's ``select``), then keep as is or refit (``refit``)."""
+        sel = self.select(keys, values, queries, budgets, sm_scale, context=context)  # type: ignore[call-arg]
+        return finish(self, keys, values, queries, sel, sm_scale)
+
+
+def finish(
+    method: Any,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    sel: Selection,
+    sm_scale: float | None,
+) -> CompactedLayer:
+    """Pack ``sel`` as kept keys (beta 0) or AM-refit it, per ``method.refit``."""
+    if method.refit == "am":
+        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
+        return am_refit(
+            keys, values, queries, sel, sm_scale=scale, beta_bounds=method.refit_beta_bounds
+        )
+    g = sel.indices.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+    ck, cv = torch.gather(keys, 1, g), torch.gather(values, 1, g)
+    return pack_layer(ck, cv, torch.zeros(sel.indices.shape), sel, keys.dtype)
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """ValueError unless value is an int >= minimum (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+__all__ = [
+    "REFIT_CHOICES",
+    "ScoreSelectMethod",
+    "attention_probs",
+    "avg_pool",
+    "check_layer_inputs",
+    "check_positive_int",
+    "finish",
+    "global_topk_budgets",
+    "group_view",
+    "mask_selection",
+    "topk_selection",
+]

@@ -1,0 +1,197 @@
+"""Token-eviction baselines: snapkv, h2o (one-shot), streamingllm, kvzip.
+
+Shape legend: T prefix tokens (of the keys handed in), t kept, n reference queries,
+H_kv KV heads, G query heads per KV head, w window tokens, D head dim, indptr [H_kv+1] int32.
+
+Each method scores the keys, keeps the top t_h per head (or a fixed pattern), and then
+either keeps them as they are (``refit=None``: beta 0, original values) or applies the
+Attention-Matching refit (``refit="am"``). What plays the role of the paper's observation
+queries:
+
+* the pipeline's reference queries (repeat-prefill, self-study, ... — all *after* the
+  prefix, so no causal mask), which is how these methods run in the shared-prefix setting;
+* with ``window > 0`` (snapkv, h2o), the queries are instead the prefix's own last ``w``
+  tokens (``[H_kv, G*w, D]``), causally masked, and those ``w`` tokens are always kept —
+  the original SnapKV / kvpress setting, used by the kvpress cross-check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from compactor.methods._scoring import (
+    ScoreSelectMethod,
+    attention_probs,
+    avg_pool,
+    check_positive_int,
+    global_topk_budgets,
+    mask_selection,
+    topk_selection,
+)
+from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+
+__all__ = ["H2O", "KVzip", "SnapKV", "StreamingLLM", "snapkv_scores"]
+
+
+def snapkv_scores(
+    keys: torch.Tensor, queries: torch.Tensor, scale: float, window: int, kernel: int
+) -> torch.Tensor:
+    """SnapKV scores [H, T]: mean attention over the observation queries, average-pooled.
+
+    window > 0: queries are the last ``window`` tokens' own (causal); their keys get
+    score max + 1 so they are always kept (as in kvpress).
+    """
+    probs = attention_probs(keys, queries, scale, window)  # [H, n, T]
+    T = keys.shape[1]
+    if window <= 0:
+        return avg_pool(probs.mean(1), kernel)
+    body = avg_pool(probs[..., : T - window].mean(1), kernel)
+    top = body.max() + 1 if body.numel() else torch.ones(())
+    return torch.cat([body, top.expand(body.shape[0], window)], dim=-1)
+
+
+@register_method("snapkv")
+@dataclasses.dataclass
+class SnapKV(ScoreSelectMethod):
+    """SnapKV (arXiv 2404.14469): mean attention of the observation queries, pooled with an
+    odd ``kernel`` (zero padding), top-t_h per KV head (GQA: the group's queries pooled)."""
+
+    window: int = 0
+    kernel: int = 5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("window", self.window, 0)
+        check_positive_int("kernel", self.kernel)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (same-length pooling), got {self.kernel}")
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        b = check_layer_inputs(keys, values, queries, budgets)
+        if self.window >= keys.shape[1]:
+            raise ValueError(f"window={self.window} must be < T={keys.shape[1]}")
+        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
+        return topk_selection(snapkv_scores(keys, queries, scale, self.window, self.kernel), b)
+
+
+@register_method("h2o")
+@dataclasses.dataclass
+class H2O(ScoreSelectMethod):
+    """One-shot H2O (arXiv 2306.14048): ``recent_fraction`` of each budget goes to the most
+    recent tokens, the rest to the heavy hitters by attention summed over the queries."""
+
+    recent_fraction: float = 0.5
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= float(self.recent_fraction) <= 1.0:
+            raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}")
+        check_positive_int("window", self.window, 0)
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        b = check_layer_inputs(keys, values, queries, budgets)
+        T = keys.shape[1]
+        if self.window >= T:
+            raise ValueError(f"window={self.window} must be < T={T}")
+        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
+        heavy = attention_probs(keys, queries, scale, self.window).sum(1)  # [H, T]
+        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool)
+        for h, t in enumerate(b):
+            n_recent = round(t * self.recent_fraction)
+            keep[h, T - n_recent :] = True
+            rest = heavy[h].masked_fill(keep[h], -1.0)
+            keep[h, rest.topk(t - n_recent).indices] = True
+        return mask_selection(keep)
+
+
+@register_method("streamingllm")
+@dataclasses.dataclass
+class StreamingLLM(ScoreSelectMethod):
+    """StreamingLLM (arXiv 2309.17453): the first ``n_sink`` tokens + the most recent ones.
+
+    Note: the pipeline already keeps its own sink tokens and hands the method the keys
+    after them; use ``n_sink=0`` there for the plain recent-window baseline.
+    """
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("n_sink", self.n_sink, 0)
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        b = check_layer_inputs(keys, values, queries, budgets)
+        T = keys.shape[1]
+        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool)
+        for h, t in enumerate(b):
+            s = min(self.n_sink, t)
+            keep[h, :s] = True
+            if t > s:
+                keep[h, T - (t - s) :] = True
+        return mask_selection(keep)
+
+
+@register_method("kvzip")
+@dataclasses.dataclass
+class KVzip(ScoreSelectMethod):
+    """KVzip-style (arXiv 2505.23416) context-reconstruction scoring.
+
+    Score of a key = max over the reference queries (meant to be repeat-prefill ones:
+    the model re-reading the context) and over the group's query heads of its attention.
+    ``non_uniform=True``: the layer's total budget sum(t_h) is split over KV heads by a
+    global top-k of the scores (each head keeps >= 1), so heads that need more keep more.
+    """
+
+    non_uniform: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.non_uniform, bool):
+            raise ValueError(f"non_uniform must be a bool, got {self.non_uniform!r}")
+        self.last_budgets: list[int] = []
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        b = check_layer_inputs(keys, values, queries, budgets)
+        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
+        scores = attention_probs(keys, queries, scale).amax(1)  # [H, T]
+        if self.non_uniform:
+            b = global_topk_budgets(scores, sum(b))
+        self.last_budgets = list(b)
+        return topk_selection(scores, b)

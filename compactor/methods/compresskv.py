@@ -1,0 +1,194 @@
+"""CompressKV (arXiv 2508.02401): Semantic-Retrieval-Head token selection + layer budgets.
+
+Shape legend: L layers, T prefix tokens (of the keys handed in), n reference queries per
+query head, H_q / H_kv query / KV heads, G = H_q // H_kv, D head dim, indptr [H_kv+1] int32.
+
+Offline (``compactor calibrate compresskv --model M``, see :mod:`compactor.calibrate`), per
+model: ``srh_scores`` [L][H_q] — the attention mass each query head puts on the answer span
+while the model produces correct answer tokens on needle cases — and ``layer_errors`` [L]
+— each layer's normalized attention-output error when it alone is cut to a minimal budget.
+Both are saved as ``compresskv_calibration.json`` in the model directory.
+
+Online, per layer: the ``top_heads`` query heads with the highest SRH score score the keys
+SnapKV-style (mean attention over the observation queries, average-pooled with ``kernel``;
+summed over those heads); one token set, the top b_l, is shared by all KV heads of the
+layer. b_l = the layer's share of L * budget, proportional to its error and clamped to
+[min_scale * budget, max_scale * budget] (see :func:`layer_budgets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from compactor.methods._scoring import (
+    ScoreSelectMethod,
+    attention_probs,
+    avg_pool,
+    check_positive_int,
+    group_view,
+    topk_selection,
+)
+from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "CompressKV",
+    "layer_budgets",
+    "load_calibration",
+    "srh_token_scores",
+]
+
+CALIBRATION_FILE = "compresskv_calibration.json"
+
+
+def load_calibration(path: str | Path) -> dict[str, Any]:
+    """Read and check a CompressKV calibration JSON (ValueError when malformed)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CALIBRATION_FILE
+    if not p.is_file():
+        raise ValueError(
+            f"no CompressKV calibration at {p}; run `compactor calibrate compresskv --model M`"
+        )
+    data = json.loads(p.read_text())
+    srh, err = data.get("srh_scores"), data.get("layer_errors")
+    if not isinstance(srh, list) or not isinstance(err, list) or len(srh) != len(err) or not srh:
+        raise ValueError(f"{p}: need srh_scores [L][H_q] and layer_errors [L] of equal L")
+    if len({len(r) for r in srh}) != 1:
+        raise ValueError(f"{p}: srh_scores rows differ in length")
+    return dict(data)
+
+
+def layer_budgets(
+    errors: Sequence[float], budget: float, T: int, min_scale: float, max_scale: float
+) -> list[int]:
+    """Per-layer budgets b_l in [min_scale*budget, max_scale*budget] (and [1, T]),
+    proportional to errors[l], summing to about L * budget (bisection on the scale)."""
+    e = torch.as_tensor(list(errors), dtype=torch.float64).clamp_min(1e-12)
+    L = e.numel()
+    lo_b = max(1.0, min_scale * budget)
+    hi_b = min(float(T), max(lo_b, max_scale * budget))
+    target = min(L * budget, L * hi_b)
+    lo, hi = 0.0, float(hi_b / e.min())
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if float((mid * e).clamp(lo_b, hi_b).sum()) < target:
+            lo = mid
+        else:
+            hi = mid
+    x = (hi * e).clamp(lo_b, hi_b)
+    return [int(v) for v in x.round().clamp(1, T).tolist()]
+
+
+def srh_token_scores(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    heads: Sequence[int],
+    group_size: int,
+    scale: float,
+    kernel: int,
+    window: int = 0,
+) -> torch.Tensor:
+    """Shared token scores [T]: sum over query heads ``heads`` of their pooled mean attention.
+
+    keys [H_kv, T, D]; queries [H_kv, G*n, D] pooled (query head j = KV head j // G, rows
+    (j % G)*n : (j % G + 1)*n). window > 0: causal window queries, window tokens scored
+    max + 1 (always kept).
+    """
+    T = keys.shape[1]
+    total = torch.zeros(T)
+    for j in heads:
+        kv, g = divmod(int(j), group_size)
+        q = group_view(queries[kv : kv + 1], group_size)[0, g].unsqueeze(0)  # [1, n, D]
+        probs = attention_probs(keys[kv : kv + 1], q, scale, window)[0]  # [n, T]
+        s = avg_pool(probs[:, : T - window].mean(0).unsqueeze(0), kernel)[0]
+        total[: T - window] += s
+    if window:
+        total[T - window :] = total.max() + 1
+    return total
+
+
+@register_method("compresskv")
+@dataclasses.dataclass
+class CompressKV(ScoreSelectMethod):
+    """CompressKV online selection (see module docstring).
+
+    calibration: JSON path (or model directory); None reads it from the context's
+    ``model_dir``. top_heads: SRHs per layer. kernel: pooling width (odd). window: as in
+    snapkv (0: the pooled reference queries are the observation window). min_scale /
+    max_scale: per-layer budget bounds [m, M] as multiples of the uniform budget.
+    """
+
+    needs_context: ClassVar[bool] = True
+
+    calibration: str | None = None
+    top_heads: int = 4
+    kernel: int = 5
+    window: int = 0
+    min_scale: float = 0.25
+    max_scale: float = 3.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("top_heads", self.top_heads)
+        check_positive_int("kernel", self.kernel)
+        check_positive_int("window", self.window, 0)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd, got {self.kernel}")
+        if not 0 < float(self.min_scale) <= 1.0 <= float(self.max_scale):
+            raise ValueError(
+                f"need 0 < min_scale <= 1 <= max_scale, got {self.min_scale}, {self.max_scale}"
+            )
+        self._calib: dict[str, Any] | None = None
+        self.last_report: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def calibration_data(self, model_dir: str | None = None) -> dict[str, Any]:
+        """The loaded calibration (cached after the first call)."""
+        if self._calib is None:
+            src = self.calibration or model_dir
+            if src is None:
+                raise ValueError("compresskv needs `calibration` or a context with model_dir")
+            self._calib = load_calibration(src)
+        return self._calib
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        """One token set per layer (the same for all KV heads), b_l tokens.
+
+        Needs ``context.layer`` (which calibration row) unless the calibration has one layer.
+        """
+        b = check_layer_inputs(keys, values, queries, budgets)
+        data = self.calibration_data(getattr(context, "model_dir", None))
+        srh, err = data["srh_scores"], data["layer_errors"]
+        layer = int(getattr(context, "layer", 0))
+        if not 0 <= layer < len(srh) or (context is None and len(srh) != 1):
+            raise ValueError(f"no calibration row for layer {layer} (have {len(srh)})")
+        H, T, D = keys.shape
+        if len(srh[layer]) % H:
+            raise ValueError(
+                f"calibration has {len(srh[layer])} query heads, not a multiple of {H}"
+            )
+        mean_b = sum(b) / len(b)
+        b_l = layer_budgets(err, mean_b, T, self.min_scale, self.max_scale)[layer]
+        row = torch.as_tensor(srh[layer], dtype=torch.float64)
+        heads = row.topk(min(self.top_heads, row.numel())).indices.tolist()
+        scale = resolve_sm_scale(sm_scale, D)
+        G = len(srh[layer]) // H
+        shared = srh_token_scores(keys, queries, heads, G, scale, self.kernel, self.window)
+        self.last_report = {"layer": layer, "budget": b_l, "srh_heads": sorted(heads)}
+        self.history.append(self.last_report)
+        return topk_selection(shared.unsqueeze(0).expand(H, T), [b_l] * H)

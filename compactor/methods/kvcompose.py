@@ -1,0 +1,140 @@
+"""KVCompose (arXiv 2509.05165): composite tokens with a global layer-adaptive budget.
+
+Shape legend: L layers, T prefix tokens, n reference queries, H_kv KV heads, G query heads
+per KV head, D head dim, indptr [H_kv+1] int32.
+
+Per layer and KV head, a token's score is its attention aggregated over the reference
+queries (``agg_task``, per query head) and then over the head's G query heads
+(``agg_group``); optionally the layer's mean over heads is added (``add_mean_across_heads``).
+Each head sorts its own scores: the i-th *composite token* of a layer is the i-th best
+token of every head (structured: every head keeps the same count, different tokens).
+The composite score of rank i in layer l is the mean over heads of their i-th best score;
+a global top-k over all (layer, rank) composite scores, with the total budget of all
+layers, decides how many composite tokens each layer keeps (layer 0's composite scores
+are raised to the max over layers, as in the reference implementation). That global step
+is :meth:`KVCompose.plan_layer_budgets` (the pipeline calls it once per prefix, see
+``compactor.methods.context.LayerBudgetPlanner``); ``compact_layer`` alone keeps the
+budget it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from compactor.methods._scoring import (
+    ScoreSelectMethod,
+    attention_probs,
+    check_positive_int,
+    group_view,
+    topk_selection,
+)
+from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+
+__all__ = ["KVCompose", "kvcompose_scores"]
+
+_AGG = ("max", "mean")
+
+
+def kvcompose_scores(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    scale: float,
+    *,
+    group_size: int = 1,
+    agg_task: str = "max",
+    agg_group: str = "mean",
+    add_mean_across_heads: bool = True,
+) -> torch.Tensor:
+    """Token scores [H_kv, T] of one layer (see the module docstring)."""
+    probs = group_view(attention_probs(keys, queries, scale), group_size)  # [H, G, n, T]
+    per_q = probs.amax(2) if agg_task == "max" else probs.mean(2)  # [H, G, T]
+    scores = per_q.amax(1) if agg_group == "max" else per_q.mean(1)  # [H, T]
+    if add_mean_across_heads:
+        scores = scores + scores.mean(0, keepdim=True)
+    return scores
+
+
+@register_method("kvcompose")
+@dataclasses.dataclass
+class KVCompose(ScoreSelectMethod):
+    """Structured KVCompose: per-head top tokens, the same count per head of a layer.
+
+    group_size: G query heads per KV head in the pooled queries (1 treats the pooled
+    queries as one head; the pipeline's model has G = 3). min_per_layer: floor of the
+    per-layer budget in :meth:`plan_layer_budgets`.
+    """
+
+    group_size: int = 1
+    agg_task: str = "max"
+    agg_group: str = "mean"
+    add_mean_across_heads: bool = True
+    min_per_layer: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("group_size", self.group_size)
+        check_positive_int("min_per_layer", self.min_per_layer)
+        for name in ("agg_task", "agg_group"):
+            if getattr(self, name) not in _AGG:
+                raise ValueError(f"{name} must be one of {_AGG}, got {getattr(self, name)!r}")
+        self.last_layer_budgets: list[int] = []
+
+    def _scores(self, keys: torch.Tensor, queries: torch.Tensor, sm_scale: float | None) -> Any:
+        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
+        return kvcompose_scores(
+            keys,
+            queries,
+            scale,
+            group_size=self.group_size,
+            agg_task=self.agg_task,
+            agg_group=self.agg_group,
+            add_mean_across_heads=self.add_mean_across_heads,
+        )
+
+    def select(  # type: ignore[override]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: Any = None,
+    ) -> Selection:
+        b = check_layer_inputs(keys, values, queries, budgets)
+        return topk_selection(self._scores(keys, queries, sm_scale), b)
+
+    def plan_layer_budgets(
+        self,
+        keys: Sequence[torch.Tensor],
+        queries: Sequence[torch.Tensor],
+        budget: int,
+        sm_scale: float | None = None,
+    ) -> list[int]:
+        """Per-layer budget per KV head from the global top-k of composite scores.
+
+        keys[l] [H_kv, T, D], queries[l] [H_kv, n, D]; budget: mean kept per head and
+        layer (total kept = L * budget composite tokens). Records ``last_layer_budgets``.
+        """
+        if len(keys) != len(queries) or not keys:
+            raise ValueError(
+                f"need keys and queries for every layer, got {len(keys)}/{len(queries)}"
+            )
+        T = keys[0].shape[1]
+        if not 1 <= budget <= T:
+            raise ValueError(f"budget {budget} must be in [1, T={T}]")
+        comp = torch.stack(
+            [
+                self._scores(k, q, sm_scale).sort(-1, descending=True).values.mean(0)
+                for k, q in zip(keys, queries)
+            ]
+        )  # [L, T]
+        comp[0] = comp.max(0).values
+        L = comp.shape[0]
+        kept = comp.flatten().topk(L * budget).indices // T
+        out = torch.bincount(kept, minlength=L).clamp(min=self.min_per_layer, max=T)
+        self.last_layer_budgets = [int(x) for x in out]
+        return list(self.last_layer_budgets)

@@ -1,0 +1,181 @@
+"""snapkv, h2o, streamingllm, kvzip, kvcompose on synthetic inputs with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from compactor.methods import get_method
+from compactor.methods._scoring import attention_probs, global_topk_budgets, topk_selection
+from compactor.methods.baselines import snapkv_scores
+from compactor.methods.kvcompose import KVCompose
+
+D = 16
+
+
+def _rand(H: int = 2, T: int = 40, n: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(H, T, D, generator=g)
+    v = torch.randn(H, T, D, generator=g)
+    q = torch.randn(H, n, D, generator=g)
+    return k, v, q
+
+
+def _kept(layer, h: int) -> list[int]:
+    lo, hi = int(layer.indptr[h]), int(layer.indptr[h + 1])
+    return layer.kept_indices[lo:hi].tolist()
+
+
+def _out_err(k, v, q, layer) -> float:
+    """Mean relative attention-output error of a compacted layer on queries q."""
+    scale = 1 / math.sqrt(D)
+    errs = []
+    for h in range(k.shape[0]):
+        o = torch.softmax(q[h] @ k[h].T * scale, -1) @ v[h]
+        ck, cv, b = layer.head(h)
+        oc = torch.softmax(q[h] @ ck.float().T * scale + b, -1) @ cv.float()
+        errs.append(((oc - o).norm(dim=-1) / o.norm(dim=-1)).mean())
+    return float(torch.stack(errs).mean())
+
+
+def test_streamingllm_keeps_exactly_sinks_and_window() -> None:
+    k, v, q = _rand(T=50)
+    layer = get_method("streamingllm", n_sink=4).compact_layer(k, v, q, [10, 6])
+    assert _kept(layer, 0) == [0, 1, 2, 3, *range(44, 50)]
+    assert _kept(layer, 1) == [0, 1, 2, 3, 48, 49]
+    assert torch.equal(layer.beta, torch.zeros_like(layer.beta))
+    assert torch.equal(layer.keys[:4], k[0, :4])
+    tiny = get_method("streamingllm", n_sink=4).compact_layer(k, v, q, [3, 1])
+    assert _kept(tiny, 0) == [0, 1, 2] and _kept(tiny, 1) == [0]
+
+
+def test_snapkv_finds_planted_key_and_pools_neighbours() -> None:
+    k, v, q = _rand(H=1, T=60)
+    k[0, 30] = 0
+    q[0] = 0.1 * q[0]
+    q[0, :, 0] = 8.0
+    k[0, 30, 0] = 4.0  # every query attends to key 30
+    sel = get_method("snapkv", kernel=5).select(k, v, q, [5])
+    assert 30 in sel.per_head()[0].tolist()
+    # pooling spreads key 30's score over 28..32, so those are exactly the top 5
+    assert sel.per_head()[0].tolist() == [28, 29, 30, 31, 32]
+    sel1 = get_method("snapkv", kernel=1).select(k, v, q, [1])
+    assert sel1.per_head()[0].tolist() == [30]
+
+
+def test_snapkv_window_mode_keeps_window_and_matches_manual_scores() -> None:
+    k, v, _ = _rand(H=2, T=30)
+    w, G = 4, 3
+    q = torch.randn(2, G * w, D)
+    scores = snapkv_scores(k, q, 0.25, window=w, kernel=1)
+    # manual: causal softmax per window token, mean over queries of non-window columns
+    for h in range(2):
+        acc = torch.zeros(30 - w)
+        for r in range(G * w):
+            pos = 30 - w + r % w
+            p = torch.softmax(q[h, r] @ k[h, : pos + 1].T * 0.25, -1)
+            acc += p[: 30 - w]
+        torch.testing.assert_close(scores[h, : 30 - w], acc / (G * w))
+    sel = get_method("snapkv", window=w).select(k, v, q, [8, 8])
+    for row in sel.per_head():
+        assert set(range(26, 30)) <= set(row.tolist())
+
+
+def test_h2o_splits_budget_between_recent_and_heavy_hitters() -> None:
+    k, v, q = _rand(H=1, T=40)
+    k[0, 5, :] = 0
+    k[0, 5, 0] = 6.0
+    q[0, :, 0] = 5.0
+    sel = get_method("h2o", recent_fraction=0.5).select(k, v, q, [6])
+    kept = sel.per_head()[0].tolist()
+    assert kept[-3:] == [37, 38, 39] and 5 in kept and len(kept) == 6
+    heavy = attention_probs(k, q, 0.25).sum(1)[0]
+    assert sel.per_head()[0].tolist() == sorted([37, 38, 39, *heavy[:37].topk(3).indices.tolist()])
+
+
+def test_kvzip_non_uniform_gives_diffuse_head_more_budget() -> None:
+    k, v, q = _rand(H=2, T=40)
+    k[0] *= 0.01  # head 0: flat attention over all keys -> low max scores everywhere
+    k[1, 3] = q[1].mean(0) * 5  # head 1: one key grabs almost all attention
+    m = get_method("kvzip")
+    sel = m.select(k, v, q, [10, 10])
+    b = sel.budgets()
+    assert sum(b) == 20 and min(b) >= 1
+    assert 3 in sel.per_head()[1].tolist()
+    uni = get_method("kvzip", non_uniform=False).select(k, v, q, [10, 10])
+    assert uni.budgets() == [10, 10]
+    scores = attention_probs(k, q, 0.25).amax(1)
+    assert b == global_topk_budgets(scores, 20)
+
+
+def test_global_topk_budgets_floor_and_total() -> None:
+    s = torch.tensor([[9.0, 8.0, 7.0, 6.0], [0.1, 0.0, 0.0, 0.0]])
+    assert global_topk_budgets(s, 4) == [3, 1]
+    assert global_topk_budgets(s, 4, floor=0) == [4, 0]
+
+
+def test_kvcompose_plan_matches_reference_and_keeps_total() -> None:
+    k1, _, q = _rand(H=2, T=32, seed=1)
+    peaked = k1.clone()
+    peaked[:, 7] = q.mean(1) * 6
+    layers = [k1 * 0.01, peaked, k1]
+    m = KVCompose(group_size=2)
+    plan = m.plan_layer_budgets(layers, [q] * 3, 8)
+    # reference: per query head max over queries, mean over the group, + mean over heads,
+    # composite = mean over heads of sorted scores, layer 0 raised to the max, global top-24
+    comp = []
+    for k in layers:
+        p = torch.softmax(q @ k.transpose(1, 2) * 0.25, -1).view(2, 2, 6, 32)
+        s = p.amax(2).mean(1)
+        s = s + s.mean(0, keepdim=True)
+        comp.append(s.sort(-1, descending=True).values.mean(0))
+    c = torch.stack(comp)
+    c[0] = c.max(0).values
+    ref = torch.bincount(c.flatten().topk(24).indices // 32, minlength=3).tolist()
+    assert plan == ref and sum(plan) == 24
+    assert plan[0] == max(plan)
+    sel = m.select(peaked, peaked, q, [plan[1]] * 2)
+    assert sel.budgets() == [plan[1]] * 2
+    with pytest.raises(ValueError):
+        KVCompose(agg_task="median")
+
+
+def test_topk_selection_sorted_and_ragged() -> None:
+    s = torch.tensor([[0.1, 0.9, 0.5, 0.7], [1.0, 0.0, 0.2, 0.3]])
+    sel = topk_selection(s, [2, 3])
+    assert sel.per_head()[0].tolist() == [1, 3]
+    assert sel.per_head()[1].tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "streamingllm", "kvzip", "kvcompose"])
+def test_am_refit_reduces_output_error_on_fit_queries(name: str) -> None:
+    k, v, q = _rand(H=2, T=64, n=48, seed=3)
+    plain = get_method(name).compact_layer(k, v, q, [12, 12])
+    fitted = get_method(name, refit="am").compact_layer(k, v, q, [12, 12])
+    assert plain.head_lengths() == fitted.head_lengths()
+    assert torch.equal(plain.kept_indices, fitted.kept_indices)
+    assert _out_err(k, v, q, fitted) < _out_err(k, v, q, plain)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("snapkv", {"kernel": 4}),
+        ("snapkv", {"window": -1}),
+        ("h2o", {"recent_fraction": 1.5}),
+        ("streamingllm", {"n_sink": -1}),
+        ("kvzip", {"refit": "omp"}),
+        ("kvzip", {"refit_beta_bounds": (1.0, 2.0)}),
+    ],
+)
+def test_bad_parameters_raise(name: str, params: dict) -> None:
+    with pytest.raises(ValueError):
+        get_method(name, **params)
+
+
+def test_window_longer_than_prefix_raises() -> None:
+    k, v, q = _rand(T=8)
+    with pytest.raises(ValueError, match="window"):
+        get_method("snapkv", window=8).select(k, v, q, [2, 2])
