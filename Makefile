@@ -3,10 +3,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-fast lint demo bench clean help
+.PHONY: setup protos test test-fast lint demo bench clean help
 
 help:
 	@echo "make setup   - create/reuse .venv and install everything pinned (CPU)"
+	@echo "make protos  - regenerate compactor/service/gen from protos/ (commit the result)"
 	@echo "make test    - the whole test suite (real model, real SGLang server on CPU)"
 	@echo "make test-fast - the suite without SGLang server tests"
 	@echo "make lint    - ruff + mypy"
@@ -15,6 +16,9 @@ help:
 
 setup:
 	@bash scripts/setup.sh
+
+protos: setup
+	$(PY) scripts/gen_protos.py
 
 # pytest exits 5 when it collects no test: say so loudly but do not fail on it; any other
 # non-zero exit (a failure, an error, an interrupted run) fails the target.

@@ -4,4 +4,4 @@
 belong inside its handler, so `compactor --help` stays fast).
 """
 
-COMMANDS: tuple[str, ...] = ("models", "compact", "eval", "calibrate")
+COMMANDS: tuple[str, ...] = ("models", "compact", "eval", "calibrate", "serve", "request")

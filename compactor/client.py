@@ -1,0 +1,304 @@
+"""Clients of the compaction service: :class:`CompactorClient` (sync) and
+:class:`AsyncCompactorClient`. Both reassemble and verify (sha256 + validate) the
+CompactedPrefix, retry UNAVAILABLE with exponential backoff, and keep every attempt and
+backoff inside the call's deadline (`timeout` seconds).
+
+    with CompactorClient("127.0.0.1:50051") as c:
+        result = c.compact(token_ids, fingerprint, method="am-omp-fast", ratio=0.1)
+        result.prefix, result.cache_hit
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from compactor.service.auth import TOKEN_HEADER
+from compactor.service.convert import Assembler, request_from_job
+from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.types import CompactedPrefix
+from compactor.workers.job import DEFAULT_QUERY_SOURCES, CompactJob
+
+__all__ = ["AsyncCompactorClient", "CompactResult", "CompactorClient", "RetryPolicy", "TlsFiles"]
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter on UNAVAILABLE."""
+
+    attempts: int = 5
+    initial_s: float = 0.2
+    max_s: float = 5.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_s, self.initial_s * self.multiplier**attempt))
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the CA that signed the server cert; a client cert+key for mutual TLS."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes(),
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    prefix: CompactedPrefix
+    cache_hit: bool
+    shared: bool
+    seconds: float
+    server_seconds: float
+    compute_seconds: float
+    worker: str
+    attempts: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able summary (what `compactor request --json` prints)."""
+        p = self.prefix
+        return {
+            "model_fingerprint": p.model_fingerprint,
+            "prefix_hash": p.prefix_hash,
+            "logical_length": p.logical_length,
+            "method": p.method,
+            "num_layers": p.num_layers,
+            "kept_tokens": p.kept_tokens(),
+            "kept_fraction": p.kept_fraction(),
+            "nbytes": p.nbytes(),
+            "cache_hit": self.cache_hit,
+            "shared": self.shared,
+            "seconds": self.seconds,
+            "server_seconds": self.server_seconds,
+            "compute_seconds": self.compute_seconds,
+            "worker": self.worker,
+            "attempts": self.attempts,
+        }
+
+
+def build_request(
+    token_ids: Sequence[int],
+    model_fingerprint: str,
+    method: str,
+    ratio: float | None = None,
+    tokens: int | None = None,
+    method_params: dict[str, Any] | None = None,
+    query_sources: Sequence[str] = DEFAULT_QUERY_SOURCES,
+    follow_ups: Sequence[Sequence[int]] = (),
+    request_id: str | None = None,
+) -> pb.CompactRequest:
+    """A CompactRequest; neither ratio nor tokens = budget 'auto'."""
+    job = CompactJob(
+        model_fingerprint=model_fingerprint,
+        token_ids=tuple(int(t) for t in token_ids),
+        method=method,
+        method_params=dict(method_params or {}),
+        ratio=ratio,
+        tokens=tokens,
+        query_sources=tuple(query_sources),
+        follow_ups=tuple(tuple(int(t) for t in f) for f in follow_ups),
+        request_id=request_id or uuid.uuid4().hex,
+    )
+    return request_from_job(job, auto=ratio is None and tokens is None)
+
+
+class _Base:
+    def __init__(
+        self,
+        endpoint: str,
+        tls: TlsFiles | None = None,
+        auth_token: str | None = None,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = 16 << 20,
+    ) -> None:
+        self.endpoint = endpoint
+        self.tls = tls
+        self.retry = retry or RetryPolicy()
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((TOKEN_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
+        )
+        self.options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+
+    def _result(self, asm: Assembler, fingerprint: str, t0: float, attempts: int) -> CompactResult:
+        prefix = asm.result(expected_fingerprint=fingerprint)
+        tr = asm.trailer
+        assert tr is not None  # result() checked it
+        return CompactResult(
+            prefix=prefix,
+            cache_hit=tr.cache_hit,
+            shared=tr.shared,
+            seconds=time.perf_counter() - t0,
+            server_seconds=tr.server_seconds,
+            compute_seconds=tr.compute_seconds,
+            worker=tr.worker,
+            attempts=attempts,
+            stage_seconds=dict(tr.stage_seconds),
+        )
+
+    def _retry_delay(
+        self, err: grpc.RpcError, attempt: int, deadline: float | None
+    ) -> float | None:
+        """Seconds to wait before the next attempt, or None to give up."""
+        if err.code() not in _RETRYABLE or attempt + 1 >= self.retry.attempts:
+            return None
+        delay = self.retry.delay(attempt)
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            return None
+        return delay
+
+
+class CompactorClient(_Base):
+    """Blocking client (a context manager; one channel)."""
+
+    def __init__(self, endpoint: str, **kwargs: Any) -> None:
+        super().__init__(endpoint, **kwargs)
+        if self.tls:
+            self.channel = grpc.secure_channel(endpoint, self.tls.credentials(), self.options)
+        else:
+            self.channel = grpc.insecure_channel(endpoint, self.options)
+        self.stub = pb_grpc.CompactorStub(self.channel)
+
+    def __enter__(self) -> CompactorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+        )
+
+    def list_methods(self, timeout: float | None = 10.0) -> list[str]:
+        resp = self.stub.ListMethods(
+            pb.ListMethodsRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return list(resp.methods)
+
+    def compact(
+        self,
+        token_ids: Sequence[int],
+        model_fingerprint: str,
+        method: str,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> CompactResult:
+        """Compact (see :func:`build_request` for kwargs); raises grpc.RpcError or ChecksumError."""
+        return self.compact_request(
+            build_request(token_ids, model_fingerprint, method, **kwargs), timeout=timeout
+        )
+
+    def compact_request(
+        self, req: pb.CompactRequest, timeout: float | None = None
+    ) -> CompactResult:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        attempt = 0
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            asm = Assembler()
+            try:
+                for msg in self.stub.Compact(req, timeout=left, metadata=self.metadata):
+                    asm.add(msg)
+                return self._result(asm, req.model_fingerprint, t0, attempt + 1)
+            except grpc.RpcError as err:
+                delay = self._retry_delay(err, attempt, deadline)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+                attempt += 1
+
+
+class AsyncCompactorClient(_Base):
+    """asyncio client (grpc.aio); use ``async with``."""
+
+    def __init__(self, endpoint: str, **kwargs: Any) -> None:
+        super().__init__(endpoint, **kwargs)
+        if self.tls:
+            self.channel = grpc.aio.secure_channel(endpoint, self.tls.credentials(), self.options)
+        else:
+            self.channel = grpc.aio.insecure_channel(endpoint, self.options)
+        self.stub = pb_grpc.CompactorStub(self.channel)
+
+    async def __aenter__(self) -> AsyncCompactorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
+        )
+
+    async def list_methods(self, timeout: float | None = 10.0) -> list[str]:
+        resp = await self.stub.ListMethods(
+            pb.ListMethodsRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return list(resp.methods)
+
+    async def compact(
+        self,
+        token_ids: Sequence[int],
+        model_fingerprint: str,
+        method: str,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> CompactResult:
+        return await self.compact_request(
+            build_request(token_ids, model_fingerprint, method, **kwargs), timeout=timeout
+        )
+
+    async def compact_request(
+        self, req: pb.CompactRequest, timeout: float | None = None
+    ) -> CompactResult:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        attempt = 0
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            asm = Assembler()
+            try:
+                call = self.stub.Compact(req, timeout=left, metadata=self.metadata)
+                async for msg in call:
+                    asm.add(msg)
+                return await asyncio.to_thread(
+                    self._result, asm, req.model_fingerprint, t0, attempt + 1
+                )
+            except grpc.RpcError as err:
+                delay = self._retry_delay(err, attempt, deadline)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+                attempt += 1

@@ -1,0 +1,106 @@
+"""`compactor request`: send one prefix to a compaction server and summarize the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "request",
+        help="compact one prefix on a running `compactor serve`",
+        description=(
+            "INPUT is a JSON list of token ids (or {'token_ids': [...]}) or a text file "
+            "tokenized with the model's tokenizer. --model is a known model name or a "
+            "checkpoint directory (its fingerprint identifies the model), or the 32-hex "
+            "fingerprint itself (then INPUT must be token ids)."
+        ),
+    )
+    p.add_argument("--endpoint", required=True, help="HOST:PORT")
+    p.add_argument("--model", required=True)
+    p.add_argument("--input", required=True, type=Path)
+    p.add_argument("--method", default="am-omp-fast")
+    p.add_argument("--params", default="", help="method hyper-parameters as a JSON object")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--ratio", type=float)
+    budget.add_argument("--tokens", type=int)
+    p.add_argument("--queries", default="repeat-prefill", help="comma-separated query sources")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output", type=Path, help="save the CompactedPrefix (safetensors)")
+    p.add_argument("--tls-ca", type=Path)
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--auth-token-file", type=Path)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_request)
+
+
+def _request(args: argparse.Namespace) -> int:
+    import grpc
+
+    from compactor.client import CompactorClient, TlsFiles
+    from compactor.service.convert import ChecksumError
+
+    fp, token_ids = _resolve(args.model, args.input)
+    params = json.loads(args.params) if args.params else {}
+    token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
+    tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    try:
+        with CompactorClient(args.endpoint, tls=tls, auth_token=token) as client:
+            res = client.compact(
+                token_ids,
+                fp,
+                args.method,
+                ratio=args.ratio,
+                tokens=args.tokens,
+                method_params=params,
+                query_sources=[s for s in args.queries.split(",") if s],
+                timeout=args.timeout,
+            )
+    except grpc.RpcError as err:
+        raise SystemExit(f"compactor request: {err.code().name}: {err.details()}") from None
+    except ChecksumError as exc:
+        raise SystemExit(f"compactor request: corrupt result: {exc}") from None
+    summary = res.summary()
+    if args.output:
+        res.prefix.save(args.output)
+        summary["output"] = str(args.output)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>18}: {v}")
+    return 0
+
+
+def _resolve(model: str, path: Path) -> tuple[str, list[int]]:
+    """(fingerprint, token ids) from --model and --input."""
+    from compactor.models import fingerprint, resolve_model
+
+    model_dir = None
+    if re.fullmatch(r"[0-9a-f]{32}", model):
+        fp = model
+    else:
+        try:
+            model_dir = resolve_model(model)
+        except ValueError as exc:
+            raise SystemExit(f"compactor request: error: {exc}") from exc
+        fp = fingerprint(model_dir)
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        data = data.get("token_ids")
+    if isinstance(data, list) and all(isinstance(t, int) for t in data):
+        return fp, data
+    if model_dir is None:
+        raise SystemExit("compactor request: error: text input needs --model NAME or a directory")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return fp, list(tok(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,122 @@
+"""`compactor serve`: run the gRPC compaction service (Ray workers by default)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+from pathlib import Path
+
+log = logging.getLogger("compactor.serve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the gRPC compaction service",
+        description=(
+            "Serve compactions over gRPC (health + reflection included). Binds 127.0.0.1 "
+            "unless --host says otherwise. Workers are Ray actors (local `ray.init()` unless "
+            "--ray-address), or threads in this process with --in-process."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 = any free port")
+    p.add_argument("--model", required=True, help="known model name or checkpoint directory")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
+    p.add_argument("--in-process", action="store_true", help="no Ray: workers are threads here")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--max-prefix-tokens", type=int, default=16384)
+    p.add_argument("--max-message-mb", type=int, default=16)
+    p.add_argument("--cache-mb", type=int, default=1024)
+    p.add_argument("--auto-ratio", type=float, default=0.1, help="ratio used for budget 'auto'")
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--tls-client-ca", type=Path, help="require client certs signed by this CA")
+    p.add_argument("--auth-token-file", type=Path, help="require 'authorization: Bearer <token>'")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
+    p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from compactor.models import resolve_model
+    from compactor.service.engine import ServiceConfig
+    from compactor.service.server import PortInUseError, ServerConfig, TlsConfig
+    from compactor.workers.pool import PoolConfig
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("compactor serve: error: --tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("compactor serve: error: --tls-client-ca needs --tls-cert/--tls-key")
+    _check_port(args.host, args.port)
+    token = None
+    if args.auth_token_file:
+        token = args.auth_token_file.read_text().strip()
+        if not token:
+            raise SystemExit(f"compactor serve: error: {args.auth_token_file} is empty")
+    try:
+        model_dir = resolve_model(args.model)
+    except ValueError as exc:
+        raise SystemExit(f"compactor serve: error: {exc}") from exc
+    config = ServerConfig(
+        service=ServiceConfig(
+            pool=PoolConfig(
+                model_dir=str(model_dir),
+                workers=args.workers,
+                mode="local" if args.in_process else "ray",
+                ray_address=args.ray_address,
+                max_queue=args.max_queue,
+            ),
+            max_prefix_tokens=args.max_prefix_tokens,
+            cache_bytes=args.cache_mb << 20,
+            auto_ratio=args.auto_ratio,
+        ),
+        host=args.host,
+        port=args.port,
+        tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        auth_token=token,
+        max_message_bytes=args.max_message_mb << 20,
+        metrics_port=args.metrics_port,
+        drain_seconds=args.drain_seconds,
+    )
+    try:
+        asyncio.run(_run(config))
+    except PortInUseError as exc:
+        raise SystemExit(f"compactor serve: error: {exc}") from exc
+    return 0
+
+
+async def _run(config: object) -> None:
+    from compactor.service.server import CompactorServer, ServerConfig
+
+    assert isinstance(config, ServerConfig)
+    server = await CompactorServer.start(config)
+    print(f"compactor serving on {server.address}", flush=True)
+    if server.metrics_port is not None:
+        print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests (up to %.0f s)", config.drain_seconds)
+    await server.stop()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail early, with a clear message, if host:port cannot be bound."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(
+                f"compactor serve: error: cannot bind {host}:{port}: {exc.strerror} "
+                "(is another server running? pick another --port)"
+            ) from None

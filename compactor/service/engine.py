@@ -1,0 +1,163 @@
+"""The service's logic without gRPC: check -> cache -> single-flight -> worker pool -> encode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compactor.service.convert import EncodedPrefix, encode_prefix
+from compactor.service.metrics import ServiceMetrics
+from compactor.workers.cache import ResultCache
+from compactor.workers.errors import DeadlineExceeded, ModelMismatch
+from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob
+from compactor.workers.pool import PoolConfig, WorkerPool
+from compactor.workers.singleflight import SingleFlight
+
+__all__ = ["CompactOutcome", "CompactionService", "ModelSummary", "ServiceConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Limits and policy of one service instance (see PoolConfig for the workers)."""
+
+    pool: PoolConfig
+    max_prefix_tokens: int = 16384
+    cache_bytes: int = 1 << 30
+    auto_ratio: float = DEFAULT_AUTO_RATIO
+    chunk_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What GetModelInfo reports; read from the checkpoint without loading it."""
+
+    fingerprint: str
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    vocab_size: int | None
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> ModelSummary:
+        from compactor.models import fingerprint
+
+        path = Path(model_dir)
+        cfg = json.loads((path / "config.json").read_text())
+        hq = int(cfg["num_attention_heads"])
+        return cls(
+            fingerprint=fingerprint(path),
+            name=path.name,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or hq),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            vocab_size=int(cfg["vocab_size"]) if "vocab_size" in cfg else None,
+        )
+
+
+@dataclass(frozen=True)
+class CompactOutcome:
+    """A result plus how this request got it."""
+
+    encoded: EncodedPrefix
+    cache_hit: bool
+    shared: bool
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class CompactionService:
+    """Create with :meth:`start`; :meth:`compact` is what the servicer calls."""
+
+    def __init__(
+        self, config: ServiceConfig, model: ModelSummary, pool: WorkerPool, metrics: ServiceMetrics
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.pool = pool
+        self.metrics = metrics
+        self.cache: ResultCache[EncodedPrefix] = ResultCache(
+            config.cache_bytes, EncodedPrefix.nbytes
+        )
+        self.flights: SingleFlight[EncodedPrefix] = SingleFlight()
+
+    @classmethod
+    async def start(
+        cls, config: ServiceConfig, metrics: ServiceMetrics | None = None
+    ) -> CompactionService:
+        metrics = metrics or ServiceMetrics()
+        model = ModelSummary.read(config.pool.model_dir)
+        pool = await WorkerPool.start(config.pool, on_restart=metrics.worker_restarts.inc)
+        metrics.queue_depth.set_function(lambda: pool.waiting)
+        metrics.busy_workers.set_function(lambda: pool.busy)
+        return cls(config, model, pool, metrics)
+
+    def check(self, job: CompactJob) -> None:
+        """ModelMismatch / InvalidRequest before any work is queued."""
+        if job.model_fingerprint != self.model.fingerprint:
+            raise ModelMismatch(
+                f"model fingerprint {job.model_fingerprint!r} is not this server's model "
+                f"{self.model.fingerprint!r} ({self.model.name})"
+            )
+        job.validate(self.config.max_prefix_tokens, self.model.vocab_size)
+
+    async def compact(self, job: CompactJob, timeout: float | None = None) -> CompactOutcome:
+        """The encoded result for `job` (cache, else shared or new compaction).
+
+        Raises ModelMismatch, InvalidRequest, QueueFull, DeadlineExceeded (after `timeout`
+        seconds; the compaction is cancelled if no other request waits for it), WorkerLost.
+        """
+        t0 = time.perf_counter()
+        self.check(job)
+        key = job.key()
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.metrics.cache_hits.inc()
+            return CompactOutcome(
+                hit, cache_hit=True, shared=False, seconds=time.perf_counter() - t0
+            )
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("deadline passed before the compaction started")
+        try:
+            encoded, shared = await asyncio.wait_for(
+                self.flights.do(key, lambda: self._compute(key, job)), timeout
+            )
+        except TimeoutError:
+            raise DeadlineExceeded(f"compaction did not finish within {timeout:.3g} s") from None
+        if shared:
+            self.metrics.singleflight_joins.inc()
+        return CompactOutcome(encoded, False, shared, seconds=time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def _compute(self, key: str, job: CompactJob) -> EncodedPrefix:
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        self.metrics.compactions.inc()
+        result = await self.pool.run(job)
+        header, payload, digest = await asyncio.to_thread(encode_prefix, result.prefix)
+        encoded = EncodedPrefix(
+            header, payload, digest, result.worker, result.compute_seconds, result.stage_seconds
+        )
+        self.cache.put(key, encoded)
+        self.metrics.cache_bytes.set(self.cache.nbytes)
+        log.info(
+            "compacted %s: T=%d method=%s %d bytes in %.2f s on %s",
+            job.request_id or key[:12],
+            len(job.token_ids),
+            job.method,
+            len(payload),
+            result.compute_seconds,
+            result.worker,
+        )
+        return encoded

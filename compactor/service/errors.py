@@ -1,0 +1,40 @@
+"""The one exception -> gRPC status table (INTERNAL, with a logged traceback, by default)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from compactor.workers.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelMismatch,
+    QueueFull,
+    WorkerLost,
+)
+
+__all__ = ["STATUS_TABLE", "status_for"]
+
+log = logging.getLogger(__name__)
+
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Cancelled, grpc.StatusCode.CANCELLED),
+    (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException, where: str = "") -> tuple[grpc.StatusCode, str]:
+    """(status code, details) for `exc`; logs the traceback of anything unexpected."""
+    for cls, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            return code, str(exc) or cls.__name__
+    log.error("internal error%s", f" in {where}" if where else "", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

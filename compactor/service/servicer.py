@@ -1,0 +1,83 @@
+"""The thin gRPC servicer: decode, call the engine, encode; errors via one status table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from compactor.service.convert import job_from_request
+from compactor.service.engine import CompactionService
+from compactor.service.errors import status_for
+from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+
+__all__ = ["CompactorServicer"]
+
+log = logging.getLogger(__name__)
+
+
+class CompactorServicer(pb_grpc.CompactorServicer):
+    def __init__(self, service: CompactionService) -> None:
+        self.service = service
+
+    async def Compact(
+        self, request: pb.CompactRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CompactChunk]:
+        t0 = time.perf_counter()
+        m = self.service.metrics
+        status = "OK"
+        try:
+            job = job_from_request(request, self.service.config.auto_ratio)
+            out = await self.service.compact(job, timeout=context.time_remaining())
+            trailer = pb.Trailer(
+                sha256=out.encoded.sha256,
+                payload_bytes=len(out.encoded.payload),
+                cache_hit=out.cache_hit,
+                shared=out.shared,
+                compute_seconds=out.encoded.compute_seconds,
+                worker=out.encoded.worker,
+                stage_seconds=out.encoded.stage_seconds,
+            )
+            for msg in out.encoded.messages(self.service.config.chunk_bytes, trailer):
+                if msg.HasField("trailer"):
+                    msg.trailer.server_seconds = time.perf_counter() - t0
+                yield msg
+            m.bytes_streamed.inc(len(out.encoded.payload))
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            log.info("request %r cancelled by the client", request.request_id)
+            raise
+        except Exception as exc:
+            code, details = status_for(exc, "Compact")
+            status = code.name
+            await context.abort(code, details)
+        finally:
+            m.requests.labels(status=status).inc()
+            m.latency.observe(time.perf_counter() - t0)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        s = self.service
+        return pb.ModelInfo(
+            model_fingerprint=s.model.fingerprint,
+            name=s.model.name,
+            num_layers=s.model.num_layers,
+            num_kv_heads=s.model.num_kv_heads,
+            head_dim=s.model.head_dim,
+            dtype=s.model.dtype,
+            max_prefix_tokens=s.config.max_prefix_tokens,
+            auto_ratio=s.config.auto_ratio,
+            workers=s.config.pool.workers,
+        )
+
+    async def ListMethods(
+        self, request: pb.ListMethodsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMethodsResponse:
+        from compactor.methods import list_methods
+
+        return pb.ListMethodsResponse(methods=list_methods())

@@ -1,0 +1,170 @@
+"""One model replica and the plain compaction function it runs.
+
+:func:`run_compaction` is the single code path of a compaction: the in-process pool calls it
+in a thread, the Ray actor (:class:`Worker` wrapped by ``ray.remote``) calls it in its
+process. Deterministic: fixed seed; the worker process runs torch on one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compactor.methods import CompactionMethod, get_method
+from compactor.types import CompactedLayer
+from compactor.workers.errors import Cancelled, ModelMismatch
+from compactor.workers.job import CompactJob, JobResult
+
+__all__ = ["Worker", "run_compaction"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _StoppableMethod(CompactionMethod):
+    """Delegates to `inner`; checks `should_stop` before each layer (the cancellation hook).
+
+    `layer_delay_s` sleeps before each layer: a test-only knob, set only through
+    :class:`Worker`'s constructor, to make a compaction deterministically slow.
+    """
+
+    inner: CompactionMethod
+    should_stop: Callable[[], bool]
+    layer_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.name = self.inner.name  # type: ignore[misc]  # instance shadows the ClassVar
+
+    def compact_layer(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+    ) -> CompactedLayer:
+        if self.layer_delay_s > 0:
+            deadline = time.monotonic() + self.layer_delay_s
+            while time.monotonic() < deadline and not self.should_stop():
+                time.sleep(min(0.02, self.layer_delay_s))
+        if self.should_stop():
+            raise Cancelled("compaction cancelled")
+        return self.inner.compact_layer(keys, values, queries, budgets, sm_scale)
+
+    def params(self) -> dict[str, Any]:
+        return self.inner.params()
+
+
+def run_compaction(
+    model: Any,
+    tokenizer: Any,
+    fingerprint: str,
+    job: CompactJob,
+    should_stop: Callable[[], bool] = lambda: False,
+    layer_delay_s: float = 0.0,
+) -> JobResult:
+    """Compact `job` with a loaded model; raises Cancelled when `should_stop()` turns true.
+
+    Raises ModelMismatch if the job is for another model; ValueError from the pipeline.
+    """
+    from compactor.pipeline import compact_prefix
+
+    if job.model_fingerprint != fingerprint:
+        raise ModelMismatch(
+            f"request is for model {job.model_fingerprint!r}; this worker has {fingerprint!r}"
+        )
+    t0 = time.perf_counter()
+    method = _StoppableMethod(
+        get_method(job.method, **job.method_params), should_stop, layer_delay_s
+    )
+    torch.manual_seed(0)
+    prefix, times = compact_prefix(
+        model,
+        tokenizer,
+        list(job.token_ids),
+        method,
+        ratio=job.ratio,
+        tokens=job.tokens,
+        query_sources=tuple(job.query_sources),
+        follow_ups=[list(f) for f in job.follow_ups] or None,
+        progress=False,
+        model_fingerprint=fingerprint,
+    )
+    return JobResult(
+        prefix=prefix,
+        worker=f"{os.uname().nodename}:{os.getpid()}",
+        compute_seconds=time.perf_counter() - t0,
+        stage_seconds=times.as_dict(),
+    )
+
+
+class Worker:
+    """Owns one device and one model replica (loaded once); runs one job at a time.
+
+    Used as is by the in-process pool and as the body of the Ray actor. `compact` and
+    `cancel` may be called from different threads (the Ray actor has max_concurrency=2).
+
+    Args:
+        model_dir: local checkpoint directory.
+        device: torch device of the replica ("cpu", "cuda").
+        torch_threads: if set, ``torch.set_num_threads`` (process-wide) - 1 per worker.
+        layer_delay_s: test-only: sleep this long before each layer.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        torch_threads: int | None = 1,
+        layer_delay_s: float = 0.0,
+    ) -> None:
+        from compactor import hf
+        from compactor.models import fingerprint
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.model_dir = str(Path(model_dir))
+        self.fingerprint = fingerprint(self.model_dir)
+        self.model, self.tokenizer = hf.load_model(self.model_dir, device=device)
+        self.layer_delay_s = layer_delay_s
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ready(self) -> str:
+        """The model fingerprint (a cheap call to wait for the replica to be loaded)."""
+        return self.fingerprint
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def compact(self, job_id: str, job: CompactJob) -> JobResult:
+        """Run `job`; raises Cancelled if :meth:`cancel` (job_id) is called meanwhile."""
+        try:
+            return run_compaction(
+                self.model,
+                self.tokenizer,
+                self.fingerprint,
+                job,
+                should_stop=lambda: self._is_cancelled(job_id),
+                layer_delay_s=self.layer_delay_s,
+            )
+        finally:
+            with self._lock:
+                self._cancelled.discard(job_id)
+
+    def cancel(self, job_id: str) -> None:
+        """Ask the running job `job_id` to stop at its next layer."""
+        with self._lock:
+            self._cancelled.add(job_id)
+
+    def _is_cancelled(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._cancelled

@@ -1,0 +1,134 @@
+"""TLS (certificates generated here with openssl, mutual TLS) and the bearer token."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from compactor.client import CompactorClient, TlsFiles
+from compactor.service.server import TlsConfig
+from tests.service.conftest import PREFIX, running_server
+
+TOKEN = "s3cret-token"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found (needed to generate test certificates)")
+    d = tmp_path_factory.mktemp("certs")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=d,
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=d,
+        )
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(prepared_model: Path, certs: Path) -> Any:
+    tls = TlsConfig(certs / "server.pem", certs / "server.key", client_ca=certs / "ca.pem")
+    with running_server(prepared_model, tls=tls, auth_token=TOKEN) as (srv, _lt):
+        yield srv
+
+
+def test_mtls_with_token_works(server: Any, certs: Path, model_fp: str) -> None:
+    tls = TlsFiles(certs / "ca.pem", certs / "client.pem", certs / "client.key")
+    with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=TOKEN) as c:
+        assert c.model_info().model_fingerprint == model_fp
+        res = c.compact(PREFIX, model_fp, "am-highest", ratio=0.25, timeout=120)
+    assert res.prefix.logical_length == len(PREFIX)
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_request_without_the_token_is_refused(
+    server: Any, certs: Path, model_fp: str, token: Any
+) -> None:
+    tls = TlsFiles(certs / "ca.pem", certs / "client.pem", certs / "client.key")
+    reg = server.service.metrics.registry
+    before = reg.get_sample_value("compactor_compactions_total")
+    with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=token) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            c.compact(PREFIX, model_fp, "am-highest", ratio=0.25, timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            c.model_info()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # refused before any work was queued
+    assert reg.get_sample_value("compactor_compactions_total") == before
+
+
+def test_client_without_certificate_is_refused(server: Any, certs: Path) -> None:
+    from compactor.client import RetryPolicy
+
+    no_cert = TlsFiles(certs / "ca.pem")
+    with (
+        CompactorClient(
+            f"127.0.0.1:{server.port}", tls=no_cert, auth_token=TOKEN, retry=RetryPolicy(attempts=1)
+        ) as c,
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        c.model_info(timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_plaintext_client_is_refused(server: Any) -> None:
+    with (
+        CompactorClient(f"127.0.0.1:{server.port}", auth_token=TOKEN) as c,
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        c.model_info(timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
