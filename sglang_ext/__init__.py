@@ -2,13 +2,17 @@
 
 SGLang discovers this package through the `sglang.srt.plugins` entry point (see
 pyproject.toml) and calls `register()` early in every SGLang process (server, scheduler,
-detokenizer). Importing the package has no side effects; `register()` installs hooks through
-SGLang's own `HookRegistry`, which applies them after all plugins have run.
+detokenizer). Importing the package has no side effects; `register()` adds the plugin's
+backends to SGLang's registries and installs hooks through SGLang's own `HookRegistry`,
+which applies them after all plugins have run:
 
-Status: the foundation registers one hook, after SGLang's `configure_logger`, that announces
-the plugin in each process's log (logging is not configured yet when `register()` runs, so a
-plain log line there would be dropped). The compaction radix cache, flags and attention
-backend arrive with their own issue.
+- AFTER `configure_logger`: announce the plugin in each process's log.
+- AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
+- AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
+  record and select the `compaction` radix-cache and attention backends; without it,
+  nothing changes and SGLang runs stock.
+- AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
+  compactions are installed (`CompactionRadixCache.poll`); a no-op for other caches.
 """
 
 from __future__ import annotations
@@ -31,10 +35,44 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register("sglang.srt.utils.common.configure_logger", _announce, HookType.AFTER)
+    from sglang_ext.factory import register_backends
+
+    register_backends()
+    hooks = (
+        ("sglang.srt.utils.common.configure_logger", _announce),
+        ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args),
+        ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
+        ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
+    )
+    for target, hook in hooks:
+        HookRegistry.register(target, hook, HookType.AFTER)
     _registered = True
 
 
 def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on `configure_logger`: log that the plugin is loaded in this process."""
     logger.info(ANNOUNCEMENT)
+
+
+def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `ServerArgs.add_cli_args(parser)`: add the `--compaction-*` flags."""
+    from sglang_ext.config import add_cli_args
+
+    add_cli_args(parser)
+
+
+def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `ServerArgs.from_cli_args(cls, namespace)`: read the plugin's flags."""
+    from sglang_ext.config import apply_to_server_args, config_from_namespace
+
+    namespace = args[-1] if args else kwargs.get("args")
+    cfg = config_from_namespace(namespace) if namespace is not None else None
+    if cfg is not None:
+        apply_to_server_args(server_args, cfg)
+
+
+def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `Scheduler.ingest_requests`: install finished compactions."""
+    poll = getattr(getattr(scheduler, "tree_cache", None), "poll_compactions", None)
+    if callable(poll):
+        poll()

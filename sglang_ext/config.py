@@ -1,0 +1,194 @@
+"""The plugin's command-line flags and the `CompactionConfig` they build.
+
+The flags are added to SGLang's own parser (an AFTER hook on `ServerArgs.add_cli_args`) and
+read back after `ServerArgs.from_cli_args` (another AFTER hook), which stores the config on
+the record as the underscore attribute `_compaction_config`. ServerArgs pickles its
+underscore attributes to the scheduler process, where the radix-cache factory reads them.
+Giving `--compaction-endpoint` also selects this plugin's radix-cache and attention backends;
+without it the record is left exactly as SGLang built it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "ATTENTION_BACKEND",
+    "CONFIG_ATTR",
+    "RADIX_CACHE_BACKEND",
+    "CompactionConfig",
+    "add_cli_args",
+    "config_from_namespace",
+    "get_config",
+]
+
+RADIX_CACHE_BACKEND = "compaction"
+ATTENTION_BACKEND = "compaction"
+CONFIG_ATTR = "_compaction_config"
+_DEFAULT_QUERY_SOURCES = ("repeat-prefill", "follow-up")
+
+
+@dataclass(frozen=True)
+class CompactionConfig:
+    """What the plugin needs in the scheduler; picklable.
+
+    Attributes:
+        endpoint: `inproc://` (compact in this server's scheduler process) or `host:port`
+            (the gRPC compaction service); `grpc://host:port` and `grpcs://host:port` work too.
+        method: registered compaction method name.
+        ratio / tokens: per-KV-head budget, a fraction of T or a token count (tokens wins).
+        min_prefix_tokens: a tree path shorter than this is never compacted.
+        min_hits: how many requests must have shared a path before it is compacted.
+        timeout: seconds one compaction may take before it counts as failed.
+        query_sources: reference-query sources sent to the compactor.
+        max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
+        follow_up_tokens: each suffix is cut to this many tokens.
+        tls / tls_ca / tls_cert / tls_key / token / token_file: gRPC channel options.
+    """
+
+    endpoint: str
+    method: str = "am-omp-fast"
+    ratio: float = 0.1
+    tokens: int | None = None
+    min_prefix_tokens: int = 256
+    min_hits: int = 2
+    timeout: float = 120.0
+    query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
+    max_follow_ups: int = 8
+    follow_up_tokens: int = 128
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.strip():
+            raise ValueError(f"compaction endpoint must be non-empty, got {self.endpoint!r}")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"--compaction-ratio must be in (0, 1], got {self.ratio}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"--compaction-tokens must be >= 1, got {self.tokens}")
+        if self.min_prefix_tokens < 2:
+            raise ValueError(
+                f"--compaction-min-prefix-tokens must be >= 2, got {self.min_prefix_tokens}"
+            )
+        if self.min_hits < 1:
+            raise ValueError(f"--compaction-min-hits must be >= 1, got {self.min_hits}")
+        if self.timeout <= 0:
+            raise ValueError(f"--compaction-timeout must be > 0, got {self.timeout}")
+        if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
+            raise ValueError(
+                "follow-up limits must be max_follow_ups >= 0 and follow_up_tokens >= 1, got "
+                f"{self.max_follow_ups} and {self.follow_up_tokens}"
+            )
+
+    @property
+    def in_process(self) -> bool:
+        return self.endpoint.startswith("inproc://")
+
+    def budget(self) -> dict[str, Any]:
+        """`{"tokens": n}` or `{"ratio": r}`: the keyword the compactor takes."""
+        return {"tokens": self.tokens} if self.tokens is not None else {"ratio": self.ratio}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["token"] = "***" if self.token else None
+        return d
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`)."""
+    g = parser.add_argument_group("compaction (sglang_ext plugin)")
+    g.add_argument(
+        "--compaction-endpoint",
+        default=None,
+        help="Compaction service (host:port, grpc[s]://host:port) or inproc:// to compact "
+        "inside this server. Setting it enables compacted shared prefixes; without it "
+        "SGLang runs stock.",
+    )
+    g.add_argument("--compaction-method", default="am-omp-fast", help="Compaction method.")
+    g.add_argument("--compaction-ratio", type=float, default=0.1, help="Kept fraction per KV head.")
+    g.add_argument(
+        "--compaction-tokens",
+        type=int,
+        default=None,
+        help="Kept tokens per KV head (overrides --compaction-ratio).",
+    )
+    g.add_argument("--compaction-min-prefix-tokens", type=int, default=256)
+    g.add_argument("--compaction-min-hits", type=int, default=2)
+    g.add_argument("--compaction-timeout", type=float, default=120.0)
+    g.add_argument(
+        "--compaction-query-sources",
+        default=",".join(_DEFAULT_QUERY_SOURCES),
+        help="Comma-separated reference-query sources.",
+    )
+    g.add_argument("--compaction-max-follow-ups", type=int, default=8)
+    g.add_argument("--compaction-tls", action="store_true", help="Use TLS for gRPC.")
+    g.add_argument("--compaction-tls-ca", default=None)
+    g.add_argument("--compaction-tls-cert", default=None)
+    g.add_argument("--compaction-tls-key", default=None)
+    g.add_argument("--compaction-token", default=None, help="Bearer token for the service.")
+    g.add_argument("--compaction-token-file", default=None)
+
+
+def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
+    """The config the parsed flags describe, or None without `--compaction-endpoint`."""
+    endpoint = getattr(ns, "compaction_endpoint", None)
+    if not endpoint:
+        return None
+    sources = tuple(s.strip() for s in ns.compaction_query_sources.split(",") if s.strip())
+    return CompactionConfig(
+        endpoint=endpoint,
+        method=ns.compaction_method,
+        ratio=ns.compaction_ratio,
+        tokens=ns.compaction_tokens,
+        min_prefix_tokens=ns.compaction_min_prefix_tokens,
+        min_hits=ns.compaction_min_hits,
+        timeout=ns.compaction_timeout,
+        query_sources=sources,
+        max_follow_ups=ns.compaction_max_follow_ups,
+        tls=ns.compaction_tls or endpoint.startswith("grpcs://"),
+        tls_ca=ns.compaction_tls_ca,
+        tls_cert=ns.compaction_tls_cert,
+        tls_key=ns.compaction_tls_key,
+        token=ns.compaction_token,
+        token_file=ns.compaction_token_file,
+    )
+
+
+def get_config(server_args: Any) -> CompactionConfig | None:
+    """The config stored on a ServerArgs record (None: plugin inactive)."""
+    cfg = getattr(server_args, CONFIG_ATTR, None)
+    return cfg if isinstance(cfg, CompactionConfig) else None
+
+
+def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
+    """Store `cfg` on the record and select the plugin's backends (mutates `server_args`).
+
+    Raises:
+        ValueError: the record selects something the plugin cannot serve with.
+    """
+    if getattr(server_args, "disable_radix_cache", False):
+        raise ValueError("--compaction-endpoint needs the radix cache; drop --disable-radix-cache")
+    page_size = getattr(server_args, "page_size", None)
+    if page_size not in (None, 1):
+        raise ValueError(f"--compaction-endpoint supports page_size 1 only, got {page_size}")
+    backend = getattr(server_args, "radix_cache_backend", None)
+    if backend not in (None, RADIX_CACHE_BACKEND):
+        raise ValueError(
+            f"--compaction-endpoint selects --radix-cache-backend {RADIX_CACHE_BACKEND!r}; "
+            f"got {backend!r}"
+        )
+    attn = getattr(server_args, "attention_backend", None)
+    if attn not in (None, "torch_native", ATTENTION_BACKEND):
+        raise ValueError(
+            f"--compaction-endpoint serves with the torch_native-based {ATTENTION_BACKEND!r} "
+            f"attention backend only for now; got --attention-backend {attn!r}"
+        )
+    setattr(server_args, CONFIG_ATTR, cfg)
+    server_args.radix_cache_backend = RADIX_CACHE_BACKEND
+    server_args.attention_backend = ATTENTION_BACKEND

@@ -1,0 +1,77 @@
+"""Registration of the plugin's backends and the radix-cache factory run in the scheduler.
+
+`register_backends()` adds the name `compaction` to SGLang's radix-cache registry and to its
+attention-backend registry and `--attention-backend` choices (called from `register()`;
+idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
+model fingerprint and a `CompactionRunner` for the configured endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_ext.config import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, get_config
+
+__all__ = ["create_compaction_cache", "register_backends"]
+
+logger = logging.getLogger(__name__)
+
+
+def register_backends() -> None:
+    """Make `compaction` selectable as radix-cache and attention backend (idempotent)."""
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, create_compaction_cache)
+    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])
+
+
+def _create_attention_backend(runner: Any) -> Any:
+    from sglang_ext.attention import CompactionTorchNativeBackend
+
+    return CompactionTorchNativeBackend(runner)
+
+
+def create_compaction_cache(ctx: Any) -> Any:
+    """`RadixCacheFactory`: build the compaction radix cache from a TreeCacheBuildContext.
+
+    Raises:
+        ValueError: the backend was selected without `--compaction-endpoint`, or with a
+            model/cache layout the plugin does not serve (hybrid SWA/SSM, paging).
+    """
+    from compactor.models import fingerprint
+    from sglang_ext.compactors import CompactionRunner, make_compactor
+    from sglang_ext.metrics import PrometheusExporter
+    from sglang_ext.radix_cache import CompactionRadixCache
+
+    cfg = get_config(ctx.server_args)
+    if cfg is None:
+        raise ValueError(
+            f"--radix-cache-backend {RADIX_CACHE_BACKEND!r} is selected by "
+            "--compaction-endpoint; give that flag instead"
+        )
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "compacted prefixes need a plain full-attention KV cache, got "
+            f"hybrid_swa={ctx.is_hybrid_swa} hybrid_ssm={ctx.is_hybrid_ssm} "
+            f"hierarchical={ctx.enable_hierarchical_cache}"
+        )
+    model_path = str(ctx.server_args.model_path)
+    fp = fingerprint(model_path)
+    runner = CompactionRunner(make_compactor(cfg, model_path, fp), cfg.timeout)
+    exporter = PrometheusExporter() if ctx.params.enable_metrics else None
+    cache = CompactionRadixCache(ctx.params, cfg, fp, runner=runner, exporter=exporter)
+    logger.info("sglang_ext: compaction radix cache ready: %s fingerprint=%s", cfg.as_dict(), fp)
+    return cache

@@ -1,0 +1,125 @@
+"""Per-slot logit biases beside SGLang's KV pool, and writing a compacted prefix into it.
+
+Legend: L layers, S pool rows (slots, row 0 is SGLang's padding slot), H_kv KV heads,
+D head dim, t_max physical slots of one compacted prefix, T its logical length.
+
+Layout of one installed prefix with per-(layer, head) counts t_{l,h}: t_max = max t_{l,h}
+slots are allocated; in layer l, head h writes its rows into slots [0, t_{l,h}) and the rest
+of the slots get K = V = 0 and beta = -inf. The tree node keeps T entries: the t_max slots
+then T - t_max copies of `ALIAS_SLOT` (SGLang's padding slot 0), whose beta is -inf in every
+layer and head, so aliases hold positions without memory and are masked out.
+
+`BetaStore` is attached to the KV pool object (`kvcache.compaction_beta`), which both the
+radix cache (writer, scheduler) and the attention backend (reader, same process) hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from compactor.types import CompactedPrefix
+
+__all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_prefix"]
+
+ALIAS_SLOT = 0
+_ATTR = "compaction_beta"
+
+
+class BetaStore:
+    """beta [L, S, H_kv] fp32 (0 for ordinary slots) and `compacted` [S] bool.
+
+    Attention adds beta only for requests whose KV row touches a `compacted` slot; every
+    other request runs the stock path, bit for bit.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, device: Any):
+        if min(num_layers, num_slots, num_kv_heads) < 1:
+            raise ValueError(
+                f"BetaStore needs positive sizes, got layers={num_layers} slots={num_slots} "
+                f"kv_heads={num_kv_heads}"
+            )
+        self.beta = torch.zeros(num_layers, num_slots, num_kv_heads, dtype=torch.float32,
+                                device=device)  # fmt: skip
+        self.compacted = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.alias_ready = False
+
+    @classmethod
+    def for_pool(cls, kvcache: Any) -> BetaStore:
+        """The store attached to `kvcache`, created on first use (mutates `kvcache`)."""
+        store = getattr(kvcache, _ATTR, None)
+        if isinstance(store, cls):
+            return store
+        k0 = kvcache.get_key_buffer(kvcache.start_layer)
+        store = cls(kvcache.layer_num, k0.shape[0], k0.shape[1], k0.device)
+        setattr(kvcache, _ATTR, store)
+        return store
+
+    @staticmethod
+    def of_pool(kvcache: Any) -> BetaStore | None:
+        store = getattr(kvcache, _ATTR, None)
+        return store if isinstance(store, BetaStore) else None
+
+    def enable_alias(self) -> None:
+        """Mask the alias slot in every layer and head (done at the first install)."""
+        self.beta[:, ALIAS_SLOT, :] = float("-inf")
+        self.compacted[ALIAS_SLOT] = True
+        self.alias_ready = True
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """Give slots back to ordinary use: beta 0, not compacted (mutates the store)."""
+        self.beta[:, slots, :] = 0.0
+        self.compacted[slots] = False
+
+    def touches(self, slots: torch.Tensor) -> bool:
+        """Whether any of `slots` [n] int is compacted (or the alias)."""
+        return bool(self.compacted[slots].any()) if slots.numel() else False
+
+
+def head_counts(prefix: CompactedPrefix) -> torch.Tensor:
+    """t_{l,h} as an [L, H_kv] int64 tensor."""
+    return torch.tensor([layer.head_lengths() for layer in prefix.layers], dtype=torch.int64)
+
+
+def write_prefix(
+    kvcache: Any, store: BetaStore, prefix: CompactedPrefix, slots: torch.Tensor
+) -> None:
+    """Write `prefix` into `slots` [t_max] int64 of `kvcache` and `store` (mutates both).
+
+    Raises:
+        ValueError: `slots` is not exactly t_max long, or the prefix does not fit the pool.
+    """
+    counts = head_counts(prefix)
+    t_max = int(counts.max())
+    if slots.numel() != t_max:
+        raise ValueError(f"need {t_max} slots for this prefix, got {slots.numel()}")
+    if prefix.num_layers != kvcache.layer_num:
+        raise ValueError(f"prefix has {prefix.num_layers} layers, pool {kvcache.layer_num}")
+    if not store.alias_ready:
+        store.enable_alias()
+    neg_inf = float("-inf")
+    for i, layer in enumerate(prefix.layers):
+        layer_id = kvcache.start_layer + i
+        k_buf = kvcache.get_key_buffer(layer_id)  # [S, H_kv, D]
+        v_buf = kvcache.get_value_buffer(layer_id)
+        if k_buf.shape[1:] != (prefix.num_kv_heads, prefix.head_dim):
+            raise ValueError(
+                f"pool layer {layer_id} holds [S, {k_buf.shape[1]}, {k_buf.shape[2]}], prefix "
+                f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
+            )
+        k_rows = torch.zeros(t_max, prefix.num_kv_heads, prefix.head_dim, dtype=k_buf.dtype)
+        v_rows = torch.zeros_like(k_rows)
+        beta = torch.full((t_max, prefix.num_kv_heads), neg_inf, dtype=torch.float32)
+        indptr = layer.indptr.tolist()
+        for h in range(prefix.num_kv_heads):
+            lo, hi = indptr[h], indptr[h + 1]
+            n = hi - lo
+            k_rows[:n, h] = layer.keys[lo:hi].to(k_buf.dtype)
+            v_rows[:n, h] = layer.values[lo:hi].to(v_buf.dtype)
+            beta[:n, h] = layer.beta[lo:hi].float()
+        dev_slots = slots.to(k_buf.device)
+        k_buf[dev_slots] = k_rows.to(k_buf.device)
+        v_buf[dev_slots] = v_rows.to(v_buf.device)
+        store.beta[i, dev_slots] = beta.to(store.beta.device)
+    store.compacted[slots.to(store.compacted.device)] = True

@@ -1,0 +1,466 @@
+"""`CompactionRadixCache`: SGLang's Python radix tree with compacted shared prefixes.
+
+A compacted prefix of T tokens is one node `K` hanging off the root under a private child
+key, beside the ordinary tree. Its value is T slot indices: t_max physical slots then
+`ALIAS_SLOT` (see `sglang_ext.kv_store`), so requests that match it get a KV row T long and
+their positions continue at T. Rules:
+
+- Match whole or not at all: a key whose first T tokens equal K's goes through K (the
+  longest such K wins); any other key sees only the ordinary tree.
+- Accounting is physical: K counts t_max in evictable/protected sizes; eviction frees its
+  t_max slots (never the alias) and resets their beta.
+- The original path is retired at install: its nodes that are unlocked leaves are freed at
+  once, locked ones when their last request lets go.
+- A request that started before the install (its row does not begin with K's slots) is
+  kept off K: its checkpoints leave the tree alone and it frees only its own slots.
+- Hits: SGLang's insert counts one hit per request and node; a node reaching
+  `min_hits` on a path of at least `min_prefix_tokens` is sent for compaction (once).
+
+Mutations happen in the scheduler only: `poll_compactions()` installs finished results at a safe point.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from compactor.types import CompactedPrefix, prefix_hash
+from sglang_ext.config import CompactionConfig
+from sglang_ext.kv_store import ALIAS_SLOT, BetaStore, head_counts, write_prefix
+from sglang_ext.metrics import CompactionStats, PrometheusExporter
+
+__all__ = ["CompactionInfo", "CompactionRadixCache"]
+
+logger = logging.getLogger(__name__)
+_RECENT_PROMPTS = 64
+
+
+class CompactionInfo:
+    """What makes a tree node a compacted prefix."""
+
+    __slots__ = ("logical_length", "method", "prefix_hash", "slots", "t_max")
+
+    def __init__(self, slots: torch.Tensor, logical_length: int, phash: str, method: str):
+        self.slots = slots  # [t_max] int64 physical slots
+        self.t_max = int(slots.numel())
+        self.logical_length = logical_length
+        self.prefix_hash = phash
+        self.method = method
+
+
+def _info(node: TreeNode) -> CompactionInfo | None:
+    return getattr(node, "compaction", None)
+
+
+class CompactionRadixCache(RadixCache):
+    """RadixCache + compacted prefixes (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: Any,
+        config: CompactionConfig,
+        fingerprint: str,
+        runner: Any = None,
+        exporter: PrometheusExporter | None = None,
+    ):
+        if params.page_size != 1 or params.is_eagle:
+            raise ValueError(
+                f"CompactionRadixCache needs page_size 1 and no EAGLE, got "
+                f"page_size={params.page_size} is_eagle={params.is_eagle}"
+            )
+        self.config = config
+        self.fingerprint = fingerprint
+        self.runner = runner
+        self.exporter = exporter
+        self.stats = CompactionStats()
+        self._compacted: dict[str, TreeNode] = {}
+        self._retired: set[TreeNode] = set()
+        self._pending: set[str] = set()  # prefix hashes submitted or done (never resubmitted)
+        self._pending_paths: list[tuple[int, ...]] = []
+        self._candidates: list[TreeNode] = []
+        self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        super().__init__(params)
+        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        self.kvcache = kvcache
+        self.beta_store = BetaStore.for_pool(kvcache)
+
+    # ---- public: compaction lifecycle -------------------------------------------------
+    def poll_compactions(self) -> int:
+        """Install finished compactions and free retired nodes; returns installs done."""
+        done = 0
+        if self.runner is not None:
+            for job in self.runner.drain():
+                self.stats.last_latency_s = job.latency_s
+                if job.prefix is None:
+                    self.stats.failures += 1
+                    self.stats.fallbacks += 1
+                    logger.warning("compaction failed, prefix stays uncompacted: %r", job.error)
+                else:
+                    try:
+                        self.install(job.token_ids, job.prefix)
+                        done += 1
+                    except (ValueError, RuntimeError) as e:
+                        self.stats.invalid += isinstance(e, ValueError)
+                        self.stats.fallbacks += 1
+                        logger.warning("compacted prefix rejected, stays uncompacted: %s", e)
+                self._export(job.latency_s)
+        self._reap()
+        return done
+
+    def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:
+        """Validate `prefix` for `token_ids` [T], write it into the pool, add its node.
+
+        Mutates the KV pool, the beta store and the tree; returns the compacted node
+        (the existing one for a prefix installed before).
+        Raises:
+            ValueError: the prefix is for another model, tokens or pool shape.
+            RuntimeError: the pool cannot give t_max slots even after eviction.
+        """
+        ids = [int(t) for t in token_ids]
+        T = len(ids)
+        kv = self.kvcache
+        k0 = kv.get_key_buffer(kv.start_layer)
+        prefix.validate(
+            expected_fingerprint=self.fingerprint,
+            num_layers=kv.layer_num,
+            num_kv_heads=int(k0.shape[1]),
+            head_dim=int(k0.shape[2]),
+        )
+        if prefix.logical_length != T:
+            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
+        phash = prefix_hash(ids)
+        if prefix.prefix_hash != phash:
+            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
+        if phash in self._compacted:
+            self.stats.double_installs += 1
+            return self._compacted[phash]
+        t_max = int(head_counts(prefix).max())
+        if not 0 < t_max < T:
+            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
+        slots = self._alloc(t_max)
+        try:
+            write_prefix(kv, self.beta_store, prefix, slots)
+        except BaseException:
+            self.beta_store.clear(slots)
+            self.token_to_kv_pool_allocator.free(slots)
+            raise
+        node = TreeNode()
+        node.parent = self.root_node
+        node.key = RadixKey(array("q", ids), None)
+        node.value = torch.cat([slots, torch.full((T - t_max,), ALIAS_SLOT, dtype=torch.int64)])
+        node.compaction = CompactionInfo(slots, T, phash, prefix.method)  # type: ignore[attr-defined]
+        self.root_node.children[self._child_key(phash)] = node
+        self._compacted[phash] = node
+        self.evictable_size_ += t_max
+        self._update_leaf_status(node)
+        self._update_leaf_status(self.root_node)
+        self._retire_original(node.key)
+        self._reap()
+        self.stats.installed += 1
+        self._refresh_gauges()
+        logger.info(
+            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
+            "heads(min/max)=%d/%d",
+            phash[:12], prefix.method, T, t_max, T / t_max,
+            int(head_counts(prefix).min()), t_max,
+        )  # fmt: skip
+        return node
+
+    def compacted_nodes(self) -> list[TreeNode]:
+        return list(self._compacted.values())
+
+    # ---- SGLang API overrides ---------------------------------------------------------
+    def reset(self) -> None:
+        store = getattr(self, "beta_store", None)
+        for node in getattr(self, "_compacted", {}).values():
+            info = _info(node)
+            if store is not None and info is not None:
+                store.clear(info.slots)
+        if hasattr(self, "_compacted"):
+            self._compacted.clear()
+            self._retired.clear()
+            self._pending.clear()
+            self._pending_paths.clear()
+        super().reset()
+
+    def checkpoint(self, req: Any, *, up_to: int) -> None:
+        if self.disable:
+            return
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        k = self._covering(RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt))
+        if k is not None:
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(k.value)]
+            if not torch.equal(row.to(torch.int64), k.value.to(row.device)):
+                self.stats.skipped_checkpoints += 1
+                return
+        self._remember(req)
+        self._candidates.clear()
+        super().checkpoint(req, up_to=up_to)
+        self._maybe_submit()
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        import heapq
+
+        start = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < params.num_tokens and heap:
+            _, x = heapq.heappop(heap)
+            evicted += self._free_node(x)
+            if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
+        self.update_eviction_metrics(evicted, start)
+        return EvictResult(num_tokens_evicted=evicted)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        delta = 0
+        while node != self.root_node:
+            if node.lock_ref == 0:
+                n = self._phys(node)
+                self.evictable_size_ -= n
+                self.protected_size_ += n
+                delta -= n
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return IncLockRefResult(delta=delta)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        delta = 0
+        while node != self.root_node:
+            if node.lock_ref == 1:
+                n = self._phys(node)
+                self.evictable_size_ += n
+                self.protected_size_ -= n
+                delta += n
+            node.lock_ref -= 1
+            self._update_leaf_status(node)
+            node = node.parent
+        return DecLockRefResult(delta=delta)
+
+    def total_size(self) -> int:
+        total, stack = 0, [self.root_node]
+        while stack:
+            node = stack.pop()
+            total += self._phys(node) if node is not self.root_node else 0
+            stack.extend(c for c in node.children.values() if not c.evicted)
+        return total
+
+    # ---- tree internals ---------------------------------------------------------------
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list, TreeNode]:
+        if node is self.root_node:
+            k = self._covering(key)
+            if k is not None:
+                k.last_access_time = time.monotonic()
+                rest = key[len(k.key) :]
+                if len(rest) == 0:
+                    return [k.value], k
+                value, last = super()._match_prefix_helper(k, rest)
+                return [k.value, *value], last
+        return super()._match_prefix_helper(node, key)
+
+    def _insert_helper(self, node, key, value, priority=0, inserted_len=0):  # type: ignore[no-untyped-def]
+        if node is self.root_node:
+            k = self._covering(key)
+            if k is not None:
+                T = len(k.key)
+                k.last_access_time = time.monotonic()
+                n, last = super()._insert_helper(
+                    k, key[T:], value[T:], priority, max(0, inserted_len - T)
+                )
+                return T + n, last
+        return super()._insert_helper(node, key, value, priority, inserted_len)
+
+    def _inc_hit_count(self, node: TreeNode) -> None:
+        super()._inc_hit_count(node)
+        if _info(node) is None and node.hit_count >= self.config.min_hits:
+            self._candidates.append(node)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        info = _info(node)
+        if info is None:
+            super()._delete_leaf(node)
+            return
+        node.parent.children.pop(self._child_key(info.prefix_hash), None)
+        self._compacted.pop(info.prefix_hash, None)
+        self.evictable_size_ -= info.t_max
+        self.evictable_leaves.discard(node)
+        self._update_leaf_status(node.parent)
+
+    # ---- helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _child_key(phash: str) -> tuple[str, str]:
+        return ("__compacted__", phash)
+
+    @staticmethod
+    def _phys(node: TreeNode) -> int:
+        info = _info(node)
+        return info.t_max if info is not None else len(node.key)
+
+    def _covering(self, key: RadixKey) -> TreeNode | None:
+        """The longest compacted node whose whole key is a prefix of `key`."""
+        if not self._compacted or key.extra_key is not None or key.cache_salt is not None:
+            return None
+        if key.is_bigram:
+            return None
+        best: TreeNode | None = None
+        for node in self._compacted.values():
+            T = len(node.key)
+            fits = len(key) >= T and (best is None or len(best.key) < T)
+            if fits and node.key.match(key) == T:
+                best = node
+        return best
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - alloc.available_size()))
+        slots = alloc.alloc(n) if alloc.available_size() >= n else None
+        if slots is None:
+            raise RuntimeError(f"KV pool cannot hold a compacted prefix of {n} slots")
+        return slots.to(torch.int64)
+
+    def _free_node(self, node: TreeNode) -> int:
+        """Free an unlocked leaf's slots and delete it; returns slots freed."""
+        info = _info(node)
+        if info is not None:
+            self.token_to_kv_pool_allocator.free(info.slots)
+            self.beta_store.clear(info.slots)
+            n = info.t_max
+            self.stats.evicted += 1
+            self._pending.discard(info.prefix_hash)  # may be compacted again after new hits
+            t = tuple(int(x) for x in node.key.token_ids)
+            self._pending_paths = [p for p in self._pending_paths if p != t]
+        else:
+            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+            n = len(node.value)
+        self._delete_leaf(node)
+        self.kv_events.record_remove(node)
+        if info is not None:
+            self._refresh_gauges()
+            self._export()
+        return n
+
+    def _retire_original(self, key: RadixKey) -> None:
+        """Mark the ordinary path of `key` (and what hangs below its end) for freeing."""
+        node, path = self.root_node, []
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            m = child.key.match(key)
+            if m < len(child.key):
+                if m < len(key):
+                    break  # the tree diverges from the prefix inside this node
+                child = self._split_node(child.key, child, m)  # prefix ends inside it
+            path.append(child)
+            node, key = child, key[m:]
+        self._retired.update(path)
+        if len(key) == 0 and path:
+            stack = list(path[-1].children.values())
+            while stack:
+                n = stack.pop()
+                self._retired.add(n)
+                stack.extend(n.children.values())
+
+    def _reap(self) -> None:
+        """Free retired nodes that are now unlocked leaves (repeats up the path)."""
+        progress = True
+        while progress and self._retired:
+            progress = False
+            for node in list(self._retired):
+                parent = node.parent
+                attached = (
+                    parent is not None
+                    and parent.children.get(node.key.child_key(self.page_size)) is node
+                )
+                if not attached:
+                    self._retired.discard(node)
+                elif node.lock_ref == 0 and not node.children:
+                    self.stats.retired_tokens_freed += self._free_node(node)
+                    self._retired.discard(node)
+                    progress = True
+
+    def _remember(self, req: Any) -> None:
+        self._recent[req.rid] = tuple(int(t) for t in req.origin_input_ids)
+        self._recent.move_to_end(req.rid)
+        while len(self._recent) > _RECENT_PROMPTS:
+            self._recent.popitem(last=False)
+
+    def _path_tokens(self, node: TreeNode) -> list[int] | None:
+        parts = []
+        while node is not self.root_node:
+            if _info(node) is not None or node.key.extra_key is not None:
+                return None  # paths through a compacted node or a namespace: not compacted
+            if node.key.cache_salt is not None:
+                return None
+            parts.append(node.key.token_ids[: len(node.key)])
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def _maybe_submit(self) -> None:
+        if self.runner is None or not self._candidates:
+            return
+        best: list[int] | None = None
+        for node in self._candidates:
+            tokens = self._path_tokens(node)
+            if tokens is not None and (best is None or len(tokens) > len(best)):
+                best = tokens
+        self._candidates.clear()
+        if best is None or len(best) < self.config.min_prefix_tokens:
+            return
+        phash = prefix_hash(best)
+        if phash in self._pending or self._overlaps_pending(best):
+            return  # one compaction per document: nested paths are not compacted again
+        self._pending.add(phash)
+        self._pending_paths.append(tuple(best))
+        L, cut = len(best), self.config.follow_up_tokens
+        follow_ups = [
+            list(p[L : L + cut])
+            for p in reversed(self._recent.values())
+            if len(p) > L and list(p[:L]) == best
+        ][: self.config.max_follow_ups]
+        self.stats.requested += 1
+        logger.info(
+            "sglang_ext: compaction requested T=%d hash=%s follow_ups=%d",
+            L, phash[:12], len(follow_ups),
+        )  # fmt: skip
+        self.runner.submit(best, follow_ups)
+        self._export()
+
+    def _overlaps_pending(self, tokens: list[int]) -> bool:
+        t = tuple(tokens)
+        return any(t[: len(p)] == p or p[: len(t)] == t for p in self._pending_paths)
+
+    def _refresh_gauges(self) -> None:
+        kv = self.kvcache
+        k0 = kv.get_key_buffer(kv.start_layer)
+        per_slot = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
+        logical = sum(len(n.key) for n in self._compacted.values())
+        physical = sum(self._phys(n) for n in self._compacted.values())
+        self.stats.logical_tokens, self.stats.physical_tokens = logical, physical
+        self.stats.bytes_saved = (logical - physical) * per_slot
+
+    def _export(self, latency_s: float | None = None) -> None:
+        if self.exporter is not None:
+            self.exporter.update(self.stats, latency_s)

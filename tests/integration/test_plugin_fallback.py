@@ -1,0 +1,39 @@
+"""With the compaction endpoint unreachable, the plugin's server answers exactly as stock."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.launch import SGLangServer, free_port
+from sglang_ext.workload import ask_all, document, metric
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+
+def test_unreachable_endpoint_gives_stock_outputs(prepared_model: Path, tmp_path: Path) -> None:
+    doc = document(60)
+    with SGLangServer(prepared_model, log_path=tmp_path / "stock.log", max_total_tokens=4096) as s:
+        stock = ask_all(s, doc)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    args = [
+        "--compaction-endpoint", dead, "--compaction-min-hits", "2",
+        "--compaction-min-prefix-tokens", "256", "--compaction-timeout", "5",
+        "--enable-metrics",
+    ]  # fmt: skip
+    with SGLangServer(
+        prepared_model, log_path=tmp_path / "plugin.log", max_total_tokens=4096, extra_args=args
+    ) as srv:
+        outs = ask_all(srv, doc)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and metric(srv, "sglang:compaction_fallbacks_total") < 1:
+            time.sleep(1)
+        assert metric(srv, "sglang:compaction_requested_total") >= 1
+        assert metric(srv, "sglang:compaction_failures_total") >= 1
+        assert metric(srv, "sglang:compaction_fallbacks_total") >= 1
+        assert metric(srv, "sglang:compaction_installed_total") == 0
+        again = ask_all(srv, doc)  # after the failure: still stock
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in stock]
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in stock]

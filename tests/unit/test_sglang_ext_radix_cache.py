@@ -1,0 +1,287 @@
+"""CompactionRadixCache on SGLang's real CPU pools with a real compacted SmolLM2 prefix."""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from compactor.types import CompactedPrefix
+from sglang_ext.config import CompactionConfig
+from sglang_ext.kv_store import ALIAS_SLOT, head_counts
+from sglang_ext.radix_cache import CompactionRadixCache
+
+POOL = 512
+T = 96
+
+
+@pytest.fixture(scope="module")
+def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
+    from compactor.hf import load_model
+    from compactor.models import fingerprint
+    from compactor.pipeline import compact_prefix
+
+    model, tok = load_model(prepared_model)
+    text = " ".join(f"Room {i} has {i * 3} chairs." for i in range(40))
+    ids = tok(text)["input_ids"][:T]
+    prefix, _ = compact_prefix(
+        model, tok, ids, "am-highest", ratio=0.25, query_sources=("context-prefill",),
+        progress=False,
+    )  # fmt: skip
+    return ids, prefix, fingerprint(prepared_model)
+
+
+class FakeRunner:
+    def __init__(self) -> None:
+        self.submitted: list[tuple[list[int], list[list[int]]]] = []
+        self.results: list[Any] = []
+
+    def submit(self, token_ids: list[int], follow_ups: list[list[int]]) -> None:
+        self.submitted.append((list(token_ids), follow_ups))
+
+    def drain(self) -> list[Any]:
+        out, self.results = self.results, []
+        return out
+
+
+def make_cache(fp: str, runner: Any = None, **cfg: Any) -> CompactionRadixCache:
+    kv = MHATokenToKVPool(POOL, 1, torch.float32, 3, 64, 30, "cpu", False)
+    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", kv, False)
+    r2t = ReqToTokenPool(8, 1024, "cpu", False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+    )
+    config = CompactionConfig(endpoint="inproc://", min_prefix_tokens=16, **cfg)
+    return CompactionRadixCache(params, config, fp, runner=runner)
+
+
+def key(ids: list[int]) -> RadixKey:
+    return RadixKey(array("q", ids), None)
+
+
+def insert_fresh(cache: CompactionRadixCache, ids: list[int]) -> torch.Tensor:
+    """Insert `ids` with freshly allocated slots (as a finished request would)."""
+    slots = cache.token_to_kv_pool_allocator.alloc(len(ids)).to(torch.int64)
+    res = cache.insert(InsertParams(key=key(ids), value=slots))
+    cache.token_to_kv_pool_allocator.free(slots[: res.prefix_len])  # duplicates
+    return slots
+
+
+def check_accounting(cache: CompactionRadixCache) -> None:
+    alloc = cache.token_to_kv_pool_allocator
+    assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == POOL
+
+
+def test_install_matches_whole_prefix_and_frees_original(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, [*ids, 11, 12, 13])
+    assert cache.evictable_size() == T + 3
+    node = cache.install(ids, prefix)
+    t_max = int(head_counts(prefix).max())
+    assert t_max <= T // 2
+    # original path (and the suffix under it) were unlocked: freed at install
+    assert cache.evictable_size() == t_max
+    check_accounting(cache)
+    m = cache.match_prefix(MatchPrefixParams(key=key([*ids, 7, 8])))
+    assert m.device_prefix_len == T and m.last_device_node is node
+    path = cache.path_device_indices(node)
+    assert len(path) == T
+    assert torch.equal(path[:t_max], node.compaction.slots)
+    assert (path[t_max:] == ALIAS_SLOT).all()
+    store = cache.beta_store
+    assert store.compacted[node.compaction.slots].all()
+    assert torch.isinf(store.beta[:, ALIAS_SLOT]).all()
+    # layer 0, head 0 holds exactly its kept keys; padding rows are masked
+    layer0 = prefix.layers[0]
+    n0 = layer0.head_lengths()[0]
+    k_buf = cache.kvcache.get_key_buffer(0)
+    assert torch.allclose(k_buf[node.compaction.slots[:n0], 0], layer0.keys[:n0])
+    assert torch.equal(store.beta[0, node.compaction.slots[:n0], 0], layer0.beta[:n0].float())
+    assert torch.isneginf(store.beta[0, node.compaction.slots[n0:], 0]).all()
+    assert cache.stats.installed == 1 and cache.stats.logical_tokens == T
+    assert cache.stats.physical_tokens == t_max
+
+
+def test_divergence_inside_compacted_node_misses_it(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    cache.install(ids, prefix)
+    diverged = [*ids[: T - 5], 999, 998, 997, 996, 995, 994]
+    assert cache.match_prefix(MatchPrefixParams(key=key(diverged))).device_prefix_len == 0
+    assert cache.match_prefix(MatchPrefixParams(key=key(ids[:-1]))).device_prefix_len == 0
+    # served normally: its own path goes into the ordinary tree beside the compacted node
+    insert_fresh(cache, diverged)
+    m = cache.match_prefix(MatchPrefixParams(key=key(diverged)))
+    assert (
+        m.device_prefix_len == len(diverged)
+        and getattr(m.last_device_node, "compaction", None) is None
+    )
+    # requests covering the whole prefix still go through the compacted node
+    m2 = cache.match_prefix(MatchPrefixParams(key=key([*ids, 1])))
+    assert m2.device_prefix_len == T
+    check_accounting(cache)
+
+
+def test_locked_original_is_freed_only_after_unlock(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    held = cache.match_prefix(MatchPrefixParams(key=key(ids))).last_device_node
+    cache.inc_lock_ref(held)  # a running request holds the original slots
+    before = cache.token_to_kv_pool_allocator.available_size()
+    cache.install(ids, prefix)
+    t_max = int(head_counts(prefix).max())
+    assert cache.token_to_kv_pool_allocator.available_size() == before - t_max
+    check_accounting(cache)
+    cache.dec_lock_ref(held)
+    cache.poll_compactions()  # the scheduler's safe point reaps the retired path
+    assert cache.token_to_kv_pool_allocator.available_size() == before - t_max + T
+    check_accounting(cache)
+
+
+def test_locked_compacted_node_survives_eviction_then_evicts(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    node = cache.install(ids, prefix)
+    slots = node.compaction.slots.clone()
+    cache.inc_lock_ref(node)
+    assert cache.evict(EvictParams(num_tokens=POOL)).num_tokens_evicted == 0
+    assert cache.protected_size() == len(slots)
+    cache.dec_lock_ref(node)
+    assert cache.evict(EvictParams(num_tokens=POOL)).num_tokens_evicted == len(slots)
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL
+    assert not cache.beta_store.compacted[slots].any()
+    assert (cache.beta_store.beta[:, slots] == 0).all()
+    assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 5]))).device_prefix_len == 0
+    assert cache.stats.evicted == 1 and cache.stats.physical_tokens == 0
+
+
+def test_double_install_keeps_one_copy(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    first = cache.install(ids, prefix)
+    avail = cache.token_to_kv_pool_allocator.available_size()
+    assert cache.install(ids, prefix) is first
+    assert cache.token_to_kv_pool_allocator.available_size() == avail
+    assert cache.stats.double_installs == 1 and len(cache.compacted_nodes()) == 1
+
+
+@pytest.mark.parametrize("what", ["fingerprint", "tokens", "length"])
+def test_invalid_result_falls_back_without_leak(compacted: Any, what: str) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp if what != "fingerprint" else "0" * 32, runner=runner)
+    tokens = list(ids)
+    if what == "tokens":
+        tokens[3] += 1
+    elif what == "length":
+        tokens = tokens[:-1]
+    runner.results.append(SimpleNamespace(token_ids=tuple(tokens), prefix=prefix, error=None,
+                                          latency_s=0.1))  # fmt: skip
+    assert cache.poll_compactions() == 0
+    assert cache.stats.invalid == 1 and cache.stats.fallbacks == 1
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL
+    assert not cache.compacted_nodes()
+
+
+def test_failed_compaction_counts_a_fallback(compacted: Any) -> None:
+    _, _, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    runner.results.append(SimpleNamespace(token_ids=(1, 2), prefix=None,
+                                          error=TimeoutError(), latency_s=1.0))  # fmt: skip
+    cache.poll_compactions()
+    assert cache.stats.failures == 1 and cache.stats.fallbacks == 1
+
+
+def _req(cache: CompactionRadixCache, rid: str, ids: list[int], prefix_len: int) -> Any:
+    """A minimal running request whose row holds the matched prefix then fresh slots."""
+    m = cache.match_prefix(MatchPrefixParams(key=key(ids[:prefix_len])))
+    assert m.device_prefix_len == prefix_len
+    row = cache.req_to_token_pool.free_slots.pop(0)
+    prefix_slots = cache.path_device_indices(m.last_device_node)[:prefix_len]
+    fresh = cache.token_to_kv_pool_allocator.alloc(len(ids) - prefix_len)
+    r2t = cache.req_to_token_pool.req_to_token
+    r2t[row, :prefix_len] = prefix_slots.to(torch.int32)
+    r2t[row, prefix_len : len(ids)] = fresh.to(torch.int32)
+    kv = SimpleNamespace(req_pool_idx=row, cache_protected_len=prefix_len, cache_inserted_len=0,
+                         swa_evict_floor=0)  # fmt: skip
+    req = SimpleNamespace(
+        rid=rid, kv=kv, extra_key=None, cache_salt=None, priority=0,
+        origin_input_ids=list(ids), full_untruncated_fill_ids=array("q", ids),
+        lock=cache.lock(m.last_device_node), last_node=m.last_device_node,
+    )  # fmt: skip
+    return req
+
+
+def _release(cache: CompactionRadixCache, req: Any, n: int) -> None:
+    """What SGLang's release_kv_cache does after the final checkpoint."""
+    row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    cache.token_to_kv_pool_allocator.free(row[req.kv.cache_protected_len : n].to(torch.int64))
+    cache.unlock(req.lock)
+    cache.req_to_token_pool.free_slots.append(req.kv.req_pool_idx)
+
+
+def test_hits_trigger_one_compaction_with_follow_ups(compacted: Any) -> None:
+    ids, _prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, min_hits=2)
+    q1, q2 = [*ids, 501, 502, 503], [*ids, 601, 602]
+    r1 = _req(cache, "a", q1, 0)
+    cache.checkpoint(r1, up_to=len(q1))
+    _release(cache, r1, len(q1))
+    assert runner.submitted == []
+    r2 = _req(cache, "b", q2, T)
+    cache.checkpoint(r2, up_to=len(q2))
+    _release(cache, r2, len(q2))
+    assert len(runner.submitted) == 1
+    tokens, follow_ups = runner.submitted[0]
+    assert tokens == ids
+    assert sorted(follow_ups) == [[501, 502, 503], [601, 602]]
+    check_accounting(cache)
+    # a third sharer of the same (or a nested) path does not ask again
+    r3 = _req(cache, "c", [*ids, 601, 700], T + 1)
+    cache.checkpoint(r3, up_to=T + 2)
+    _release(cache, r3, T + 2)
+    assert len(runner.submitted) == 1
+
+
+def test_request_started_before_install_stays_off_the_compacted_node(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    q_old = [*ids, 42, 43]
+    old = _req(cache, "old", q_old, T)  # holds the original slots
+    node = cache.install(ids, prefix)
+    cache.checkpoint(old, up_to=len(q_old))
+    assert cache.stats.skipped_checkpoints == 1
+    assert not node.children  # nothing computed against the full prefix went under it
+    _release(cache, old, len(q_old))
+    cache.poll_compactions()
+    check_accounting(cache)
+    # a request that starts now runs on the compacted prefix and caches its suffix under it
+    new = _req(cache, "new", [*ids, 42, 44], T)
+    cache.checkpoint(new, up_to=T + 2)
+    assert len(node.children) == 1
+    _release(cache, new, T + 2)
+    check_accounting(cache)
+    assert (
+        cache.match_prefix(MatchPrefixParams(key=key([*ids, 42, 44, 1]))).device_prefix_len == T + 2
+    )
