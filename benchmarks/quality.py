@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--methods", default="full,am-omp,keep-only")
+    p.add_argument(
+        "--methods",
+        default="full,am-omp,keep-only",
+        help="comma-separated methods; parameters as name:key=value (e.g. snapkv:refit=am)",
+    )
     p.add_argument("--ratios", default="0.2,0.1,0.05")
     p.add_argument("--query-sources", default="repeat-prefill,self-study")
     p.add_argument("--max-queries", type=int, default=2048)

@@ -75,6 +75,29 @@ def make_niah_cases(
     return cases
 
 
+def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"snapkv:refit=am:window=32"`` -> ("snapkv", {"refit": "am", "window": 32}).
+
+    Values parse as int, then float, else stay strings. Raises ValueError on a part without
+    ``=``.
+    """
+    name, *parts = spec.split(":")
+    params: dict[str, Any] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad method parameter {part!r} in {spec!r}; use name:key=value")
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        params[key] = value
+    return name, params
+
+
 def run_eval(
     model: Any,
     tokenizer: Any,
@@ -117,15 +140,17 @@ def run_eval(
         rec.update({"seconds": 0.0, "stage_seconds": {}})
         records.append(rec)
     for method in [m for m in methods if m != "full"]:
+        name, params = parse_method_spec(method)
         for ratio in ratios:
-            rows, kept, secs, stages = [], [], [], []
+            rows, kept, secs, stages, chosen = [], [], [], [], []
             for ci, ref in enumerate(refs):
                 prefix, times = compact_prefix(
                     model,
                     tokenizer,
                     ref.case.prefix_ids,
-                    method,
+                    name,
                     ratio=ratio,
+                    method_params=params,
                     query_sources=qcfg,
                     chunk_size=chunk_size,
                     on_policy=on_policy,
@@ -136,6 +161,8 @@ def run_eval(
                 )
                 rows.append(evaluate_prefix(model, tokenizer, ref, prefix, niah))
                 kept.append(prefix.kept_tokens())
+                if prefix.params.get("chosen_ratio") is not None:  # methods that pick a budget
+                    chosen.append(float(prefix.params["chosen_ratio"]))
                 first = base.setdefault(ci, (times.prefill, times.queries))
                 st = {"prefill": first[0], "queries": first[1], "compaction": times.compaction}
                 st["total"] = sum(st.values())
@@ -148,6 +175,8 @@ def run_eval(
                 "kept_per_head": sum(kept) / len(kept) / (info.num_layers * info.num_kv_heads),
             }
             rec.update(summarize(rows))
+            if chosen:
+                rec["chosen_ratio"] = sum(chosen) / len(chosen)
             rec["seconds"] = sum(secs) / len(secs)
             rec["stage_seconds"] = {k: sum(s[k] for s in stages) / len(stages) for k in stages[0]}
             records.append(rec)

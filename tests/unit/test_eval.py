@@ -148,3 +148,15 @@ def test_cli_compact_and_eval_smoke(prepared_model, tmp_path, capsys):
     for key in ("output_rel_err", "mass_rel_err", "logppl_gap", "seconds", "kept_tokens"):
         assert key in recs[1]
     assert "am-omp-fast" in capsys.readouterr().out
+
+
+def test_parse_method_spec() -> None:
+    from compactor.eval.runner import parse_method_spec
+
+    assert parse_method_spec("am-omp") == ("am-omp", {})
+    assert parse_method_spec("snapkv:refit=am:window=32:p=0.5") == (
+        "snapkv",
+        {"refit": "am", "window": 32, "p": 0.5},
+    )
+    with pytest.raises(ValueError, match="use name:key=value"):
+        parse_method_spec("snapkv:refit")

@@ -1,0 +1,72 @@
+"""`make bench`: run every benchmark that can run on this machine, one after another.
+
+Each writes JSON (+ PNG where it plots) under benchmarks/results/. GPU-only benchmarks run
+only when CUDA is available; the kvpress cross-check only when its venv exists
+(scripts/setup_kvpress_venv.sh). Expect ~1 hour on a 2-core CPU machine; pass names to run a
+subset: `python benchmarks/run_all.py cluster_sim methods_speed`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KVPRESS_VENV = ROOT / "third_party" / ".kvpress-venv"
+
+
+def benchmarks() -> dict[str, list[str]]:
+    """name -> argv (without the interpreter)."""
+    return {
+        "cluster_sim": ["benchmarks/cluster_sim.py"],
+        "methods_speed": [
+            "benchmarks/methods_speed.py",
+            "--json",
+            "benchmarks/results/methods_speed.json",
+        ],
+        "quality": ["benchmarks/quality.py"],
+        "query_sources": ["benchmarks/query_sources.py"],
+        "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
+        "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
+        "kernels": ["-m", "benchmarks.kernels"],
+    }
+
+
+def runnable(name: str) -> str | None:
+    """None when `name` can run here, else the reason it is skipped."""
+    if name == "kernels":
+        import torch
+
+        return None if torch.cuda.is_available() else "needs a CUDA device"
+    if name == "kvpress_crosscheck" and not KVPRESS_VENV.exists():
+        return f"needs {KVPRESS_VENV} (scripts/setup_kvpress_venv.sh)"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    table = benchmarks()
+    unknown = [n for n in argv if n not in table]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {', '.join(table)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name in argv or list(table):
+        reason = runnable(name)
+        if reason:
+            print(f"== {name}: skipped ({reason})", flush=True)
+            continue
+        print(f"== {name}: {' '.join(table[name])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call([sys.executable, *table[name]], cwd=ROOT)
+        print(f"== {name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
