@@ -108,21 +108,44 @@ class QueryPlan:
     query_norms: list[torch.Tensor] | None = None  # per layer [H_kv] mean real query norm
 
 
-def reservoir(queries: torch.Tensor, cap: int, seed: int = 0) -> torch.Tensor:
-    """Uniform subsample without replacement along n: [H_kv, n, D] -> [H_kv, min(n, cap), D].
+def reservoir(queries: torch.Tensor, cap: int, seed: int = 0, group_size: int = 1) -> torch.Tensor:
+    """Uniform subsample without replacement along n: [H_kv, n, D] -> [H_kv, <=cap, D].
 
-    Deterministic for a given (n, cap, seed); keeps the original order of the chosen rows.
+    GQA-pooled queries are head-major (see `hf.pool_gqa`: the rows of query head g of a group
+    are [g*n/G, (g+1)*n/G)); with ``group_size`` G the same tokens are kept for every query head
+    of the group (cap // G each), so the layout survives. G=1 is a plain subsample.
+    Deterministic for a given (n, cap, seed, G); keeps the original order of the chosen rows.
     """
     if queries.dim() != 3:
         raise ValueError(f"queries must be [H_kv, n, D], got shape {tuple(queries.shape)}")
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    n = queries.shape[1]
+    h, n, d = queries.shape
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"n={n} pooled rows do not split into group_size={group_size} heads")
     if n <= cap:
         return queries
+    per, keep = n // group_size, max(1, cap // group_size)
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(n, generator=g)[:cap].sort().values
-    return queries[:, idx.to(queries.device)]
+    idx = torch.randperm(per, generator=g)[:keep].sort().values.to(queries.device)
+    return queries.reshape(h, group_size, per, d)[:, :, idx].reshape(h, group_size * keep, d)
+
+
+def cat_pooled(parts: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Concatenate GQA-pooled query blocks [H_kv, G*n_j, D] -> [H_kv, G*sum(n_j), D], head-major.
+
+    A plain ``torch.cat`` along n would interleave the blocks of the query heads; methods that
+    look at one query head's rows (CompressKV's retrieval heads, KVCompose with group_size > 1)
+    need query head g's rows contiguous, as `hf.pool_gqa` lays them out.
+    """
+    if not parts:
+        raise ValueError("cat_pooled: no parts")
+    h, d = parts[0].shape[0], parts[0].shape[-1]
+    for p in parts:
+        if p.shape[1] % group_size:
+            raise ValueError(f"{p.shape[1]} pooled rows do not split into {group_size} heads")
+    views = [p.reshape(h, group_size, -1, d) for p in parts]
+    return torch.cat(views, dim=2).reshape(h, -1, d)
 
 
 def random_queries(norms: torch.Tensor, n: int, head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -195,21 +218,21 @@ def collect_queries(
     cfg = plan.config
     parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
     cap, seed = cfg.max_queries_per_head, cfg.seed
+    group = info.group_size
     for j, cont in enumerate(plan.continuations):
         with hf.record_queries(model, wanted) as rec:
             state.fork().forward(model, cont.tokens, last_only=True)
         for layer in wanted:
             q = hf.pool_gqa(rec[layer][0][:, cont.keep_from :].float(), info.num_kv_heads)
-            parts[layer].append(reservoir(q, cap, seed + 1 + j))
+            parts[layer].append(reservoir(q, cap, seed + 1 + j, group))
     for layer in wanted:
         if "context-prefill" in cfg.sources and plan.context_queries is not None:
-            parts[layer].append(reservoir(plan.context_queries[layer], cap, seed))
+            parts[layer].append(reservoir(plan.context_queries[layer], cap, seed, group))
         if "random" in cfg.sources and plan.query_norms is not None:
             norms = plan.query_norms[layer]
-            parts[layer].append(
-                random_queries(norms, cfg.random_count, info.head_dim, seed + layer)
-            )
-    return {layer: reservoir(torch.cat(parts[layer], dim=1), cap, seed) for layer in wanted}
+            count = -(-cfg.random_count // group) * group  # a multiple of G keeps the layout
+            parts[layer].append(random_queries(norms, count, info.head_dim, seed + layer))
+    return {layer: reservoir(cat_pooled(parts[layer], group), cap, seed, group) for layer in wanted}
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

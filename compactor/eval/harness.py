@@ -25,7 +25,7 @@ import torch
 from compactor import hf
 from compactor.eval.metrics import attention_errors
 from compactor.niah import score_answer
-from compactor.queries import reservoir
+from compactor.queries import cat_pooled, reservoir
 from compactor.types import CompactedPrefix
 
 __all__ = ["EvalCase", "Reference", "build_reference", "evaluate_prefix", "summarize"]
@@ -98,7 +98,8 @@ def build_reference(
         ref.full_nll.append(_nll(logits, len(q), ans))
         if case.expected is not None and case.expected[qi]:
             ref.niah_scores.append(score_answer(_decode(tokenizer, ans), case.expected[qi]))
-    ref.heldout = {i: reservoir(torch.cat(p, dim=1), max_heldout, seed) for i, p in parts.items()}
+    g = info.group_size
+    ref.heldout = {i: reservoir(cat_pooled(p, g), max_heldout, seed, g) for i, p in parts.items()}
     ref.seconds = time.perf_counter() - t0
     return ref
 

@@ -53,7 +53,11 @@ def test_sources_shapes_and_repeat_prefill_semantics(tiny):
     plan = plan_queries(tiny, None, ids, pre, cfg, follow_ups=[[1, 2, 3]])
     qs = collect_queries(tiny, hf.PrefixState.full(pre), plan)
     # per KV head: G=2 x (24 repeat + 3 follow-up + 24 context) + 5 random
-    assert set(qs) == {0, 1} and qs[0].shape == (2, 2 * (24 + 3 + 24) + 5, 16)
+    assert set(qs) == {0, 1} and qs[0].shape == (
+        2,
+        2 * (24 + 3 + 24) + 6,
+        16,
+    )  # 5 random -> 6 (multiple of G=2)
     # repeat-prefill: queries of the second copy == queries of positions T..2T-1 of C+C
     with hf.record_queries(tiny, [1]) as rec:
         tiny(input_ids=torch.tensor([ids + ids]))
@@ -94,3 +98,27 @@ def test_self_study_on_real_model(prepared_model):
     n = 3 * sum(len(c.tokens) for c in plan.continuations)
     assert all(len(c.tokens) > 1 for c in plan.continuations)
     assert qs[29].shape == (3, n, 64)
+
+
+def test_cat_pooled_and_grouped_reservoir_keep_query_heads_contiguous() -> None:
+    from compactor.hf import pool_gqa
+    from compactor.queries import cat_pooled, reservoir
+
+    # 2 KV heads x G=3 query heads; each row's value encodes (query head, token)
+    def block(n: int, offset: int) -> torch.Tensor:
+        q = torch.stack([torch.full((n, 1), 100.0 * h) + offset for h in range(6)])
+        q = q + torch.arange(n, dtype=torch.float32).view(1, n, 1)
+        return pool_gqa(q, 2)  # [2, 3n, 1]
+
+    a, b = block(4, 0), block(5, 50)
+    joined = cat_pooled([a, b], 3)
+    assert joined.shape == (2, 27, 1)
+    heads = joined.reshape(2, 3, 9, 1)  # [H_kv, G, n, 1]: each query head's rows together
+    assert torch.all(heads // 100 == torch.tensor([[0, 1, 2], [3, 4, 5]]).view(2, 3, 1, 1))
+    capped = reservoir(joined, cap=12, seed=0, group_size=3)
+    assert capped.shape == (2, 12, 1)
+    kept = capped.reshape(2, 3, 4, 1) % 100  # the same tokens for every query head
+    assert torch.equal(kept[:, 0], kept[:, 1]) and torch.equal(kept[:, 1], kept[:, 2])
+    assert torch.equal(reservoir(joined, 12, 0), reservoir(joined, 12, 0, 1))  # G=1 unchanged
+    with pytest.raises(ValueError, match="do not split"):
+        reservoir(joined[:, :26], 12, 0, 3)
