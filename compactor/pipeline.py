@@ -341,13 +341,5 @@ def _hybrid_state(pre: hf.PrefillResult, done: Sequence[CompactedLayer]) -> hf.P
     keys, values = list(pre.keys), list(pre.values)
     bias = torch.zeros(len(keys), hkv, T)
     for li, layer in enumerate(done):
-        k = torch.zeros_like(keys[li])
-        v = torch.zeros_like(values[li])
-        bias[li] = float("-inf")
-        for h in range(hkv):
-            kh, vh, bh = layer.head(h)
-            k[h, : kh.shape[0]] = kh
-            v[h, : vh.shape[0]] = vh
-            bias[li, h, : bh.shape[0]] = bh
-        keys[li], values[li] = k, v
+        keys[li], values[li], bias[li] = layer.padded(T, keys[li].dtype)
     return hf.PrefixState(keys, values, bias, T)

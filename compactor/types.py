@@ -99,6 +99,29 @@ class CompactedLayer:
         lo, hi = int(self.indptr[h]), int(self.indptr[h + 1])
         return self.keys[lo:hi], self.values[lo:hi], self.beta[lo:hi]
 
+    def padded(
+        self, slots: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense per-head layout: (keys [H_kv, S, D], values [H_kv, S, D], beta [H_kv, S] fp32).
+
+        Head h fills slots [0, t_h); the rest hold zeros with beta = -inf (masked). S = `slots`
+        must be >= every t_h. `dtype` casts keys/values (default: as stored).
+        """
+        lengths = self.head_lengths()
+        if slots < max(lengths, default=0):
+            raise ValueError(f"slots={slots} < longest head ({max(lengths)})")
+        dt = dtype or self.keys.dtype
+        h_kv, d = self.num_kv_heads, self.keys.shape[-1]
+        k = torch.zeros(h_kv, slots, d, dtype=dt)
+        v = torch.zeros(h_kv, slots, d, dtype=dt)
+        beta = torch.full((h_kv, slots), float("-inf"), dtype=torch.float32)
+        for h in range(h_kv):
+            kh, vh, bh = self.head(h)
+            k[h, : kh.shape[0]] = kh.to(dt)
+            v[h, : vh.shape[0]] = vh.to(dt)
+            beta[h, : bh.shape[0]] = bh.float()
+        return k, v, beta
+
     def nbytes(self) -> int:
         """Bytes held by this layer's tensors."""
         ts = [self.keys, self.values, self.beta, self.indptr]

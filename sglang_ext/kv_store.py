@@ -98,7 +98,6 @@ def write_prefix(
         raise ValueError(f"prefix has {prefix.num_layers} layers, pool {kvcache.layer_num}")
     if not store.alias_ready:
         store.enable_alias()
-    neg_inf = float("-inf")
     for i, layer in enumerate(prefix.layers):
         layer_id = kvcache.start_layer + i
         k_buf = kvcache.get_key_buffer(layer_id)  # [S, H_kv, D]
@@ -108,18 +107,9 @@ def write_prefix(
                 f"pool layer {layer_id} holds [S, {k_buf.shape[1]}, {k_buf.shape[2]}], prefix "
                 f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
             )
-        k_rows = torch.zeros(t_max, prefix.num_kv_heads, prefix.head_dim, dtype=k_buf.dtype)
-        v_rows = torch.zeros_like(k_rows)
-        beta = torch.full((t_max, prefix.num_kv_heads), neg_inf, dtype=torch.float32)
-        indptr = layer.indptr.tolist()
-        for h in range(prefix.num_kv_heads):
-            lo, hi = indptr[h], indptr[h + 1]
-            n = hi - lo
-            k_rows[:n, h] = layer.keys[lo:hi].to(k_buf.dtype)
-            v_rows[:n, h] = layer.values[lo:hi].to(v_buf.dtype)
-            beta[:n, h] = layer.beta[lo:hi].float()
+        k, v, beta = layer.padded(t_max, k_buf.dtype)  # [H_kv, t_max, D], [H_kv, t_max]
         dev_slots = slots.to(k_buf.device)
-        k_buf[dev_slots] = k_rows.to(k_buf.device)
-        v_buf[dev_slots] = v_rows.to(v_buf.device)
-        store.beta[i, dev_slots] = beta.to(store.beta.device)
+        k_buf[dev_slots] = k.transpose(0, 1).to(k_buf.device)
+        v_buf[dev_slots] = v.transpose(0, 1).to(v_buf.device, v_buf.dtype)
+        store.beta[i, dev_slots] = beta.t().to(store.beta.device)
     store.compacted[slots.to(store.compacted.device)] = True

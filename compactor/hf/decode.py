@@ -121,20 +121,11 @@ class PrefixState:
     ) -> PrefixState:
         """Pad a ragged :class:`CompactedPrefix` into S = max_{layer,h} t_h slots (beta -inf pads)."""
         s = max(1, max(max(layer.head_lengths()) for layer in prefix.layers))
-        hkv, d = prefix.num_kv_heads, prefix.head_dim
         dt = dtype or prefix.dtype
-        bias = torch.full((len(prefix.layers), hkv, s), float("-inf"))
-        keys, values = [], []
-        for li, layer in enumerate(prefix.layers):
-            k = torch.zeros(hkv, s, d, dtype=dt)
-            v = torch.zeros(hkv, s, d, dtype=dt)
-            for h in range(hkv):
-                kh, vh, bh = layer.head(h)
-                k[h, : kh.shape[0]] = kh.to(dt)
-                v[h, : vh.shape[0]] = vh.to(dt)
-                bias[li, h, : bh.shape[0]] = bh.float()
-            keys.append(k)
-            values.append(v)
+        padded = [layer.padded(s, dt) for layer in prefix.layers]
+        keys = [k for k, _, _ in padded]
+        values = [v for _, v, _ in padded]
+        bias = torch.stack([b for _, _, b in padded])
         return cls(keys, values, bias, prefix.logical_length)
 
     def fork(self) -> PrefixState:

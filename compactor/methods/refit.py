@@ -127,9 +127,7 @@ def fit_beta_nnls(
 
     Padded (mask False) entries get beta = 0 (they are dropped by pack_layer).
     """
-    lo_b, hi_b = beta_bounds
-    lo = 0.0 if lo_b is None else math.exp(lo_b)
-    hi = None if hi_b is None else math.exp(hi_b)
+    lo, hi = _weight_bounds(beta_bounds)
     w = nnls(
         A,
         mass,
@@ -155,9 +153,7 @@ def fit_beta_nnls_gram(
     polish_rounds: int | None = None,
 ) -> torch.Tensor:
     """As :func:`fit_beta_nnls` from the normal equations G [H, t, t] = A'A, c [H, t] = A'mass."""
-    lo_b, hi_b = beta_bounds
-    lo = 0.0 if lo_b is None else math.exp(lo_b)
-    hi = None if hi_b is None else math.exp(hi_b)
+    lo, hi = _weight_bounds(beta_bounds)
     w = nnls_gram(
         G,
         c,
@@ -179,3 +175,9 @@ def selection_from_budgets(indices: torch.Tensor, budgets: Sequence[int]) -> Sel
     mask = ar < torch.as_tensor(budgets).unsqueeze(1)
     idx = torch.where(mask, indices[:, :t_max], torch.zeros((), dtype=torch.int64))
     return Selection(idx, mask)
+
+
+def _weight_bounds(beta_bounds: tuple[float | None, float | None]) -> tuple[float, float | None]:
+    """Box bounds on w = exp(beta) from bounds on beta (None: unbounded; w >= 0 always)."""
+    lo_b, hi_b = beta_bounds
+    return (0.0 if lo_b is None else math.exp(lo_b), None if hi_b is None else math.exp(hi_b))

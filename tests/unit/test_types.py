@@ -162,3 +162,16 @@ def test_validation_expectations():
 def test_minus_inf_beta_is_allowed():
     p = make_prefix(num_layers=1)
     with_layer(p, beta=torch.full((6,), -math.inf)).validate()
+
+
+def test_padded_layout_masks_the_padding() -> None:
+    layer = make_layer(lengths=(2, 3, 0), dtype=torch.float32)
+    k, v, beta = layer.padded(4)
+    assert k.shape == v.shape == (3, 4, layer.keys.shape[-1]) and beta.shape == (3, 4)
+    for h, n in enumerate((2, 3, 0)):
+        kh, vh, bh = layer.head(h)
+        assert torch.equal(k[h, :n], kh) and torch.equal(v[h, :n], vh)
+        assert torch.equal(beta[h, :n], bh) and bool(torch.isneginf(beta[h, n:]).all())
+        assert not k[h, n:].any()
+    with pytest.raises(ValueError, match="slots=2 < longest head"):
+        layer.padded(2)
