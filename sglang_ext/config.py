@@ -4,8 +4,9 @@ The flags are added to SGLang's own parser (an AFTER hook on `ServerArgs.add_cli
 read back after `ServerArgs.from_cli_args` (another AFTER hook), which stores the config on
 the record as the underscore attribute `_compaction_config`. ServerArgs pickles its
 underscore attributes to the scheduler process, where the radix-cache factory reads them.
-Giving `--compaction-endpoint` also selects this plugin's radix-cache and attention backends;
-without it the record is left exactly as SGLang built it.
+Giving `--compaction-endpoint` also selects this plugin's radix-cache and attention backends
+(`compaction`, torch, off CUDA; `compaction-triton` on CUDA); without it the record is left
+exactly as SGLang built it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "ATTENTION_BACKEND",
     "CONFIG_ATTR",
     "RADIX_CACHE_BACKEND",
+    "TRITON_ATTENTION_BACKEND",
     "CompactionConfig",
     "add_cli_args",
     "config_from_namespace",
@@ -26,6 +28,7 @@ __all__ = [
 
 RADIX_CACHE_BACKEND = "compaction"
 ATTENTION_BACKEND = "compaction"
+TRITON_ATTENTION_BACKEND = "compaction-triton"
 CONFIG_ATTR = "_compaction_config"
 # The sharing requests' own questions are the best reference queries measured so far: on the
 # plugin workload (1.9k-token document, am-highest, ratio 0.1, transformers decoding) fitting on
@@ -49,6 +52,8 @@ class CompactionConfig:
         query_sources: reference-query sources sent to the compactor.
         max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
         follow_up_tokens: each suffix is cut to this many tokens.
+        max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
+            at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
         tls / tls_ca / tls_cert / tls_key / token / token_file: gRPC channel options.
     """
 
@@ -62,6 +67,8 @@ class CompactionConfig:
     query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
+    max_retries: int = 2
+    retry_backoff_s: float = 30.0
     tls: bool = False
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -84,6 +91,11 @@ class CompactionConfig:
             raise ValueError(f"--compaction-min-hits must be >= 1, got {self.min_hits}")
         if self.timeout <= 0:
             raise ValueError(f"--compaction-timeout must be > 0, got {self.timeout}")
+        if self.max_retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError(
+                "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
+                f"{self.max_retries} and {self.retry_backoff_s}"
+            )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
                 "follow-up limits must be max_follow_ups >= 0 and follow_up_tokens >= 1, got "
@@ -132,6 +144,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "questions; repeat-prefill when a prefix has none).",
     )
     g.add_argument("--compaction-max-follow-ups", type=int, default=8)
+    g.add_argument(
+        "--compaction-max-retries",
+        type=int,
+        default=2,
+        help="Times a failed compaction is sent again (after new hits).",
+    )
+    g.add_argument(
+        "--compaction-retry-backoff",
+        type=float,
+        default=30.0,
+        help="Seconds before the first retry; doubles each time.",
+    )
     g.add_argument("--compaction-tls", action="store_true", help="Use TLS for gRPC.")
     g.add_argument("--compaction-tls-ca", default=None)
     g.add_argument("--compaction-tls-cert", default=None)
@@ -156,6 +180,8 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         timeout=ns.compaction_timeout,
         query_sources=sources,
         max_follow_ups=ns.compaction_max_follow_ups,
+        max_retries=ns.compaction_max_retries,
+        retry_backoff_s=ns.compaction_retry_backoff,
         tls=ns.compaction_tls or endpoint.startswith("grpcs://"),
         tls_ca=ns.compaction_tls_ca,
         tls_cert=ns.compaction_tls_cert,
@@ -174,6 +200,10 @@ def get_config(server_args: Any) -> CompactionConfig | None:
 def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     """Store `cfg` on the record and select the plugin's backends (mutates `server_args`).
 
+    Attention: `compaction-triton` on a CUDA device (or for `--attention-backend triton`),
+    which also disables CUDA graphs (a replayed graph would skip beta); `compaction` (torch)
+    elsewhere or for `--attention-backend torch_native`.
+
     Raises:
         ValueError: the record selects something the plugin cannot serve with.
     """
@@ -188,12 +218,66 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
             f"--compaction-endpoint selects --radix-cache-backend {RADIX_CACHE_BACKEND!r}; "
             f"got {backend!r}"
         )
-    attn = getattr(server_args, "attention_backend", None)
-    if attn not in (None, "torch_native", ATTENTION_BACKEND):
-        raise ValueError(
-            f"--compaction-endpoint serves with the torch_native-based {ATTENTION_BACKEND!r} "
-            f"attention backend only for now; got --attention-backend {attn!r}"
-        )
+    attention = _attention_backend(server_args)
+    if attention == TRITON_ATTENTION_BACKEND:
+        _require_no_cuda_graph(server_args)
     setattr(server_args, CONFIG_ATTR, cfg)
     server_args.radix_cache_backend = RADIX_CACHE_BACKEND
-    server_args.attention_backend = ATTENTION_BACKEND
+    server_args.attention_backend = attention
+    if attention == TRITON_ATTENTION_BACKEND:
+        server_args.disable_cuda_graph = True
+
+
+def _device(server_args: Any) -> str:
+    """The record's device without index; None resolves as SGLang does for cuda vs cpu."""
+    device = getattr(server_args, "device", None)
+    if device is None:
+        import os
+
+        import torch
+
+        cpu_engine = os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
+        device = "cuda" if torch.cuda.is_available() and not cpu_engine else "cpu"
+    return str(device).split(":", 1)[0]
+
+
+def _attention_backend(server_args: Any) -> str:
+    attn = getattr(server_args, "attention_backend", None)
+    split = {
+        name: getattr(server_args, name, None)
+        for name in ("prefill_attention_backend", "decode_attention_backend")
+    }
+    given = [f"--{k.replace('_', '-')} {v!r}" for k, v in split.items() if v is not None]
+    if given:
+        raise ValueError(
+            "--compaction-endpoint selects one attention backend for prefill and decode; "
+            f"drop {', '.join(given)}"
+        )
+    device = _device(server_args)
+    if attn in ("triton", TRITON_ATTENTION_BACKEND) or (attn is None and device == "cuda"):
+        if device != "cuda":
+            raise ValueError(
+                f"--attention-backend {attn!r} with --compaction-endpoint needs a CUDA device, "
+                f"got device {device!r}"
+            )
+        return TRITON_ATTENTION_BACKEND
+    if attn in (None, "torch_native", ATTENTION_BACKEND):
+        return ATTENTION_BACKEND
+    raise ValueError(
+        f"--compaction-endpoint serves with {ATTENTION_BACKEND!r} (torch_native + beta) or, on "
+        f"CUDA, {TRITON_ATTENTION_BACKEND!r} (triton + beta); got --attention-backend {attn!r}"
+    )
+
+
+def _require_no_cuda_graph(server_args: Any) -> None:
+    """ValueError when CUDA graphs were asked for explicitly (they would skip beta)."""
+    asked = {
+        name: value
+        for name in ("cuda_graph_config", "cuda_graph_backend_decode", "cuda_graph_backend_prefill")
+        if (value := getattr(server_args, name, None)) not in (None, "disabled")
+    }
+    if asked:
+        raise ValueError(
+            f"{TRITON_ATTENTION_BACKEND!r} runs without CUDA graphs (a replayed graph would skip "
+            f"the compaction biases); got {asked}"
+        )

@@ -13,8 +13,9 @@ their positions continue at T. Rules:
   once, locked ones when their last request lets go.
 - A request that started before the install (its row does not begin with K's slots) is
   kept off K: its checkpoints leave the tree alone and it frees only its own slots.
-- Hits: SGLang's insert counts one hit per request and node; a node reaching
-  `min_hits` on a path of at least `min_prefix_tokens` is sent for compaction (once).
+- Hits: SGLang's insert counts one hit per request and node; `sglang_ext.trigger` decides
+  which path is sent for compaction (branch points with enough hits, once per document,
+  failed ones retried with backoff).
 
 Mutations happen in the scheduler only: `poll_compactions()` installs finished results at a safe point.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -41,11 +41,11 @@ from compactor.types import CompactedPrefix, prefix_hash
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore, head_counts, write_prefix
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
+from sglang_ext.trigger import CompactionTrigger
 
 __all__ = ["CompactionInfo", "CompactionRadixCache"]
 
 logger = logging.getLogger(__name__)
-_RECENT_PROMPTS = 64
 
 
 class CompactionInfo:
@@ -86,12 +86,9 @@ class CompactionRadixCache(RadixCache):
         self.runner = runner
         self.exporter = exporter
         self.stats = CompactionStats()
+        self.trigger = CompactionTrigger(config)
         self._compacted: dict[str, TreeNode] = {}
         self._retired: set[TreeNode] = set()
-        self._pending: set[str] = set()  # prefix hashes submitted or done (never resubmitted)
-        self._pending_paths: list[tuple[int, ...]] = []
-        self._candidates: list[TreeNode] = []
-        self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         self.kvcache = kvcache
@@ -107,7 +104,11 @@ class CompactionRadixCache(RadixCache):
                 if job.prefix is None:
                     self.stats.failures += 1
                     self.stats.fallbacks += 1
-                    logger.warning("compaction failed, prefix stays uncompacted: %r", job.error)
+                    retry = self.trigger.failed(job.token_ids)
+                    logger.warning(
+                        "compaction failed, prefix stays uncompacted%s: %r",
+                        " (may be retried)" if retry else "", job.error,
+                    )  # fmt: skip
                 else:
                     try:
                         self.install(job.token_ids, job.prefix)
@@ -115,6 +116,7 @@ class CompactionRadixCache(RadixCache):
                     except (ValueError, RuntimeError) as e:
                         self.stats.invalid += isinstance(e, ValueError)
                         self.stats.fallbacks += 1
+                        self.trigger.failed(job.token_ids)
                         logger.warning("compacted prefix rejected, stays uncompacted: %s", e)
                 self._export(job.latency_s)
         self._reap()
@@ -192,8 +194,7 @@ class CompactionRadixCache(RadixCache):
         if hasattr(self, "_compacted"):
             self._compacted.clear()
             self._retired.clear()
-            self._pending.clear()
-            self._pending_paths.clear()
+            self.trigger.reset()
         super().reset()
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
@@ -206,8 +207,8 @@ class CompactionRadixCache(RadixCache):
             if not torch.equal(row.to(torch.int64), k.value.to(row.device)):
                 self.stats.skipped_checkpoints += 1
                 return
-        self._remember(req)
-        self._candidates.clear()
+        self.trigger.remember(req.rid, req.origin_input_ids)
+        self.trigger.candidates.clear()
         super().checkpoint(req, up_to=up_to)
         self._maybe_submit()
 
@@ -293,8 +294,8 @@ class CompactionRadixCache(RadixCache):
 
     def _inc_hit_count(self, node: TreeNode) -> None:
         super()._inc_hit_count(node)
-        if _info(node) is None and node.hit_count >= self.config.min_hits:
-            self._candidates.append(node)
+        if _info(node) is None:
+            self.trigger.on_hit(node)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         info = _info(node)
@@ -348,9 +349,7 @@ class CompactionRadixCache(RadixCache):
             self.beta_store.clear(info.slots)
             n = info.t_max
             self.stats.evicted += 1
-            self._pending.discard(info.prefix_hash)  # may be compacted again after new hits
-            t = tuple(int(x) for x in node.key.token_ids)
-            self._pending_paths = [p for p in self._pending_paths if p != t]
+            self.trigger.forget(info.prefix_hash)  # may be compacted again after new hits
         else:
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
             n = len(node.value)
@@ -401,12 +400,6 @@ class CompactionRadixCache(RadixCache):
                     self._retired.discard(node)
                     progress = True
 
-    def _remember(self, req: Any) -> None:
-        self._recent[req.rid] = tuple(int(t) for t in req.origin_input_ids)
-        self._recent.move_to_end(req.rid)
-        while len(self._recent) > _RECENT_PROMPTS:
-            self._recent.popitem(last=False)
-
     def _path_tokens(self, node: TreeNode) -> list[int] | None:
         parts = []
         while node is not self.root_node:
@@ -419,38 +412,19 @@ class CompactionRadixCache(RadixCache):
         return [t for part in reversed(parts) for t in part]
 
     def _maybe_submit(self) -> None:
-        if self.runner is None or not self._candidates:
+        if self.runner is None or not self.trigger.candidates:
             return
-        best: list[int] | None = None
-        for node in self._candidates:
-            tokens = self._path_tokens(node)
-            if tokens is not None and (best is None or len(tokens) > len(best)):
-                best = tokens
-        self._candidates.clear()
-        if best is None or len(best) < self.config.min_prefix_tokens:
+        picked = self.trigger.pick(self._path_tokens)
+        if picked is None:
             return
-        phash = prefix_hash(best)
-        if phash in self._pending or self._overlaps_pending(best):
-            return  # one compaction per document: nested paths are not compacted again
-        self._pending.add(phash)
-        self._pending_paths.append(tuple(best))
-        L, cut = len(best), self.config.follow_up_tokens
-        follow_ups = [
-            list(p[L : L + cut])
-            for p in reversed(self._recent.values())
-            if len(p) > L and list(p[:L]) == best
-        ][: self.config.max_follow_ups]
+        tokens, follow_ups = picked
         self.stats.requested += 1
         logger.info(
             "sglang_ext: compaction requested T=%d hash=%s follow_ups=%d",
-            L, phash[:12], len(follow_ups),
+            len(tokens), prefix_hash(tokens)[:12], len(follow_ups),
         )  # fmt: skip
-        self.runner.submit(best, follow_ups)
+        self.runner.submit(tokens, follow_ups)
         self._export()
-
-    def _overlaps_pending(self, tokens: list[int]) -> bool:
-        t = tuple(tokens)
-        return any(t[: len(p)] == p or p[: len(t)] == t for p in self._pending_paths)
 
     def _refresh_gauges(self) -> None:
         kv = self.kvcache

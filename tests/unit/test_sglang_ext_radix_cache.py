@@ -285,3 +285,22 @@ def test_request_started_before_install_stays_off_the_compacted_node(compacted: 
     assert (
         cache.match_prefix(MatchPrefixParams(key=key([*ids, 42, 44, 1]))).device_prefix_len == T + 2
     )
+
+
+def test_only_branch_points_are_compacted(compacted: Any) -> None:
+    """A prompt sent twice verbatim has 2 hits but no branch: nothing is sent until a request
+    goes on differently after the shared document."""
+    ids, _prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, min_hits=2)
+    same = [*ids, 501, 502]
+    for rid, prefix_len in (("a", 0), ("b", len(same))):
+        r = _req(cache, rid, same, prefix_len)
+        cache.checkpoint(r, up_to=len(same))
+        _release(cache, r, len(same))
+    assert runner.submitted == []
+    r = _req(cache, "c", [*ids, 601], T)
+    cache.checkpoint(r, up_to=T + 1)
+    _release(cache, r, T + 1)
+    assert [tokens for tokens, _ in runner.submitted] == [ids]
+    check_accounting(cache)

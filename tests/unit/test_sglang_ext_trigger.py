@@ -1,0 +1,90 @@
+"""`CompactionTrigger`: branch points only, once per document, retries with backoff."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from compactor.types import prefix_hash
+from sglang_ext.config import CompactionConfig
+from sglang_ext.trigger import CompactionTrigger
+
+DOC = list(range(100, 400))  # 300 tokens
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def node(tokens: list[int], hits: int, children: int) -> Any:
+    return SimpleNamespace(
+        tokens=tokens, hit_count=hits, children={i: None for i in range(children)}
+    )
+
+
+def trigger(**kw: Any) -> tuple[CompactionTrigger, Clock]:
+    clock = Clock()
+    cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=256, **kw)
+    return CompactionTrigger(cfg, clock=clock), clock
+
+
+def offer(t: CompactionTrigger, *nodes: Any) -> Any:
+    for n in nodes:
+        t.on_hit(n)
+    return t.pick(lambda n: list(n.tokens))
+
+
+def test_branch_point_with_enough_hits_is_sent_with_follow_ups() -> None:
+    t, _ = trigger(min_hits=2, follow_up_tokens=2)
+    t.remember("a", [*DOC, 1, 2, 3])
+    t.remember("b", [*DOC, 4, 5])
+    t.remember("other", [7, 8, 9])
+    assert offer(t, node(DOC, hits=1, children=2)) is None  # too few hits: not a candidate
+    assert offer(t, node([*DOC, 1, 2, 3], hits=2, children=0)) is None  # repeated prompt
+    tokens, follow_ups = offer(
+        t, node(DOC, hits=2, children=2), node(DOC[:280], hits=3, children=2)
+    )
+    assert tokens == DOC  # the longest candidate
+    assert follow_ups == [[4, 5], [1, 2]]  # most recent first, cut to follow_up_tokens
+    assert t.candidates == []
+
+
+def test_short_or_overlapping_paths_are_not_sent_again() -> None:
+    t, _ = trigger(min_hits=2)
+    assert offer(t, node(DOC[:200], hits=5, children=2)) is None  # < min_prefix_tokens
+    assert offer(t, node(DOC, hits=2, children=2)) is not None
+    assert offer(t, node(DOC, hits=3, children=3)) is None  # in flight
+    assert offer(t, node([*DOC, 1, 2], hits=2, children=2)) is None  # around it
+    assert offer(t, node(DOC[:260], hits=2, children=2)) is None  # inside it
+    t.forget(prefix_hash(DOC))  # evicted after install: may be compacted again
+    assert offer(t, node(DOC, hits=4, children=2)) is not None
+
+
+def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
+    t, clock = trigger(min_hits=2, max_retries=2, retry_backoff_s=30.0)
+    branch = node(DOC, hits=2, children=2)
+    assert offer(t, branch) is not None
+    assert t.failed(DOC) is True
+    assert offer(t, branch) is None  # backing off
+    clock.t = 30.0
+    assert offer(t, branch) is not None  # first retry
+    assert t.failed(DOC) is True
+    clock.t = 89.0
+    assert offer(t, branch) is None  # second backoff is 60 s
+    clock.t = 90.0
+    assert offer(t, branch) is not None
+    assert t.failed(DOC) is False  # out of retries
+    clock.t = 1e6
+    assert offer(t, branch) is None
+
+
+@pytest.mark.parametrize("bad", [{"max_retries": -1}, {"retry_backoff_s": -1.0}])
+def test_bad_retry_limits_are_value_errors(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="retry limits"):
+        CompactionConfig(endpoint="inproc://", **bad)
