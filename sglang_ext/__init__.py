@@ -9,8 +9,9 @@ which applies them after all plugins have run:
 - AFTER `configure_logger`: announce the plugin in each process's log.
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
-  record and select the `compaction` radix-cache and attention backends; without it,
-  nothing changes and SGLang runs stock.
+  record and select the `compaction` radix-cache backend and attention backend
+  (`compaction-triton` on CUDA, `compaction` elsewhere); without it, nothing changes and
+  SGLang runs stock.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll`); a no-op for other caches.
 """

@@ -1,8 +1,9 @@
 """Registration of the plugin's backends and the radix-cache factory run in the scheduler.
 
-`register_backends()` adds the name `compaction` to SGLang's radix-cache registry and to its
-attention-backend registry and `--attention-backend` choices (called from `register()`;
-idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
+`register_backends()` adds the name `compaction` to SGLang's radix-cache registry, and the
+attention backends `compaction` (torch_native + beta) and `compaction-triton` (triton + beta,
+CUDA) to its attention-backend registry and `--attention-backend` choices (called from
+`register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
 model fingerprint and a `CompactionRunner` for the configured endpoint.
 """
 
@@ -11,7 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_ext.config import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, get_config
+from sglang_ext.config import (
+    ATTENTION_BACKEND,
+    RADIX_CACHE_BACKEND,
+    TRITON_ATTENTION_BACKEND,
+    get_config,
+)
 
 __all__ = ["create_compaction_cache", "register_backends"]
 
@@ -19,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def register_backends() -> None:
-    """Make `compaction` selectable as radix-cache and attention backend (idempotent)."""
+    """Make `compaction` a radix-cache backend and `compaction` / `compaction-triton`
+    attention backends (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
         register_attention_backend,
@@ -32,16 +39,29 @@ def register_backends() -> None:
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, create_compaction_cache)
-    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
-    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([ATTENTION_BACKEND])
+    for name, create in (
+        (ATTENTION_BACKEND, _create_attention_backend),
+        (TRITON_ATTENTION_BACKEND, _create_triton_attention_backend),
+    ):
+        if name not in ATTENTION_BACKENDS:
+            register_attention_backend(name)(create)
+        if name not in ATTENTION_BACKEND_CHOICES:
+            add_attention_backend_choices([name])
 
 
 def _create_attention_backend(runner: Any) -> Any:
     from sglang_ext.attention import CompactionTorchNativeBackend
 
     return CompactionTorchNativeBackend(runner)
+
+
+def _create_triton_attention_backend(runner: Any) -> Any:
+    """Like SGLang's `triton` factory, which refuses encoder-decoder models too."""
+    if runner.model_config.is_encoder_decoder:
+        raise ValueError(f"{TRITON_ATTENTION_BACKEND!r} does not serve encoder-decoder models")
+    from sglang_ext.triton_backend import CompactionTritonBackend
+
+    return CompactionTritonBackend(runner)
 
 
 def create_compaction_cache(ctx: Any) -> Any:
