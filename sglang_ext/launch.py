@@ -1,12 +1,15 @@
-"""Start and stop a real SGLang server process (tests, demo, benchmarks).
+"""Start and stop real server processes (tests, demo, benchmarks).
 
-`SGLangServer` runs `python -m sglang.launch_server` on a free loopback port, waits for
-`/health`, keeps the server's log in a file, and on exit kills the whole process tree (the
-server spawns scheduler and detokenizer processes), also on exceptions and Ctrl-C.
+`SGLangServer` runs `python -m sglang.launch_server`, `CompactorService` runs
+`python -m compactor serve`; each takes a free loopback port, waits until it answers
+(`/health`, or a gRPC `GetModelInfo`), keeps the log in a file, and on exit kills the whole
+process group (SGLang's scheduler and detokenizer, Ray's raylet and actors), also on
+exceptions and Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -33,8 +37,116 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class ManagedProcess:
+    """A child process in its own session, killed with its whole group on `stop()`.
+
+    Subclasses give `command()` and `_ready()` (True once the process answers).
+    """
+
+    log_path: str | Path
+    startup_timeout: float
+    host: str
+    port: int
+    env: dict[str, str]
+    _proc: subprocess.Popen[bytes] | None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)  # a test-only switch; servers must not inherit it
+        env.update(self.env)
+        return env
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> Any:
+        """Spawn the process and wait until it answers; returns self."""
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    def spawn(self) -> None:
+        """Spawn the process without waiting (start several, then `wait_ready()` each)."""
+        if self.port == 0:
+            self.port = free_port(self.host)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the child's exit
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._child_env(),
+            start_new_session=True,
+        )
+        log.close()
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL what is left after 15 s; safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:  # the leader is gone: take down what it left behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            break
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> Any:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def wait_ready(self) -> None:
+        if self._proc is None:
+            raise RuntimeError("spawn() the process before waiting for it")
+        name = type(self).__name__
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerStartError(
+                    f"{name} exited with code {self._proc.returncode}; log tail:\n"
+                    + self.log_tail()
+                )
+            if self._ready():
+                return
+            time.sleep(1.0)
+        raise ServerStartError(
+            f"{name} not ready after {self.startup_timeout:.0f} s; log tail:\n" + self.log_tail()
+        )
+
+
 @dataclass
-class SGLangServer:
+class SGLangServer(ManagedProcess):
     """A real SGLang HTTP server for one model.
 
     Attributes:
@@ -73,37 +185,11 @@ class SGLangServer:
             cmd += ["--device", "cpu"]
         return cmd + list(self.extra_args)
 
-    def start(self) -> SGLangServer:
-        if self.port == 0:
-            self.port = free_port(self.host)
-        env = dict(os.environ)
-        env.pop("TRITON_INTERPRET", None)  # a test-only switch; the server must not inherit it
+    def _child_env(self) -> dict[str, str]:
+        env = super()._child_env()
         if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env.update(self.env)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the child's exit
-        self._proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-        self._wait_healthy()
-        return self
-
-    def stop(self) -> None:
-        """Kill the server's whole process group; safe to call twice."""
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        return env
 
     def generate(self, text: str, max_new_tokens: int = 16, **sampling: Any) -> dict[str, Any]:
         """POST /generate (greedy by default); returns the JSON answer."""
@@ -120,45 +206,69 @@ class SGLangServer:
             result: dict[str, Any] = json.loads(resp.read())
         return result
 
-    def log_tail(self, chars: int = 4000) -> str:
+    def _ready(self) -> bool:
         try:
-            return Path(self.log_path).read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
-    def __enter__(self) -> SGLangServer:
+
+@dataclass
+class CompactorService(ManagedProcess):
+    """A real `compactor serve` gRPC service (Ray workers unless `in_process`).
+
+    Attributes:
+        model: known model name or checkpoint directory.
+        log_path: where the service's stdout/stderr go.
+        workers: Ray actors (or threads with `in_process`).
+        extra_args: more `compactor serve` flags.
+    """
+
+    model: str | Path
+    log_path: str | Path
+    workers: int = 1
+    in_process: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout: float = 180.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "compactor", "serve",
+            "--model", str(self.model),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--workers", str(self.workers),
+        ]  # fmt: skip
+        if self.in_process:
+            cmd.append("--in-process")
+        return cmd + list(self.extra_args)
+
+    def _ready(self) -> bool:
+        import grpc
+
+        from compactor.client import CompactorClient
+
         try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
+            with CompactorClient(self.endpoint) as client:
+                client.model_info(timeout=5.0)
+            return True
+        except grpc.RpcError:
+            return False
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
-    def _wait_healthy(self) -> None:
-        if self._proc is None:
-            raise RuntimeError("start() the server before waiting for it")
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise ServerStartError(
-                    f"SGLang server exited with code {self._proc.returncode}; log tail:\n"
-                    + self.log_tail()
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        raise ServerStartError(
-            f"SGLang server not healthy after {self.startup_timeout:.0f} s; log tail:\n"
-            + self.log_tail()
-        )
+def start_all(stack: contextlib.ExitStack, processes: Sequence[ManagedProcess]) -> None:
+    """Spawn every process, then wait for each (their start-ups overlap); `stack` stops them."""
+    for proc in processes:
+        stack.callback(proc.stop)
+        proc.spawn()
+    for proc in processes:
+        proc.wait_ready()

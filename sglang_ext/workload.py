@@ -1,7 +1,18 @@
-"""The shared-document workload of the plugin's server tests and README (one document, 6 questions)."""
+"""Shared-document workloads: needle documents, their questions, and clients for a live server.
+
+Each document is harbour-town filler with three needles (a vault password,
+the mayor's name, the colour of the mayor's boat); document `i` uses the i-th value set, so
+answers are checkable per document. The plugin's server tests use document 0 and its six
+questions; the serving demo (`sglang_ext.demo`) uses several documents.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_ext.launch import SGLangServer
@@ -13,39 +24,70 @@ _FILLER = [
     "Merchants sold salt, rope, lanterns and dried fish on the quay.",
     "Every winter the storms closed the northern road for weeks.",
 ]
-NEEDLES = {
-    "What is the secret password of the vault?": ("The secret password of the vault is", "falcon"),
-    "Who is the mayor of the town?": ("The mayor of the town is", "Margaret"),
-    "Which colour is the mayor's boat?": ("The mayor's boat is painted", "green"),
+# question -> statement template; document i fills it with NEEDLE_VALUES[i][j]
+_NEEDLE_TEMPLATES = {
+    "What is the secret password of the vault?": "The secret password of the vault is {}.",
+    "Who is the mayor of the town?": "The mayor of the town is {}.",
+    "Which colour is the mayor's boat?": "The mayor's boat is painted {}.",
 }
+NEEDLE_VALUES = [
+    ("falcon", "Margaret", "green"),
+    ("otter", "Henrik", "yellow"),
+    ("juniper", "Beatrice", "purple"),
+    ("harpoon", "Oswald", "orange"),
+]
 OTHER_QUESTIONS = [
     "How do the fishing boats spend the day?",
     "When is the northern road closed?",
     "Where did merchants sell their goods?",
 ]
+_NEEDLE_DAYS = (20, 55, 90)
 
 
-def document(sentences: int = 110) -> str:
-    """About 1.3k tokens of filler with the three needles spread through it."""
-    facts = [
-        "The secret password of the vault is falcon.",
-        "The mayor of the town is Margaret.",
-        "The mayor's boat is painted green.",
-    ]
-    out = []
+def _check_index(index: int) -> int:
+    if not 0 <= index < len(NEEDLE_VALUES):
+        raise ValueError(f"document index {index} not in [0, {len(NEEDLE_VALUES)})")
+    return index
+
+
+def needles(index: int = 0) -> dict[str, str]:
+    """Needle question -> expected answer word for document `index`."""
+    values = NEEDLE_VALUES[_check_index(index)]
+    return dict(zip(_NEEDLE_TEMPLATES, values))
+
+
+NEEDLES = needles(0)
+
+
+def document(sentences: int = 110, index: int = 0) -> str:
+    """Filler with document `index`'s needles in it (110 sentences: ~1.9k tokens).
+
+    The needles sit at 18%, 50% and 82% of the sentences; documents other than 0 open with
+    their own title line, so no two share a radix path.
+    """
+    values = NEEDLE_VALUES[_check_index(index)]
+    facts = [t.format(v) for t, v in zip(_NEEDLE_TEMPLATES.values(), values)]
+    days = [round(sentences * d / 110) for d in _NEEDLE_DAYS]
+    out = [f"Ledger {index} of the harbour town."] if index else []
     for i in range(sentences):
-        if i in (20, 55, 90):
-            out.append(facts[(20, 55, 90).index(i)])
-        out.append(f"Day {i}: " + _FILLER[i % len(_FILLER)])
+        if i in days:
+            out.append(facts[days.index(i)])
+        out.append(f"Day {i}: " + _FILLER[(i + index) % len(_FILLER)])
     return " ".join(out)
 
 
 def questions() -> list[str]:
-    return [*NEEDLES, *OTHER_QUESTIONS]
+    return [*_NEEDLE_TEMPLATES, *OTHER_QUESTIONS]
 
 
 def prompt(doc: str, question: str) -> str:
     return f"{doc}\nQuestion: {question}\nAnswer:"
+
+
+def needle_correct(question: str, text: str, index: int = 0) -> bool | None:
+    """Whether an answer names document `index`'s needle (None for non-needle questions)."""
+    answer = needles(index).get(question)
+    return None if answer is None else answer.lower() in text.lower()
 
 
 def ask_all(server: SGLangServer, doc: str, max_new_tokens: int = 16) -> list[dict[str, Any]]:
@@ -64,20 +106,114 @@ def ask_all(server: SGLangServer, doc: str, max_new_tokens: int = 16) -> list[di
     return outs
 
 
-def needle_correct(question: str, text: str) -> bool | None:
-    """Whether an answer names the needle (None for non-needle questions)."""
-    if question not in NEEDLES:
-        return None
-    return NEEDLES[question][1].lower() in text.lower()
+@dataclass
+class Timed:
+    """One streamed greedy request: its answer and client-side timings (seconds)."""
+
+    text: str
+    output_ids: list[int]
+    cached_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float = 600.0) -> Timed:
+    """POST /generate with `stream: true`; TTFT is the arrival of the first streamed chunk."""
+    payload = {
+        "text": text,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+    }
+    req = urllib.request.Request(
+        url + "/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = chunk
+    if last is None:
+        raise RuntimeError(f"{url}/generate streamed no data")
+    meta = last.get("meta_info", {})
+    return Timed(
+        text=last.get("text", ""),
+        output_ids=list(last.get("output_ids", [])),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
+        latency_s=time.perf_counter() - t0,
+    )
+
+
+def stream_all(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[Timed], float]:
+    """Send every prompt at once (one thread each); returns results in order and wall seconds."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
+        results = list(pool.map(lambda p: stream_generate(url, p, max_new_tokens), prompts))
+    return results, time.perf_counter() - t0
 
 
 def metric(server: SGLangServer, name: str) -> float:
     """Sum of a Prometheus series on /metrics (0 when absent)."""
-    import urllib.request
-
     text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def compaction_args(
+    endpoint: str,
+    ratio: float,
+    method: str = "am-highest",
+    min_hits: int = 2,
+    min_prefix_tokens: int = 256,
+    timeout_s: float = 600.0,
+) -> list[str]:
+    """`launch_server` flags that turn the plugin on against `endpoint`."""
+    return [
+        "--compaction-endpoint", endpoint,
+        "--compaction-method", method,
+        "--compaction-ratio", str(ratio),
+        "--compaction-min-hits", str(min_hits),
+        "--compaction-min-prefix-tokens", str(min_prefix_tokens),
+        "--compaction-timeout", str(timeout_s),
+    ]  # fmt: skip
+
+
+def wait_for_compactions(
+    server: SGLangServer, expected: int, timeout_s: float, progress: bool = True
+) -> dict[str, float]:
+    """Poll /metrics until `expected` compactions ended (installed or fallen back).
+
+    Returns the plugin's counters and gauges. Raises TimeoutError with the log tail.
+    """
+    names = ("installed_total", "fallbacks_total", "logical_tokens", "physical_tokens")
+    t0 = time.monotonic()
+    last = -1
+    while True:
+        m = {n: metric(server, f"sglang:compaction_{n}") for n in names}
+        ended = int(m["installed_total"] + m["fallbacks_total"])
+        if progress and ended != last:
+            print(
+                f"    compactions ended {ended}/{expected} "
+                f"({time.monotonic() - t0:.0f} s, {int(m['fallbacks_total'])} fallbacks)",
+                flush=True,
+            )
+            last = ended
+        if ended >= expected:
+            return m
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(
+                f"{ended}/{expected} compactions after {timeout_s:.0f} s; server log tail:\n"
+                + server.log_tail()
+            )
+        time.sleep(2.0)
