@@ -11,7 +11,7 @@ help:
 	@echo "make test    - the whole test suite (real model, real SGLang server on CPU)"
 	@echo "make test-fast - the suite without SGLang server tests"
 	@echo "make lint    - ruff + mypy"
-	@echo "make demo    - the main job on the embedded SmolLM2-135M model (CPU)"
+	@echo "make demo    - stock SGLang vs compacted shared prefixes, embedded SmolLM2-135M (CPU, ~6 min)"
 	@echo "make bench   - benchmarks (JSON + PNG under benchmarks/results/)"
 
 setup:
@@ -35,7 +35,7 @@ lint: setup
 	$(VENV)/bin/mypy compactor sglang_ext kernels
 
 demo: setup
-	$(PY) -m compactor.demo
+	$(PY) -m sglang_ext.demo
 
 bench: setup
 	$(PY) benchmarks/run_all.py
