@@ -29,6 +29,7 @@ def benchmarks() -> dict[str, list[str]]:
         "quality": ["benchmarks/quality.py"],
         "query_sources": ["benchmarks/query_sources.py"],
         "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
+        "serving": ["benchmarks/serving.py"],
         "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
         "kernels": ["-m", "benchmarks.kernels"],
     }
