@@ -58,7 +58,7 @@ class CompactionConfig:
     """
 
     endpoint: str
-    method: str = "am-omp-fast"
+    method: str = "am-highest"
     ratio: float = 0.1
     tokens: int | None = None
     min_prefix_tokens: int = 256
@@ -126,7 +126,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "inside this server. Setting it enables compacted shared prefixes; without it "
         "SGLang runs stock.",
     )
-    g.add_argument("--compaction-method", default="am-omp-fast", help="Compaction method.")
+    g.add_argument("--compaction-method", default="am-highest", help="Compaction method.")
     g.add_argument("--compaction-ratio", type=float, default=0.1, help="Kept fraction per KV head.")
     g.add_argument(
         "--compaction-tokens",
