@@ -52,6 +52,8 @@ class CompactionConfig:
         query_sources: reference-query sources sent to the compactor.
         max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
         follow_up_tokens: each suffix is cut to this many tokens.
+        boundary_margin: a compacted path stops this many tokens before the branch point
+            it was found at (later requests may diverge a little earlier).
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
             at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
         tls / tls_ca / tls_cert / tls_key / token / token_file: gRPC channel options.
@@ -67,6 +69,7 @@ class CompactionConfig:
     query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
+    boundary_margin: int = 32
     max_retries: int = 2
     retry_backoff_s: float = 30.0
     tls: bool = False
@@ -91,6 +94,10 @@ class CompactionConfig:
             raise ValueError(f"--compaction-min-hits must be >= 1, got {self.min_hits}")
         if self.timeout <= 0:
             raise ValueError(f"--compaction-timeout must be > 0, got {self.timeout}")
+        if self.boundary_margin < 0:
+            raise ValueError(
+                f"--compaction-boundary-margin must be >= 0, got {self.boundary_margin}"
+            )
         if self.max_retries < 0 or self.retry_backoff_s < 0:
             raise ValueError(
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
@@ -145,6 +152,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--compaction-max-follow-ups", type=int, default=8)
     g.add_argument(
+        "--compaction-boundary-margin",
+        type=int,
+        default=32,
+        help="Tokens before the shared path's branch point that stay uncompacted.",
+    )
+    g.add_argument(
         "--compaction-max-retries",
         type=int,
         default=2,
@@ -180,6 +193,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         timeout=ns.compaction_timeout,
         query_sources=sources,
         max_follow_ups=ns.compaction_max_follow_ups,
+        boundary_margin=ns.compaction_boundary_margin,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,
         tls=ns.compaction_tls or endpoint.startswith("grpcs://"),

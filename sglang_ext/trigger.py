@@ -5,7 +5,10 @@ it asks `pick(...)` for at most one path to send. Rules:
 
 - a candidate is a branch point (2+ children: requests went on differently after it) with
   at least `min_hits` hits; with `min_hits` 1 any hit node is a candidate;
-- the longest candidate path wins; paths shorter than `min_prefix_tokens` are not sent;
+- the longest candidate path wins, cut `boundary_margin` tokens short: the two requests
+  that made the branch may share the first tokens of their questions (or a token merged
+  across the seam) that a third does not, and a compacted prefix is matched whole or not
+  at all; paths shorter than `min_prefix_tokens` are not sent;
 - one compaction per document: a path equal to, inside or around one in flight or
   installed is not sent again;
 - a failed compaction may be sent again after `retry_backoff_s * 2**(failures - 1)`
@@ -75,7 +78,12 @@ class CompactionTrigger:
             if tokens is not None and (best is None or len(tokens) > len(best)):
                 best = tokens
         self.candidates.clear()
-        if best is None or len(best) < self.config.min_prefix_tokens:
+        if best is None:
+            return None
+        # stop `boundary_margin` tokens short of the branch: later requests whose question
+        # starts differently (or tokenizes differently at the seam) still match it whole
+        best = best[: len(best) - self.config.boundary_margin]
+        if len(best) < self.config.min_prefix_tokens:
             return None
         phash = prefix_hash(best)
         if self._overlaps(best) or self.clock() < self._not_before.get(phash, 0.0):

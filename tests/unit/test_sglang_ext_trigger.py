@@ -30,6 +30,7 @@ def node(tokens: list[int], hits: int, children: int) -> Any:
 
 def trigger(**kw: Any) -> tuple[CompactionTrigger, Clock]:
     clock = Clock()
+    kw.setdefault("boundary_margin", 0)
     cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=256, **kw)
     return CompactionTrigger(cfg, clock=clock), clock
 
@@ -84,7 +85,27 @@ def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
     assert offer(t, branch) is None
 
 
-@pytest.mark.parametrize("bad", [{"max_retries": -1}, {"retry_backoff_s": -1.0}])
-def test_bad_retry_limits_are_value_errors(bad: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="retry limits"):
+def test_path_stops_short_of_the_branch_by_the_margin() -> None:
+    """Two requests whose questions both start with token 7 branch after it; a third that
+    starts with 8 must still match the compacted prefix whole: the margin leaves the seam out."""
+    t, _ = trigger(min_hits=2, boundary_margin=8, follow_up_tokens=64)
+    t.remember("a", [*DOC, 7, 1])
+    t.remember("b", [*DOC, 7, 2])
+    tokens, follow_ups = offer(t, node([*DOC, 7], hits=2, children=2))
+    assert tokens == DOC[:-7]  # 301-token branch path minus 8
+    assert follow_ups == [[*DOC[-7:], 7, 2], [*DOC[-7:], 7, 1]]
+    t2, _ = trigger(min_hits=2, boundary_margin=64)
+    assert offer(t2, node(DOC, hits=2, children=2)) is None  # 300 - 64 < min_prefix_tokens
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"max_retries": -1}, "retry limits"),
+        ({"retry_backoff_s": -1.0}, "retry limits"),
+        ({"boundary_margin": -1}, "boundary-margin must be >= 0, got -1"),
+    ],
+)
+def test_bad_limits_are_value_errors(bad: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         CompactionConfig(endpoint="inproc://", **bad)
