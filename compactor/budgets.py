@@ -29,6 +29,7 @@ __all__ = [
     "allocate",
     "head_budgets",
     "load_sensitivity_json",
+    "resolve_curves",
     "save_sensitivity_json",
     "sensitivity_curve",
     "sensitivity_path",
@@ -245,6 +246,42 @@ def load_sensitivity_json(path: str | Path) -> SensitivityCurves:
         )
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a sensitivity-curve file ({e})") from None
+
+
+def resolve_curves(
+    spec: str | Path | SensitivityCurves | None, model_dir: str | Path | None, method: str
+) -> tuple[SensitivityCurves | None, str]:
+    """Resolve a head-budget choice to (curves or None, where they came from).
+
+    Args:
+        spec: None or "uniform" (uniform budgets: returns (None, "uniform")); "auto" (the
+            model's ``sensitivity_path(model_dir, method)``); another string / Path (a curves
+            JSON file); or SensitivityCurves (returned as is, source "curves").
+        model_dir: the model's checkpoint directory (needed by "auto").
+        method: the registered method name the curves are looked up for.
+    Raises:
+        ValueError: "auto" without a model directory, a missing or malformed curves file.
+    """
+    if spec is None or spec == "uniform":
+        return None, "uniform"
+    if isinstance(spec, SensitivityCurves):
+        return spec, "curves"
+    if spec == "auto":
+        if model_dir is None:
+            raise ValueError(
+                "head_budgets='auto' needs the model's directory (load the model with "
+                "compactor.hf.load_model) or pass a curves file / SensitivityCurves"
+            )
+        path = sensitivity_path(model_dir, method)
+        hint = f"compactor sensitivity --model {model_dir} --method {method}"
+    else:
+        path = Path(spec)
+        hint = "compactor sensitivity --model MODEL --method METHOD --out PATH"
+    if not path.is_file():
+        raise ValueError(
+            f"no sensitivity curves at {path} (head_budgets={str(spec)!r}); create them with: {hint}"
+        )
+    return load_sensitivity_json(path), str(path)
 
 
 # ---- private helpers -------------------------------------------------------------------

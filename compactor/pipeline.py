@@ -20,7 +20,7 @@ concatenated per head. Reference queries all come after the prefix (except the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,18 @@ from typing import Any
 import torch
 
 from compactor import hf
+from compactor.budgets import SensitivityCurves, allocate, resolve_curves
 from compactor.queries import QueryConfig, collect_queries, plan_queries
 from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
 
-__all__ = ["StageTimes", "assemble_layer", "compact_prefix", "resolve_fingerprint", "split_budget"]
+__all__ = [
+    "StageTimes",
+    "assemble_layer",
+    "compact_prefix",
+    "head_budget_curves",
+    "resolve_fingerprint",
+    "split_budget",
+]
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,39 @@ def resolve_fingerprint(model: Any) -> str:
     )
 
 
+def head_budget_curves(
+    model: Any,
+    method: str,
+    head_budgets: str | Path | SensitivityCurves | None,
+    model_fingerprint: str | None = None,
+) -> tuple[SensitivityCurves | None, str]:
+    """Resolve `head_budgets` (see :func:`compact_prefix`) for `model` and method name `method`.
+
+    Returns (curves or None for uniform, their source: "uniform", a path or "curves").
+    Raises ValueError: a missing / malformed file, curves whose (L, H_kv) differ from the
+    model's, or curves whose meta names another model fingerprint.
+    """
+    curves, source = resolve_curves(
+        head_budgets, getattr(model, "compactor_model_dir", None), method
+    )
+    if curves is None:
+        return None, source
+    info = hf.model_info(model)
+    want = (info.num_layers, info.num_kv_heads)
+    if curves.shape[:2] != want:
+        raise ValueError(
+            f"sensitivity curves {source} have (L, H_kv) = {curves.shape[:2]}, the model has {want}"
+        )
+    cfp = curves.meta.get("model_fingerprint")
+    if cfp:
+        fp = model_fingerprint or resolve_fingerprint(model)
+        if cfp != fp:
+            raise ValueError(
+                f"sensitivity curves {source} were measured on model {cfp!r}, not {fp!r}"
+            )
+    return curves, source
+
+
 def compact_prefix(
     model: Any,
     tokenizer: Any,
@@ -166,6 +207,8 @@ def compact_prefix(
     method_params: dict[str, Any] | None = None,
     model_fingerprint: str | None = None,
     reuse: dict[Any, Any] | None = None,
+    head_budgets: str | Path | SensitivityCurves | None = None,
+    before_layer: Callable[[int], None] | None = None,
 ) -> tuple[CompactedPrefix, StageTimes]:
     """Compact the prefix `token_ids` [T] for `model`; returns (prefix, stage times).
 
@@ -183,8 +226,18 @@ def compact_prefix(
             off-policy reference queries, keyed by (prefix, query config): a sweep over
             methods and ratios of one prefix then prefills and draws queries once (the
             reused stages then report ~0 s).
+        head_budgets: None / "uniform": every KV head keeps t entries. Otherwise per-(layer,
+            KV head) budgets from sensitivity curves (``compactor.budgets``): "auto" loads
+            ``sensitivity_path(model_dir, method name)``, another string a curves JSON
+            path, or pass SensitivityCurves. The total stays the uniform one,
+            L * H_kv * (t - s) non-sink entries, split by :func:`compactor.budgets.allocate`
+            (each head keeps its s sinks plus >= 1 entry).
+        before_layer: called with each layer index before that layer is compacted (the
+            service's cancellation point: it may raise to abort).
     Raises:
-        ValueError: bad ratio/tokens/chunk_size/keep_sink_tokens, empty prefix, unknown method.
+        ValueError: bad ratio/tokens/chunk_size/keep_sink_tokens, empty prefix, unknown method;
+            with head_budgets: a missing curves file, curves for another model shape or
+            fingerprint, more than one chunk, or a LayerBudgetPlanner method (KVCompose).
     """
     from compactor.methods import CompactionMethod, get_method
     from compactor.methods.context import LayerBudgetPlanner, build_layer_contexts, wants_context
@@ -219,6 +272,14 @@ def compact_prefix(
     )
     fp = model_fingerprint or resolve_fingerprint(model)
     info = hf.model_info(model)
+    rest = T - s
+    bounds = [(a, min(a + (chunk_size or rest), rest)) for a in range(0, rest, chunk_size or rest)]
+    curves, curves_source = head_budget_curves(model, meth.name, head_budgets, fp)
+    plan_budgets = (
+        None
+        if curves is None
+        else _sensitivity_budgets(curves, meth, info, budget - s, rest, len(bounds), chunk_size)
+    )
 
     need_q = bool({"context-prefill", "random"} & set(qcfg.sources))
     key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())))
@@ -237,8 +298,6 @@ def compact_prefix(
     t_queries = time.perf_counter() - t_prefill
     c_queries = time.process_time() - c_prefill
     t_compact = c_compact = 0.0
-    rest = T - s
-    bounds = [(a, min(a + (chunk_size or rest), rest)) for a in range(0, rest, chunk_size or rest)]
     chunk_budgets = split_budget(budget - s, [b - a for a, b in bounds])
     # Methods that need the layer's inputs (GVote, CompressKV) get a LayerContext per layer
     # (one extra prefill); a LayerBudgetPlanner (KVCompose) sets per-layer budgets up front.
@@ -263,6 +322,8 @@ def compact_prefix(
 
         it = tqdm(it, desc=f"compact {meth.name}", unit="layer")
     for li in it:
+        if before_layer is not None:
+            before_layer(li)  # the service's cancellation point (may raise)
         if on_policy:
             tq, cq = time.perf_counter(), time.process_time()
             state = _hybrid_state(pre, layers)
@@ -275,11 +336,12 @@ def compact_prefix(
         for (a, b), tb in zip(bounds, chunk_budgets):
             kw = {"context": contexts[li].for_span(s + a, s + b)} if contexts else {}
             tbl = tb if layer_budgets is None else min(b - a, layer_budgets[li])
+            per_head = [tbl] * info.num_kv_heads if plan_budgets is None else plan_budgets[li]
             layer = meth.compact_layer(
                 k[:, s + a : s + b],
                 v[:, s + a : s + b],
                 q,
-                [tbl] * info.num_kv_heads,
+                per_head,
                 info.sm_scale,
                 **kw,
             )
@@ -302,6 +364,12 @@ def compact_prefix(
         "keep_sink_tokens": s,
         "method_report": getattr(meth, "history", None),
         "chosen_ratio": meth.chosen_ratio() if hasattr(meth, "chosen_ratio") else None,
+        "head_budgets": "uniform" if plan_budgets is None else "sensitivity",
+        # [L][H_kv] entries per head, sinks included (None: uniform budget_per_head)
+        "head_budget_table": (
+            None if plan_budgets is None else [[s + x for x in row] for row in plan_budgets]
+        ),
+        "head_budget_source": None if plan_budgets is None else curves_source,
     }
     prefix = CompactedPrefix(
         model_fingerprint=fp,
@@ -333,6 +401,32 @@ def compact_prefix(
         cpu_total=time.process_time() - c0,
     )
     return prefix, times
+
+
+def _sensitivity_budgets(
+    curves: SensitivityCurves,
+    meth: Any,
+    info: hf.ModelInfo,
+    per_head: int,
+    rest: int,
+    num_chunks: int,
+    chunk_size: int | None,
+) -> list[list[int]]:
+    """Non-sink budgets [L][H_kv] summing to L * H_kv * per_head; ValueError if unsupported."""
+    from compactor.methods.context import LayerBudgetPlanner
+
+    if num_chunks > 1:
+        raise ValueError(
+            f"non-uniform head budgets need one chunk; chunk_size={chunk_size} splits the "
+            f"{rest} non-sink tokens into {num_chunks} chunks"
+        )
+    name = meth.name
+    if isinstance(meth, LayerBudgetPlanner):
+        raise ValueError(
+            f"method {name!r} plans its own per-layer budgets; use uniform head budgets"
+        )
+    L, H = info.num_layers, info.num_kv_heads
+    return allocate(curves, L * H * per_head, rest, min_tokens=1)
 
 
 def _hybrid_state(pre: hf.PrefillResult, done: Sequence[CompactedLayer]) -> hf.PrefixState:

@@ -4,4 +4,12 @@
 belong inside its handler, so `compactor --help` stays fast).
 """
 
-COMMANDS: tuple[str, ...] = ("models", "compact", "eval", "calibrate", "serve", "request")
+COMMANDS: tuple[str, ...] = (
+    "models",
+    "compact",
+    "eval",
+    "calibrate",
+    "sensitivity",
+    "serve",
+    "request",
+)

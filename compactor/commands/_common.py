@@ -44,6 +44,30 @@ def add_query_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+def add_head_budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--head-budgets",
+        default="uniform",
+        metavar="uniform|auto|PATH",
+        help=(
+            "per-head budgets: uniform (default); auto = the model's sensitivity curves "
+            "(made by `compactor sensitivity`); or a curves JSON path. Same total either way"
+        ),
+    )
+
+
+def head_budget_error(spec: str, model: Any, methods: list[str]) -> str | None:
+    """Why `spec` cannot be used with `model` and each method name (None when it can)."""
+    from compactor.pipeline import head_budget_curves
+
+    for name in methods:
+        try:
+            head_budget_curves(model, name, spec)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def query_config(args: argparse.Namespace) -> Any:
     from compactor.queries import QueryConfig
 

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from compactor.commands._common import add_model_args, add_query_args, encode, load, query_config
+from compactor.commands._common import (
+    add_head_budget_args,
+    add_model_args,
+    add_query_args,
+    encode,
+    head_budget_error,
+    load,
+    query_config,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="file with one follow-up question per line (follow-up source)",
     )
     p.add_argument("--output", required=True, help="output .safetensors path")
+    add_head_budget_args(p)
     add_query_args(p)
     p.set_defaults(func=run)
 
@@ -46,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--param must be KEY=JSON, got {item!r}")
         params[key] = json.loads(value)
     model, tok = load(args)
+    err = head_budget_error(args.head_budgets, model, [args.method])
+    if err:
+        print(f"compactor compact: error: {err}", file=sys.stderr)
+        return 2
     ids = encode(tok, Path(args.input).read_text(encoding="utf-8"))
     follow = None
     if args.follow_ups:
@@ -69,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         keep_sink_tokens=args.keep_sink_tokens,
         method_params=params,
+        head_budgets=args.head_budgets,
     )
     prefix.save(args.output)
     summary = {
@@ -77,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "logical_length": prefix.logical_length,
         "kept_tokens": prefix.kept_tokens(),
         "kept_fraction": round(prefix.kept_fraction(), 4),
+        "head_budgets": prefix.params["head_budgets"],
         "seconds": {k: round(v, 3) for k, v in times.as_dict().items()},
     }
     print(json.dumps(summary, indent=2))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from compactor.commands._common import (
+    add_head_budget_args,
     add_model_args,
     add_query_args,
     encode,
+    head_budget_error,
     load,
     parse_floats,
     query_config,
@@ -35,7 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         default="full,am-omp,keep-only",
-        help="comma-separated methods ('full' = no compaction)",
+        help=(
+            "comma-separated methods ('full' = no compaction), each name or name:key=value; "
+            "name:head_budgets=auto|uniform|PATH overrides --head-budgets for that method"
+        ),
     )
     p.add_argument("--ratios", default="0.1", help="comma-separated kept ratios")
     p.add_argument(
@@ -43,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--plot", default=None, help="output PNG path")
+    add_head_budget_args(p)
     add_query_args(p)
     p.set_defaults(func=run)
 
@@ -52,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from compactor.eval.runner import (
         format_table,
         make_niah_cases,
+        parse_method_spec,
         plot_records,
         run_eval,
         write_json,
@@ -62,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         raise ValueError(f"--methods is empty: {args.methods!r}")
     model, tok = load(args)
+    for m in methods:
+        if m == "full":
+            continue
+        name, params = parse_method_spec(m)
+        spec = str(params.get("head_budgets", args.head_budgets))
+        err = head_budget_error(spec, model, [name])
+        if err:
+            print(f"compactor eval: error: {m}: {err}", file=sys.stderr)
+            return 2
     if args.niah is not None:
         if args.niah < 1:
             raise ValueError(f"--niah must be >= 1, got {args.niah}")
@@ -89,11 +106,13 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         on_policy=args.on_policy,
         progress=not args.no_progress,
+        head_budgets=args.head_budgets,
     )
     meta = {
         "model": args.model,
         "cases": [c.name for c in cases],
         "query_sources": args.query_sources,
+        "head_budgets": args.head_budgets,
     }
     write_json(records, args.json, meta)
     print(format_table(records))

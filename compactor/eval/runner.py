@@ -1,7 +1,8 @@
 """Sweep (method, ratio) over eval cases; table and plot helpers used by the CLI and benchmarks.
 
 One record per (method, ratio), averaged over cases: method, ratio, kept_tokens (kept
-entries summed over layers and heads), kept_per_head (mean t_h), output_rel_err,
+entries summed over layers and heads), kept_per_head (mean t_h), head_budgets ("uniform" or
+"sensitivity"), output_rel_err,
 mass_rel_err, logppl, logppl_full, logppl_gap, agreement, niah_accuracy, seconds (mean
 compaction wall time per case, from compact_prefix's StageTimes) and stage times. The
 prefill and reference queries of a case are computed once and reused by every (method,
@@ -112,8 +113,14 @@ def run_eval(
     on_policy: bool = False,
     progress: bool = True,
     model_fingerprint: str | None = None,
+    head_budgets: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Evaluate every (method, ratio) on every case; `full` adds the uncompacted baseline."""
+    """Evaluate every (method, ratio) on every case; `full` adds the uncompacted baseline.
+
+    `head_budgets` (None/"uniform", "auto", a curves path: see ``compact_prefix``) applies to
+    every method; a method spec's own ``head_budgets=...`` parameter overrides it, so one
+    sweep can hold ``am-omp`` and ``am-omp:head_budgets=auto`` side by side.
+    """
     from compactor.pipeline import compact_prefix
 
     if not cases:
@@ -141,6 +148,7 @@ def run_eval(
         records.append(rec)
     for method in [m for m in methods if m != "full"]:
         name, params = parse_method_spec(method)
+        hb = params.pop("head_budgets", head_budgets)
         for ratio in ratios:
             rows, kept, secs, stages, chosen = [], [], [], [], []
             for ci, ref in enumerate(refs):
@@ -158,6 +166,7 @@ def run_eval(
                     keep_sink_tokens=keep_sink_tokens,
                     model_fingerprint=model_fingerprint,
                     reuse=reuse,
+                    head_budgets=None if hb is None else str(hb),
                 )
                 rows.append(evaluate_prefix(model, tokenizer, ref, prefix, niah))
                 kept.append(prefix.kept_tokens())
@@ -173,6 +182,7 @@ def run_eval(
                 "ratio": ratio,
                 "kept_tokens": sum(kept) / len(kept),
                 "kept_per_head": sum(kept) / len(kept) / (info.num_layers * info.num_kv_heads),
+                "head_budgets": prefix.params.get("head_budgets"),
             }
             rec.update(summarize(rows))
             if chosen:

@@ -10,11 +10,20 @@ from typing import Any
 from compactor.types import CompactedPrefix, prefix_hash
 from compactor.workers.errors import InvalidRequest
 
-__all__ = ["DEFAULT_AUTO_RATIO", "DEFAULT_QUERY_SOURCES", "CompactJob", "JobResult"]
+__all__ = [
+    "DEFAULT_AUTO_RATIO",
+    "DEFAULT_QUERY_SOURCES",
+    "HEAD_BUDGET_CHOICES",
+    "CompactJob",
+    "JobResult",
+]
 
 # Budget "auto" maps to this ratio until GVote's automatic budget is wired in.
 DEFAULT_AUTO_RATIO = 0.1
 DEFAULT_QUERY_SOURCES: tuple[str, ...] = ("repeat-prefill",)
+# method_params["head_budgets"] (not a method field): uniform, or the worker model's
+# sensitivity curves (compact_prefix(head_budgets="auto")); file paths are not accepted.
+HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,8 @@ class CompactJob:
 
     Exactly one of `ratio` / `tokens` is set (budget "auto" is resolved to a ratio before
     the job is built). `request_id` is for logs only and is not part of :meth:`key`.
+    `method_params` may hold ``"head_budgets"``: one of HEAD_BUDGET_CHOICES (see
+    :meth:`split_params`); it is part of :meth:`key`.
     """
 
     model_fingerprint: str
@@ -34,6 +45,11 @@ class CompactJob:
     query_sources: tuple[str, ...] = DEFAULT_QUERY_SOURCES
     follow_ups: tuple[tuple[int, ...], ...] = ()
     request_id: str = ""
+
+    def split_params(self) -> tuple[dict[str, Any], str]:
+        """(the method's own hyper-parameters, the head-budget choice, default "uniform")."""
+        params = dict(self.method_params)
+        return params, str(params.pop("head_budgets", "uniform"))
 
     def key(self) -> str:
         """Identity of the result: (model, prefix hash, method, every parameter)."""
@@ -74,10 +90,16 @@ class CompactJob:
             raise InvalidRequest("a follow-up token sequence is empty")
         if "follow-up" in self.query_sources and not self.follow_ups:
             raise InvalidRequest("query source 'follow-up' needs follow-up token sequences")
+        params, head_budgets = self.split_params()
+        if head_budgets not in HEAD_BUDGET_CHOICES:
+            raise InvalidRequest(
+                f"method_params.head_budgets must be one of {list(HEAD_BUDGET_CHOICES)}, "
+                f"got {self.method_params['head_budgets']!r}"
+            )
         try:
             json.dumps(self.method_params)
             QueryConfig(sources=tuple(self.query_sources))
-            get_method(self.method, **self.method_params)
+            get_method(self.method, **params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None
 

@@ -1,0 +1,105 @@
+"""`compactor sensitivity --model M`: per-(layer, KV head) sensitivity curves for head budgets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from compactor.commands._common import add_model_args, parse_floats
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sensitivity",
+        help="measure sensitivity curves for non-uniform head budgets (--head-budgets auto)",
+        description=(
+            "Prefill one needle document of about --tokens tokens cut from the shipped filler, "
+            "compact every layer at each kept fraction with fit queries (repeat-prefill) and "
+            "score each KV head on held-out future queries (the eval harness's greedy answers "
+            "to the document's questions). Writes sensitivity.<method>.json into the model "
+            "directory (or --out), read by `compactor compact --head-budgets auto`."
+        ),
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--method",
+        default="am-highest",
+        help="method to measure (name or name:key=value, default am-highest)",
+    )
+    p.add_argument(
+        "--fractions",
+        default="0.05,0.1,0.2,0.4",
+        help="comma-separated increasing kept fractions in (0, 1]",
+    )
+    p.add_argument("--tokens", type=int, default=1024, help="document length (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="document seed")
+    p.add_argument(
+        "--fit-sources", default="repeat-prefill", help="comma-separated fit query sources"
+    )
+    p.add_argument(
+        "--max-queries", type=int, default=2048, help="cap on fit / held-out queries per KV head"
+    )
+    p.add_argument(
+        "--answer-tokens", type=int, default=16, help="greedy answer tokens per question"
+    )
+    p.add_argument(
+        "--keep-sink-tokens", type=int, default=4, help="first tokens left out (kept verbatim)"
+    )
+    p.add_argument("--out", default=None, help="JSON path (default: in the model directory)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from compactor import hf
+    from compactor.budgets import save_sensitivity_json, sensitivity_path
+    from compactor.eval.runner import parse_method_spec
+    from compactor.methods import get_method
+    from compactor.models import ModelNotAvailableError, resolve_model
+    from compactor.sensitivity import check_fractions, measure_sensitivity, sensitivity_case
+
+    try:
+        name, params = parse_method_spec(args.method)
+        get_method(name, **params)  # unknown method / parameter: fail before loading
+        fractions = check_fractions(parse_floats(args.fractions, "--fractions"))
+        sources = tuple(x.strip() for x in args.fit_sources.split(",") if x.strip())
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        model_dir = resolve_model(args.model)
+        model, tok = hf.load_model(model_dir)
+        case = sensitivity_case(tok, args.tokens, args.seed)
+        curves = measure_sensitivity(
+            model,
+            tok,
+            case,
+            name,
+            fractions,
+            method_params=params,
+            fit_sources=sources,
+            max_queries=args.max_queries,
+            answer_tokens=args.answer_tokens,
+            keep_sink_tokens=args.keep_sink_tokens,
+            progress=not args.no_progress,
+        )
+    except (ValueError, ModelNotAvailableError) as exc:
+        print(f"compactor sensitivity: error: {exc}", file=sys.stderr)
+        return 2
+    path = Path(args.out) if args.out else sensitivity_path(model_dir, curves.method)
+    save_sensitivity_json(path, curves)
+    first = [sum(h[0] for h in layer) / len(layer) for layer in curves.errors]
+    worst = sorted(range(len(first)), key=lambda i: -first[i])[:4]
+    summary = {
+        "path": str(path),
+        "shape": list(curves.shape),
+        "fractions": curves.fractions,
+        "seconds": curves.meta["seconds"],
+        "most_sensitive_layers": worst,
+    }
+    print(json.dumps(summary))
+    return 0
