@@ -7,20 +7,18 @@ process. Deterministic: fixed seed; the worker process runs torch on one thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from compactor.methods import CompactionMethod, get_method
-from compactor.types import CompactedLayer
-from compactor.workers.errors import Cancelled, ModelMismatch
+from compactor.methods import get_method
+from compactor.workers.errors import Cancelled, InvalidRequest, ModelMismatch
 from compactor.workers.job import CompactJob, JobResult
 
 __all__ = ["Worker", "run_compaction"]
@@ -28,39 +26,24 @@ __all__ = ["Worker", "run_compaction"]
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _StoppableMethod(CompactionMethod):
-    """Delegates to `inner`; checks `should_stop` before each layer (the cancellation hook).
+def _cancellation_point(
+    should_stop: Callable[[], bool], layer_delay_s: float
+) -> Callable[[int], None]:
+    """`compact_prefix`'s before_layer hook: raise Cancelled once `should_stop()` is true.
 
     `layer_delay_s` sleeps before each layer: a test-only knob, set only through
     :class:`Worker`'s constructor, to make a compaction deterministically slow.
     """
 
-    inner: CompactionMethod
-    should_stop: Callable[[], bool]
-    layer_delay_s: float = 0.0
+    def check(layer: int) -> None:
+        if layer_delay_s > 0:
+            deadline = time.monotonic() + layer_delay_s
+            while time.monotonic() < deadline and not should_stop():
+                time.sleep(min(0.02, layer_delay_s))
+        if should_stop():
+            raise Cancelled(f"compaction cancelled before layer {layer}")
 
-    def __post_init__(self) -> None:
-        self.name = self.inner.name  # type: ignore[misc]  # instance shadows the ClassVar
-
-    def compact_layer(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-    ) -> CompactedLayer:
-        if self.layer_delay_s > 0:
-            deadline = time.monotonic() + self.layer_delay_s
-            while time.monotonic() < deadline and not self.should_stop():
-                time.sleep(min(0.02, self.layer_delay_s))
-        if self.should_stop():
-            raise Cancelled("compaction cancelled")
-        return self.inner.compact_layer(keys, values, queries, budgets, sm_scale)
-
-    def params(self) -> dict[str, Any]:
-        return self.inner.params()
+    return check
 
 
 def run_compaction(
@@ -73,18 +56,23 @@ def run_compaction(
 ) -> JobResult:
     """Compact `job` with a loaded model; raises Cancelled when `should_stop()` turns true.
 
-    Raises ModelMismatch if the job is for another model; ValueError from the pipeline.
+    Raises ModelMismatch if the job is for another model; InvalidRequest if it asks for
+    head_budgets "auto" and the model has no usable sensitivity curves for the method;
+    ValueError from the pipeline.
     """
-    from compactor.pipeline import compact_prefix
+    from compactor.pipeline import compact_prefix, head_budget_curves
 
     if job.model_fingerprint != fingerprint:
         raise ModelMismatch(
             f"request is for model {job.model_fingerprint!r}; this worker has {fingerprint!r}"
         )
     t0 = time.perf_counter()
-    method = _StoppableMethod(
-        get_method(job.method, **job.method_params), should_stop, layer_delay_s
-    )
+    params, head_budgets = job.split_params()
+    try:  # a missing / mismatched curves file is the request's problem, not INTERNAL
+        head_budget_curves(model, job.method, head_budgets, fingerprint)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    method = get_method(job.method, **params)
     torch.manual_seed(0)
     prefix, times = compact_prefix(
         model,
@@ -97,6 +85,8 @@ def run_compaction(
         follow_ups=[list(f) for f in job.follow_ups] or None,
         progress=False,
         model_fingerprint=fingerprint,
+        head_budgets=head_budgets,
+        before_layer=_cancellation_point(should_stop, layer_delay_s),
     )
     return JobResult(
         prefix=prefix,
