@@ -18,8 +18,8 @@ at one `compactor serve` with Ray workers):
    most requests the scheduler ran at once (its `#running-req` log, every decode step),
    request throughput, output tokens/s, TTFT p50/p95.
 
-Writes benchmarks/results/serving.json and serving.png. Random-token prompts measure memory
-and scheduling only; answer quality is the demo's and quality.py's job.
+Writes benchmarks/results/serving_<max-total-tokens>.json and .png. Random-token prompts
+measure memory and scheduling only; answer quality is the demo's and quality.py's job.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def main() -> int:
     )
     print_table(records)
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = a.out / "serving"
+    stem = a.out / f"serving_{a.max_total_tokens}"
     Path(f"{stem}.json").write_text(
         json.dumps({"records": records, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1)
     )
