@@ -12,7 +12,7 @@ On the embedded SmolLM2-135M model and CPU:
    - measured pass, one server at a time: every question of every document at once,
      streamed: accuracy on the needle questions, agreement with stock's greedy tokens,
      throughput, TTFT p50/p95, and the KV slots held by the shared documents (stock: their
-     tokens; compaction: the plugin's physical-slot gauge);
+     tokens; compaction: the plugin's physical-slot gauge plus the uncompacted margin);
 3. print one table, write JSON + PNG, and stop every process (also on Ctrl-C or failure).
 
 Every figure printed is measured in this run.
@@ -50,14 +50,20 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def warm_up(name: str, server: SGLangServer, docs: list[str], max_new_tokens: int) -> float:
-    """Ask each document's questions once, in order; returns the seconds it took."""
+def warm_up(
+    name: str, server: SGLangServer, docs: list[str], max_new_tokens: int
+) -> dict[str, float]:
+    """Ask each document's questions once, in order (uncompacted: no install happens before
+    the last one). Returns the seconds it took and the shared-prefix tokens: what the last
+    question of each document found cached, summed."""
     t0 = time.perf_counter()
+    shared = 0
     for d, doc in enumerate(docs):
         for q in questions():
-            server.generate(prompt(doc, q), max_new_tokens=max_new_tokens)
+            out = server.generate(prompt(doc, q), max_new_tokens=max_new_tokens)
+        shared += int(out["meta_info"]["cached_tokens"])
         print(f"  [{name}] warm-up: document {d} asked {len(questions())} questions", flush=True)
-    return time.perf_counter() - t0
+    return {"warmup_s": time.perf_counter() - t0, "shared_prefix_tokens": float(shared)}
 
 
 def measure(
@@ -73,13 +79,10 @@ def measure(
     prompts = [prompt(doc, q) for doc in docs for q in qs]
     results, wall = stream_all(server.url, prompts, max_new_tokens)
     print(f"  [{name}] measured pass: {len(prompts)} requests at once in {wall:.1f} s", flush=True)
-    shared = [
-        min(r.cached_tokens for r in results[i : i + len(qs)])
-        for i in range(0, len(results), len(qs))
-    ]
-    held = float(sum(shared))  # stock: one slot per shared token (page size 1)
-    if ratio is not None:  # compacted documents hold their physical slots instead
-        held = gauges["physical_tokens"] + max(0.0, held - gauges["logical_tokens"])
+    shared = gauges["shared_prefix_tokens"]
+    held = shared  # stock: one slot per shared token (page size 1)
+    if ratio is not None:  # compacted: the physical slots, plus what stays uncompacted (margin)
+        held = gauges["physical_tokens"] + max(0.0, shared - gauges["logical_tokens"])
     correct = [
         needle_correct(q, r.text, d)
         for d in range(len(docs))
@@ -92,7 +95,7 @@ def measure(
         "ratio": ratio,
         "documents": len(docs),
         "requests": len(results),
-        "shared_prefix_tokens": sum(shared),
+        "shared_prefix_tokens": shared,
         "kv_slots_held": held,
         "compactions_installed": gauges.get("installed_total"),
         "compaction_fallbacks": gauges.get("fallbacks_total"),
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         # one server busy at a time (each binds its threads to every core); compactions run
         # in the service while the next server warms up
         warm = [
-            {"warmup_s": warm_up(name, srv, docs, args.max_new_tokens)}
+            warm_up(name, srv, docs, args.max_new_tokens)
             for (name, _), srv in zip(configs, servers)
         ]
         for (name, ratio), srv, gauges in zip(configs, servers, warm):
