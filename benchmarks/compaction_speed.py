@@ -42,12 +42,16 @@ def stage_times(
     from compactor.methods.refit import refit
 
     out = {"selection": 0.0, "beta": 0.0, "values": 0.0}
+    # the method's own refit bounds: am-highest [-3, 3], am-omp beta >= prune_beta
+    bounds = getattr(method, "beta_bounds", None) or (getattr(method, "prune_beta", -7.0), None)
     for li in range(len(pre.keys)):
         k, v, q = pre.keys[li], pre.values[li], queries[li]
         budgets = head_budgets(k.shape[1], k.shape[0], ratio=ratio)
         sel, t_sel = _timed(method.select, k, v, q, budgets, scale)
-        _, t_beta = _timed(refit, k, v, q, sel, sm_scale=scale, fit_values=False)
-        _, t_full = _timed(refit, k, v, q, sel, sm_scale=scale)
+        _, t_beta = _timed(
+            refit, k, v, q, sel, sm_scale=scale, beta_bounds=bounds, fit_values=False
+        )
+        _, t_full = _timed(refit, k, v, q, sel, sm_scale=scale, beta_bounds=bounds)
         out["selection"] += t_sel
         out["beta"] += t_beta
         out["values"] += max(0.0, t_full - t_beta)
