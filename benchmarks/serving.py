@@ -202,10 +202,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sglang_ext.demo import bar_panels
 
     panels = [
         ("kv_slots_held", "KV slots held by shared prefixes"),
@@ -214,16 +211,7 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
         ("output_tokens_per_s", "output tokens / s"),
         ("ttft_p50_s", "TTFT p50 (s)"),
     ]
-    names = [r["config"] for r in records]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
-    for ax, (key, label) in zip(axes, panels):
-        ax.bar(names, [r[key] for r in records], color=["0.5"] + ["C0"] * (len(records) - 1))
-        ax.set_title(label, fontsize=9)
-        ax.tick_params(axis="x", labelsize=7, rotation=20)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=120)
-    plt.close(fig)
+    bar_panels(records, panels, path, title)
 
 
 def main() -> int:

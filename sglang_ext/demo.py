@@ -149,12 +149,28 @@ def print_table(records: list[dict[str, Any]]) -> None:
         print(" | ".join(f.format(v) for (_, f), v in zip(cols, vals)))
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> None:
+def bar_panels(
+    records: list[dict[str, Any]], panels: list[tuple[str, str]], path: Path, title: str
+) -> None:
+    """One bar chart per (record key, panel title), configs on x, stock grey; writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = [r["config"] for r in records]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
+    for ax, (key, label) in zip(axes, panels):
+        ax.bar(names, [r[key] for r in records], color=["0.5"] + ["C0"] * (len(records) - 1))
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=120)
+    plt.close(fig)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
     panels = [
         ("kv_slots_held", "KV slots held by shared docs"),
         ("needle_accuracy", "needle accuracy"),
@@ -162,16 +178,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ("ttft_p50_s", "TTFT p50 (s)"),
         ("ttft_p95_s", "TTFT p95 (s)"),
     ]
-    names = [r["config"] for r in records]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(names, [r[key] for r in records], color=["0.5"] + ["C0"] * (len(records) - 1))
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(axis="x", labelsize=7, rotation=20)
-    fig.suptitle("stock SGLang vs compacted shared prefixes (SmolLM2-135M, CPU)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=120)
-    plt.close(fig)
+    title = "stock SGLang vs compacted shared prefixes (SmolLM2-135M, CPU)"
+    bar_panels(records, panels, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
