@@ -47,7 +47,8 @@ def test_shared_document_is_compacted_and_answers_hold(
         assert metric(srv, "sglang:compaction_installed_total") == 1, srv.log_tail()
         logical = metric(srv, "sglang:compaction_logical_tokens")
         physical = metric(srv, "sglang:compaction_physical_tokens")
-        assert logical >= T and physical > 0
+        # the compacted path stops --compaction-boundary-margin (32) tokens before the branch
+        assert logical == T - 32 and physical > 0, (logical, T)
         assert logical / physical >= 5, (logical, physical)  # slots held: T -> t_max
         assert metric(srv, "sglang:compaction_bytes_saved") > 0
         after = ask_all(srv, doc)
@@ -56,17 +57,22 @@ def test_shared_document_is_compacted_and_answers_hold(
     # the compacted prefix served every question (matched whole, logical length kept)
     for out in after:
         assert out["meta_info"]["cached_tokens"] >= logical, out["meta_info"]
-    agree = 0
+    agree = reproduced = 0
     for q, b, a in zip(questions(), before, after):
         agree += b["output_ids"][:16] == a["output_ids"][:16]
+        # stock's whole answer text (its stop token is not text), then maybe more
+        reproduced += a["text"].startswith(b["text"].rstrip())
         if needle_correct(q, b["text"]):
             assert needle_correct(q, a["text"]), (q, b["text"], a["text"])
     print(
         f"\nslots held by the prefix: stock {int(logical)}, compacted {int(physical)} "
-        f"({logical / physical:.1f}x); first-16-token agreement {agree}/{len(after)}"
+        f"({logical / physical:.1f}x); first-16-token agreement {agree}/{len(after)}, "
+        f"stock answer reproduced {reproduced}/{len(after)}"
     )
     for q, b, a in zip(questions(), before, after):
         print(f"Q: {q}\n  stock:     {b['text']!r}\n  compacted: {a['text']!r}")
-    # measured 2/6 with am-highest fitted on the follow-up queries alone (fast on 2 cores);
-    # the needles above are the hard requirement, this guards against regressions
-    assert agree >= 2, agree
+    # The needles above are the hard requirement; this guards against regressions. Measured
+    # with am-highest fitted on the follow-up queries alone: strict 16-token agreement 2/6
+    # before the 32-token boundary margin, 0/6 after it, where 2/6 answers still reproduce
+    # stock's answer token for token and differ only by going on where stock stopped.
+    assert reproduced >= 2, (agree, reproduced)
