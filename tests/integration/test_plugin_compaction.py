@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.launch import SGLangServer
-from sglang_ext.workload import ask_all, document, metric, needle_correct, questions
+from sglang_ext.workload import (
+    ask_all,
+    compaction_args,
+    document,
+    metric,
+    needle_correct,
+    questions,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -24,14 +31,11 @@ def test_shared_document_is_compacted_and_answers_hold(
 ) -> None:
     doc = document()
     args = [
-        "--compaction-endpoint", "inproc://",
-        "--compaction-method", "am-highest",
-        "--compaction-ratio", "0.1",
-        "--compaction-min-hits", str(len(questions())),
-        "--compaction-min-prefix-tokens", "512",
-        "--compaction-query-sources", "follow-up",
-        "--compaction-timeout", "400",
-        "--enable-metrics",
+        *compaction_args(
+            "inproc://", 0.1, "am-highest", min_hits=len(questions()), min_prefix_tokens=512,
+            timeout_s=400,
+        ),
+        "--compaction-query-sources", "follow-up", "--enable-metrics",
     ]  # fmt: skip
     with SGLangServer(
         prepared_model, log_path=tmp_path / "server.log", max_total_tokens=4096, extra_args=args

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.launch import SGLangServer, free_port
-from sglang_ext.workload import ask_all, document, metric
+from sglang_ext.workload import ask_all, compaction_args, document, metric
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -18,11 +18,8 @@ def test_unreachable_endpoint_gives_stock_outputs(prepared_model: Path, tmp_path
     with SGLangServer(prepared_model, log_path=tmp_path / "stock.log", max_total_tokens=4096) as s:
         stock = ask_all(s, doc)
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    args = [
-        "--compaction-endpoint", dead, "--compaction-min-hits", "2",
-        "--compaction-min-prefix-tokens", "256", "--compaction-timeout", "5",
-        "--enable-metrics",
-    ]  # fmt: skip
+    flags = compaction_args(dead, 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=5)
+    args = [*flags, "--enable-metrics"]
     with SGLangServer(
         prepared_model, log_path=tmp_path / "plugin.log", max_total_tokens=4096, extra_args=args
     ) as srv:
