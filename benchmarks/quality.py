@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed-ratio", type=float, default=0.1)
     p.add_argument("--no-speed", action="store_true")
     p.add_argument(
-        "--on-policy", action="store_true", help="on-policy queries (slow: ~30x queries)"
+        "--on-policy",
+        action="store_true",
+        help="on-policy queries (layer l fitted with layers < l compacted)",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default="benchmarks/results/quality.json")

@@ -29,7 +29,7 @@ import torch
 
 from compactor import hf
 from compactor.budgets import SensitivityCurves, allocate, resolve_curves
-from compactor.queries import QueryConfig, collect_queries, plan_queries
+from compactor.queries import QueryConfig, collect_queries, plan_queries, pool_queries
 from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
 
 __all__ = [
@@ -220,10 +220,12 @@ def compact_prefix(
         follow_ups: token sequences for the ``follow-up`` source.
         chunk_size: compact the non-sink KV in chunks of this many tokens (None: one chunk).
         on_policy: compact layers in order; queries for layer l are recorded with layers < l
-            already compacted (re-runs the query continuations once per layer).
+            already compacted (the continuations advance layer by layer through an
+            ``hf.LayerStream``: about the cost of off-policy query collection).
         keep_sink_tokens: the first s tokens are kept verbatim with beta 0.
-        reuse: a dict this call may read and fill (mutated) with the prefill and the
-            off-policy reference queries, keyed by (prefix, query config): a sweep over
+        reuse: a dict this call may read and fill (mutated) with the prefill, the query
+            plan and the off-policy reference queries, keyed by (prefix, query config,
+            follow-ups, on_policy): a sweep over
             methods and ratios of one prefix then prefills and draws queries once (the
             reused stages then report ~0 s).
         head_budgets: None / "uniform": every KV head keeps t entries. Otherwise per-(layer,
@@ -282,8 +284,8 @@ def compact_prefix(
     )
 
     need_q = bool({"context-prefill", "random"} & set(qcfg.sources))
-    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())))
-    hit = reuse.get(key) if reuse is not None and not on_policy else None
+    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())), on_policy)
+    hit = reuse.get(key) if reuse is not None else None
     if hit is not None:
         pre, plan, all_queries = hit
         t_prefill, c_prefill = time.perf_counter(), time.process_time()
@@ -292,9 +294,10 @@ def compact_prefix(
         t_prefill, c_prefill = time.perf_counter(), time.process_time()
         plan = plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups)
         all_queries = {} if on_policy else collect_queries(model, hf.PrefixState.full(pre), plan)
-        if reuse is not None and not on_policy:
+        if reuse is not None:
             reuse[key] = (pre, plan, all_queries)
     queries = dict(all_queries)
+    stream = hf.LayerStream(model, T, [c.tokens for c in plan.continuations]) if on_policy else None
     t_queries = time.perf_counter() - t_prefill
     c_queries = time.process_time() - c_prefill
     t_compact = c_compact = 0.0
@@ -324,10 +327,9 @@ def compact_prefix(
     for li in it:
         if before_layer is not None:
             before_layer(li)  # the service's cancellation point (may raise)
-        if on_policy:
+        if stream is not None:
             tq, cq = time.perf_counter(), time.process_time()
-            state = _hybrid_state(pre, layers)
-            queries[li] = collect_queries(model, state, plan, layers=[li])[li]
+            queries[li] = pool_queries(model, plan, stream.queries(), li)
             t_queries += time.perf_counter() - tq
             c_queries += time.process_time() - cq
         tl, cl = time.perf_counter(), time.process_time()
@@ -351,6 +353,11 @@ def compact_prefix(
         per_layer.append(time.perf_counter() - tl)
         t_compact += per_layer[-1]
         c_compact += time.process_time() - cl
+        if stream is not None and li + 1 < info.num_layers:
+            tq, cq = time.perf_counter(), time.process_time()
+            stream.advance(*layers[-1].padded(max(layers[-1].head_lengths()), k.dtype))
+            t_queries += time.perf_counter() - tq
+            c_queries += time.process_time() - cq
         queries.pop(li, None)
     params = {
         "method": meth.params(),
@@ -427,13 +434,3 @@ def _sensitivity_budgets(
         )
     L, H = info.num_layers, info.num_kv_heads
     return allocate(curves, L * H * per_head, rest, min_tokens=1)
-
-
-def _hybrid_state(pre: hf.PrefillResult, done: Sequence[CompactedLayer]) -> hf.PrefixState:
-    """Layers < len(done) compacted (padded to T slots, beta -inf on pads), the rest full."""
-    hkv, T, _ = pre.keys[0].shape
-    keys, values = list(pre.keys), list(pre.values)
-    bias = torch.zeros(len(keys), hkv, T)
-    for li, layer in enumerate(done):
-        keys[li], values[li], bias[li] = layer.padded(T, keys[li].dtype)
-    return hf.PrefixState(keys, values, bias, T)

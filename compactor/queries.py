@@ -11,13 +11,16 @@ Sources (``QUERY_SOURCES``):
   self-study       the model answers four kinds of prompts about the prefix (summarize, ask
                    questions, quote/continue, structure); queries of prompt + answer.
   random           Gaussian vectors scaled to the mean norm of the real prefix queries.
-  follow-up        real follow-up token sequences (questions users asked of this prefix).
+  follow-up        real follow-up token sequences (questions users asked of this prefix),
+                   optionally with the model's own greedy answer to each appended
+                   (``follow_up_answer_tokens``), generated on the full prefix.
 
 Every source but ``context-prefill`` and ``random`` is a *continuation*: tokens appended
 after the prefix. The continuations are fixed once (:func:`plan_queries`, which runs any
 generation on the full prefix), then :func:`collect_queries` runs them on top of any
-:class:`~compactor.hf.PrefixState` - the full prefix, or for on-policy compaction one whose
-layers < l are already compacted - and records the queries.
+:class:`~compactor.hf.PrefixState` and records the queries; for on-policy compaction the
+pipeline instead advances them layer by layer through an ``hf.LayerStream`` over the layers
+compacted so far, and :func:`pool_queries` turns either recording into reference queries.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "QueryPlan",
     "collect_queries",
     "plan_queries",
+    "pool_queries",
     "random_queries",
     "reservoir",
 ]
@@ -63,6 +67,8 @@ class QueryConfig:
         self_study_prompts: the prompts (one generation each).
         temperature: 0 = greedy self-study answers, else sampling with `seed`.
         random_count: n for the ``random`` source.
+        follow_up_answer_tokens: greedy answer tokens generated (on the full prefix) after
+            each follow-up and kept in its continuation; 0 = the follow-ups alone.
         seed: seeds the reservoirs, random queries and sampling.
     """
 
@@ -72,6 +78,7 @@ class QueryConfig:
     self_study_prompts: tuple[str, ...] = SELF_STUDY_PROMPTS
     temperature: float = 0.0
     random_count: int = 256
+    follow_up_answer_tokens: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,6 +94,11 @@ class QueryConfig:
                 raise ValueError(f"QueryConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"QueryConfig.temperature must be >= 0, got {self.temperature}")
+        if self.follow_up_answer_tokens < 0:
+            raise ValueError(
+                "QueryConfig.follow_up_answer_tokens must be >= 0, got "
+                f"{self.follow_up_answer_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -196,10 +208,15 @@ def plan_queries(
         elif source == "follow-up":
             if not follow_ups:
                 raise ValueError("the follow-up source needs follow_ups (token sequences)")
-            for seq in follow_ups:
-                if len(seq) == 0:
-                    raise ValueError("a follow-up token sequence is empty")
-                plan.continuations.append(Continuation(source, list(seq)))
+            seqs = [list(seq) for seq in follow_ups]
+            if any(len(seq) == 0 for seq in seqs):
+                raise ValueError("a follow-up token sequence is empty")
+            if config.follow_up_answer_tokens:
+                answers = _generate(
+                    model, tokenizer, prefill, seqs, config.follow_up_answer_tokens, 0.0, 0
+                )
+                seqs = [seq + ans for seq, ans in zip(seqs, answers)]
+            plan.continuations.extend(Continuation(source, seq) for seq in seqs)
     return plan
 
 
@@ -215,46 +232,83 @@ def collect_queries(
     """
     info = hf.model_info(model)
     wanted = list(range(info.num_layers)) if layers is None else list(layers)
-    cfg = plan.config
-    parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
-    cap, seed = cfg.max_queries_per_head, cfg.seed
-    group = info.group_size
-    for j, cont in enumerate(plan.continuations):
+    recorded: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
+    for cont in plan.continuations:
         with hf.record_queries(model, wanted) as rec:
             state.fork().forward(model, cont.tokens, last_only=True)
         for layer in wanted:
-            q = hf.pool_gqa(rec[layer][0][:, cont.keep_from :].float(), info.num_kv_heads)
-            parts[layer].append(reservoir(q, cap, seed + 1 + j, group))
-    for layer in wanted:
-        if "context-prefill" in cfg.sources and plan.context_queries is not None:
-            parts[layer].append(reservoir(plan.context_queries[layer], cap, seed, group))
-        if "random" in cfg.sources and plan.query_norms is not None:
-            norms = plan.query_norms[layer]
-            count = -(-cfg.random_count // group) * group  # a multiple of G keeps the layout
-            parts[layer].append(random_queries(norms, count, info.head_dim, seed + layer))
-    return {layer: reservoir(cat_pooled(parts[layer], group), cap, seed, group) for layer in wanted}
+            recorded[layer].append(rec[layer][0])
+    return {layer: pool_queries(model, plan, recorded[layer], layer) for layer in wanted}
+
+
+def pool_queries(
+    model: Any, plan: QueryPlan, recorded: Sequence[torch.Tensor], layer: int
+) -> torch.Tensor:
+    """One layer's reference queries [H_kv, n, D] fp32 from the continuations' own queries.
+
+    `recorded` holds the post-RoPE queries [H_q, n_j, D] of every continuation of `plan`,
+    in order (from :func:`collect_queries` or an on-policy ``hf.LayerStream``); the prefix-side
+    sources (``context-prefill``, ``random``) are added here. Each source is capped at
+    ``max_queries_per_head`` (reservoir), then the concatenation.
+    """
+    if len(recorded) != len(plan.continuations):
+        raise ValueError(
+            f"{len(recorded)} recorded query sets for {len(plan.continuations)} continuations"
+        )
+    info = hf.model_info(model)
+    cfg = plan.config
+    cap, seed, group = cfg.max_queries_per_head, cfg.seed, info.group_size
+    parts = []
+    for j, (cont, q) in enumerate(zip(plan.continuations, recorded)):
+        pooled = hf.pool_gqa(q[:, cont.keep_from :].float(), info.num_kv_heads)
+        parts.append(reservoir(pooled, cap, seed + 1 + j, group))
+    if "context-prefill" in cfg.sources and plan.context_queries is not None:
+        parts.append(reservoir(plan.context_queries[layer], cap, seed, group))
+    if "random" in cfg.sources and plan.query_norms is not None:
+        norms = plan.query_norms[layer]
+        count = -(-cfg.random_count // group) * group  # a multiple of G keeps the layout
+        parts.append(random_queries(norms, count, info.head_dim, seed + layer))
+    return reservoir(cat_pooled(parts, group), cap, seed, group)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _generate(
+    model: Any,
+    tokenizer: Any,
+    prefill: hf.PrefillResult,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[list[int]]:
+    """The model's answers to `prompts` on the full prefix, decoded as one batch (cut at EOS)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return hf.batched_generate(
+        model,
+        hf.PrefixState.full(prefill),
+        prompts,
+        max_new_tokens,
+        eos_ids=[eos] if eos is not None else [],
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
 def _self_study(
     model: Any, tokenizer: Any, prefill: hf.PrefillResult, config: QueryConfig
 ) -> list[Continuation]:
-    """One generated answer per prompt, on the full prefix (greedy or sampled), all prompts
-    decoded as one batch."""
-    full = hf.PrefixState.full(prefill)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    gen = torch.Generator().manual_seed(config.seed)
+    """One generated answer per prompt, on the full prefix (greedy or sampled)."""
     prompts = [_encode(tokenizer, f"\n\n{p}\n") for p in config.self_study_prompts]
-    answers = hf.batched_generate(
+    answers = _generate(
         model,
-        full.fork(),
+        tokenizer,
+        prefill,
         prompts,
         config.self_study_tokens,
-        eos_ids=eos,
-        temperature=config.temperature,
-        generator=gen,
+        config.temperature,
+        config.seed,
     )
     return [Continuation("self-study", p + a) for p, a in zip(prompts, answers)]

@@ -41,6 +41,12 @@ def add_query_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--on-policy", action="store_true", help="draw layer l's queries with layers < l compacted"
     )
+    p.add_argument(
+        "--follow-up-answer-tokens",
+        type=int,
+        default=0,
+        help="append the model's greedy answer (this many tokens) to each follow-up query text",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -76,6 +82,7 @@ def query_config(args: argparse.Namespace) -> Any:
         sources=sources,
         max_queries_per_head=args.max_queries,
         self_study_tokens=args.self_study_tokens,
+        follow_up_answer_tokens=args.follow_up_answer_tokens,
     )
 
 

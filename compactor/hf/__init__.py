@@ -10,7 +10,8 @@ model's dtype (fp32 on CPU). Keys, values and queries are post-RoPE, exactly as 
 
 Modules: ``model`` (load, geometry, prefill, query recording) and ``decode``
 (:class:`PrefixState`: decoding after a full or compacted prefix with beta as an SDPA float
-mask and logical positions; greedy and batched generation).
+mask and logical positions; greedy and batched generation) and ``stream``
+(:class:`LayerStream`: continuations advanced one layer at a time, for on-policy fitting).
 """
 
 from compactor.hf.decode import PrefixState, batched_generate, greedy_generate
@@ -20,11 +21,14 @@ from compactor.hf.model import (
     load_model,
     model_info,
     pool_gqa,
+    post_rope_queries,
     prefill,
     record_queries,
 )
+from compactor.hf.stream import LayerStream
 
 __all__ = [
+    "LayerStream",
     "ModelInfo",
     "PrefillResult",
     "PrefixState",
@@ -33,6 +37,7 @@ __all__ = [
     "load_model",
     "model_info",
     "pool_gqa",
+    "post_rope_queries",
     "prefill",
     "record_queries",
 ]

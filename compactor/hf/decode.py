@@ -68,6 +68,24 @@ def _use_gqa_sdpa(model: Any) -> Iterator[None]:
         cfg._attn_implementation = saved
 
 
+def prefix_mask(
+    bias: torch.Tensor, num_new: int, q_len: int, num_q_heads: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """One layer's float SDPA mask [1, H_q or 1, q_len, S + num_new + q_len].
+
+    Columns: the prefix slots get their beta `bias` [H_kv, S] (-inf = padding), the
+    `num_new` tokens appended earlier 0, the current `q_len` tokens 0/-inf causal. The head
+    dim is 1 (broadcast) when every KV head has the same beta.
+    """
+    hkv, s = bias.shape
+    heads = 1 if bool((bias == bias[:1]).all()) else num_q_heads
+    b = bias if heads == 1 else bias.repeat_interleave(num_q_heads // hkv, dim=0)
+    out = torch.zeros(1, heads, q_len, s + num_new + q_len, dtype=dtype)
+    out[:, :, :, :s] = b[:heads, None, :].to(dtype)
+    out[:, :, :, s + num_new :] = torch.full((q_len, q_len), float("-inf"), dtype=dtype).triu(1)
+    return out
+
+
 class PrefixState:
     """A (full or compacted) prefix to decode after; one instance = one growing sequence.
 
@@ -151,17 +169,11 @@ class PrefixState:
         padding of earlier appends). The head dim is 1 (broadcast) when every KV head of
         `layer` has the same beta.
         """
-        hkv, s = self.bias.shape[1:]
-        b = self.bias[layer]
-        heads = 1 if bool((b == b[:1]).all()) else num_q_heads
-        if heads > 1:
-            b = b.repeat_interleave(num_q_heads // hkv, dim=0)
-        bsz = 1 if pad is None else pad.shape[0]
-        out = torch.zeros(bsz, heads, q_len, s + self.num_new + q_len, dtype=dtype)
-        out[:, :, :, :s] = b[:heads, None, :].to(dtype)
-        causal = torch.full((q_len, q_len), float("-inf"), dtype=dtype).triu(1)
-        out[:, :, :, s + self.num_new :] = causal
+        out = prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype)
         if pad is not None:
+            s = self.slots
+            bsz = pad.shape[0]
+            out = out.expand(bsz, -1, -1, -1).clone()
             cols = torch.cat([self._pad_hist.expand(bsz, -1), pad], dim=1)  # [B, num_new + q]
             out[:, :, :, s:] = out[:, :, :, s:].masked_fill(cols[:, None, None, :], float("-inf"))
         return out

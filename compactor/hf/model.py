@@ -89,6 +89,24 @@ def _attn_modules(model: Any) -> list[Any]:
     return [layer.self_attn for layer in layers]
 
 
+def post_rope_queries(
+    attn: Any, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """The queries attention module `attn` computes from its input [B, q, hidden]: [B, H_q, q, D].
+
+    ``q_proj`` -> (``q_norm`` if the model has one) -> RoPE with `position_embeddings` (cos, sin).
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, q_len, _ = hidden_states.shape
+    q = attn.q_proj(hidden_states).view(b, q_len, -1, attn.head_dim).transpose(1, 2)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
+    cos, sin = position_embeddings
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    return q
+
+
 @contextmanager
 def record_queries(
     model: Any, layers: Sequence[int] | None = None
@@ -100,8 +118,6 @@ def record_queries(
     exactly as the module does: ``q_proj`` -> (``q_norm`` if the model has one) -> RoPE with
     the module's ``position_embeddings``. Hooks are removed on exit (mutates nothing else).
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     mods = _attn_modules(model)
     wanted = set(range(len(mods)) if layers is None else layers)
     out: dict[int, list[torch.Tensor]] = {i: [] for i in sorted(wanted)}
@@ -110,13 +126,7 @@ def record_queries(
     def make_hook(idx: int, mod: Any) -> Any:
         def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            cos, sin = kwargs["position_embeddings"]
-            b, q_len, _ = hs.shape
-            q = mod.q_proj(hs).view(b, q_len, -1, mod.head_dim).transpose(1, 2)
-            if getattr(mod, "q_norm", None) is not None:
-                q = mod.q_norm(q)
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            out[idx].append(q[0].detach())
+            out[idx].append(post_rope_queries(mod, hs, kwargs["position_embeddings"])[0].detach())
 
         return hook
 

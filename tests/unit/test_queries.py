@@ -69,6 +69,21 @@ def test_sources_shapes_and_repeat_prefill_semantics(tiny):
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
 
 
+def test_follow_up_answers_are_the_full_prefix_greedy_answers(tiny):
+    ids = _ids(20, seed=5)
+    pre = hf.prefill(tiny, ids)
+    follow = [[1, 2, 3], [4, 5]]
+    cfg = QueryConfig(sources=("follow-up",), follow_up_answer_tokens=4)
+    plan = plan_queries(tiny, None, ids, pre, cfg, follow_ups=follow)
+    for f, cont in zip(follow, plan.continuations):
+        answer = hf.greedy_generate(tiny, hf.PrefixState.full(pre), f, 4)
+        assert cont.source == "follow-up" and cont.tokens == f + answer and len(answer) == 4
+    plain = plan_queries(tiny, None, ids, pre, QueryConfig(sources=("follow-up",)), follow)
+    assert [c.tokens for c in plain.continuations] == follow
+    with pytest.raises(ValueError, match="follow_up_answer_tokens must be >= 0, got -1"):
+        QueryConfig(follow_up_answer_tokens=-1)
+
+
 def test_missing_inputs_raise(tiny):
     ids = _ids(10)
     pre = hf.prefill(tiny, ids)
