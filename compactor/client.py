@@ -106,6 +106,8 @@ def build_request(
     query_sources: Sequence[str] = DEFAULT_QUERY_SOURCES,
     follow_ups: Sequence[Sequence[int]] = (),
     request_id: str | None = None,
+    on_policy: bool = False,
+    follow_up_answer_tokens: int = 0,
 ) -> pb.CompactRequest:
     """A CompactRequest; neither ratio nor tokens = budget 'auto'."""
     job = CompactJob(
@@ -117,6 +119,8 @@ def build_request(
         tokens=tokens,
         query_sources=tuple(query_sources),
         follow_ups=tuple(tuple(int(t) for t in f) for f in follow_ups),
+        on_policy=on_policy,
+        follow_up_answer_tokens=follow_up_answer_tokens,
         request_id=request_id or uuid.uuid4().hex,
     )
     return request_from_job(job, auto=ratio is None and tokens is None)

@@ -104,6 +104,7 @@ def _worker_compact(
 ) -> CompactedPrefix:
     """One compaction in the worker process (returns a picklable CompactedPrefix)."""
     from compactor.pipeline import compact_prefix
+    from compactor.queries import QueryConfig
 
     if _WORKER_MODEL is None:
         raise RuntimeError("compaction worker used before its initializer ran")
@@ -116,8 +117,11 @@ def _worker_compact(
         tokenizer,
         token_ids,
         config.method,
-        query_sources=sources,
+        query_sources=QueryConfig(
+            sources=sources, follow_up_answer_tokens=config.follow_up_answer_tokens
+        ),
         follow_ups=follow_ups or None,
+        on_policy=config.on_policy,
         progress=False,
         model_fingerprint=fingerprint,
         **config.budget(),
@@ -167,6 +171,8 @@ class GrpcCompactor:
             timeout=self.config.timeout,
             query_sources=sources or ["repeat-prefill"],
             follow_ups=[[int(t) for t in f] for f in follow_ups],
+            on_policy=self.config.on_policy,
+            follow_up_answer_tokens=self.config.follow_up_answer_tokens,
             **self.config.budget(),
         )
         prefix = getattr(result, "prefix", result)

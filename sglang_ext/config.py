@@ -52,6 +52,9 @@ class CompactionConfig:
         query_sources: reference-query sources sent to the compactor.
         max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
         follow_up_tokens: each suffix is cut to this many tokens.
+        follow_up_answer_tokens: the compactor appends the model's own greedy answer (this
+            many tokens) to each follow-up before drawing queries from it; 0 = off.
+        on_policy: fit layer l to queries drawn with layers < l already compacted.
         boundary_margin: a compacted path stops this many tokens before the branch point
             it was found at (later requests may diverge a little earlier).
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
@@ -69,6 +72,8 @@ class CompactionConfig:
     query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
+    follow_up_answer_tokens: int = 16
+    on_policy: bool = True
     boundary_margin: int = 32
     max_retries: int = 2
     retry_backoff_s: float = 30.0
@@ -102,6 +107,11 @@ class CompactionConfig:
             raise ValueError(
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
                 f"{self.max_retries} and {self.retry_backoff_s}"
+            )
+        if not 0 <= self.follow_up_answer_tokens <= 256:
+            raise ValueError(
+                "--compaction-follow-up-answer-tokens must be in [0, 256], got "
+                f"{self.follow_up_answer_tokens}"
             )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
@@ -152,6 +162,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--compaction-max-follow-ups", type=int, default=8)
     g.add_argument(
+        "--compaction-follow-up-answer-tokens",
+        type=int,
+        default=16,
+        help="The compactor appends the model's own greedy answer (this many tokens) to "
+        "each follow-up question before fitting to it; 0 = the questions alone.",
+    )
+    g.add_argument(
+        "--compaction-on-policy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Fit each layer with the layers before it already compacted (about the same "
+        "cost as off-policy).",
+    )
+    g.add_argument(
         "--compaction-boundary-margin",
         type=int,
         default=32,
@@ -193,6 +217,8 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         timeout=ns.compaction_timeout,
         query_sources=sources,
         max_follow_ups=ns.compaction_max_follow_ups,
+        follow_up_answer_tokens=ns.compaction_follow_up_answer_tokens,
+        on_policy=ns.compaction_on_policy,
         boundary_margin=ns.compaction_boundary_margin,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,

@@ -28,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     budget.add_argument("--ratio", type=float)
     budget.add_argument("--tokens", type=int)
     p.add_argument("--queries", default="repeat-prefill", help="comma-separated query sources")
+    p.add_argument("--on-policy", action="store_true", help="fit layer l with layers < l compacted")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--output", type=Path, help="save the CompactedPrefix (safetensors)")
     p.add_argument("--tls-ca", type=Path)
@@ -58,6 +59,7 @@ def _request(args: argparse.Namespace) -> int:
                 tokens=args.tokens,
                 method_params=params,
                 query_sources=[s for s in args.queries.split(",") if s],
+                on_policy=args.on_policy,
                 timeout=args.timeout,
             )
     except grpc.RpcError as err:

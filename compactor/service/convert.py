@@ -69,6 +69,8 @@ def job_from_request(req: pb.CompactRequest, auto_ratio: float) -> CompactJob:
         tokens=tokens,
         query_sources=tuple(req.queries.sources) or DEFAULT_QUERY_SOURCES,
         follow_ups=tuple(tuple(f.token_ids) for f in req.queries.follow_ups),
+        on_policy=req.queries.on_policy,
+        follow_up_answer_tokens=int(req.queries.follow_up_answer_tokens),
         request_id=req.request_id,
     )
 
@@ -90,6 +92,8 @@ def request_from_job(job: CompactJob, auto: bool = False) -> pb.CompactRequest:
         queries=pb.QuerySources(
             sources=list(job.query_sources),
             follow_ups=[pb.TokenSequence(token_ids=list(f)) for f in job.follow_ups],
+            on_policy=job.on_policy,
+            follow_up_answer_tokens=job.follow_up_answer_tokens,
         ),
         request_id=job.request_id,
     )

@@ -5,15 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compactor.types import CompactedPrefix, prefix_hash
+
+if TYPE_CHECKING:
+    from compactor.queries import QueryConfig
 from compactor.workers.errors import InvalidRequest
 
 __all__ = [
     "DEFAULT_AUTO_RATIO",
     "DEFAULT_QUERY_SOURCES",
     "HEAD_BUDGET_CHOICES",
+    "MAX_FOLLOW_UP_ANSWER_TOKENS",
     "CompactJob",
     "JobResult",
 ]
@@ -24,6 +28,8 @@ DEFAULT_QUERY_SOURCES: tuple[str, ...] = ("repeat-prefill",)
 # method_params["head_budgets"] (not a method field): uniform, or the worker model's
 # sensitivity curves (compact_prefix(head_budgets="auto")); file paths are not accepted.
 HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
+# Bound on generated answer tokens per follow-up (work the request may ask of a worker).
+MAX_FOLLOW_UP_ANSWER_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,9 @@ class CompactJob:
     Exactly one of `ratio` / `tokens` is set (budget "auto" is resolved to a ratio before
     the job is built). `request_id` is for logs only and is not part of :meth:`key`.
     `method_params` may hold ``"head_budgets"``: one of HEAD_BUDGET_CHOICES (see
-    :meth:`split_params`); it is part of :meth:`key`.
+    :meth:`split_params`); it is part of :meth:`key`. `on_policy` and
+    `follow_up_answer_tokens` are the query options of ``compact_prefix`` /
+    ``QueryConfig``.
     """
 
     model_fingerprint: str
@@ -44,12 +52,23 @@ class CompactJob:
     tokens: int | None = None
     query_sources: tuple[str, ...] = DEFAULT_QUERY_SOURCES
     follow_ups: tuple[tuple[int, ...], ...] = ()
+    on_policy: bool = False
+    follow_up_answer_tokens: int = 0
     request_id: str = ""
 
     def split_params(self) -> tuple[dict[str, Any], str]:
         """(the method's own hyper-parameters, the head-budget choice, default "uniform")."""
         params = dict(self.method_params)
         return params, str(params.pop("head_budgets", "uniform"))
+
+    def query_config(self) -> QueryConfig:
+        """The pipeline's QueryConfig for this job (ValueError if a source is unknown)."""
+        from compactor.queries import QueryConfig
+
+        return QueryConfig(
+            sources=tuple(self.query_sources),
+            follow_up_answer_tokens=self.follow_up_answer_tokens,
+        )
 
     def key(self) -> str:
         """Identity of the result: (model, prefix hash, method, every parameter)."""
@@ -63,12 +82,14 @@ class CompactJob:
             "sources": list(self.query_sources),
             "follow_ups": [prefix_hash(f) for f in self.follow_ups],
         }
+        if self.on_policy or self.follow_up_answer_tokens:  # absent = the keys of before
+            ident["on_policy"] = self.on_policy
+            ident["follow_up_answer_tokens"] = self.follow_up_answer_tokens
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def validate(self, max_prefix_tokens: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first problem (builds the method to check it)."""
         from compactor.methods import get_method
-        from compactor.queries import QueryConfig
 
         n = len(self.token_ids)
         if n < 2:
@@ -90,6 +111,11 @@ class CompactJob:
             raise InvalidRequest("a follow-up token sequence is empty")
         if "follow-up" in self.query_sources and not self.follow_ups:
             raise InvalidRequest("query source 'follow-up' needs follow-up token sequences")
+        if not 0 <= self.follow_up_answer_tokens <= MAX_FOLLOW_UP_ANSWER_TOKENS:
+            raise InvalidRequest(
+                f"follow_up_answer_tokens must be in [0, {MAX_FOLLOW_UP_ANSWER_TOKENS}], got "
+                f"{self.follow_up_answer_tokens}"
+            )
         params, head_budgets = self.split_params()
         if head_budgets not in HEAD_BUDGET_CHOICES:
             raise InvalidRequest(
@@ -98,7 +124,7 @@ class CompactJob:
             )
         try:
             json.dumps(self.method_params)
-            QueryConfig(sources=tuple(self.query_sources))
+            self.query_config()
             get_method(self.method, **params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(str(exc)) from None

@@ -109,3 +109,22 @@ def test_register_backends_adds_both_attention_backends() -> None:
     register_backends()  # idempotent
     for name in (ATTENTION_BACKEND, TRITON_ATTENTION_BACKEND):
         assert name in ATTENTION_BACKENDS and ATTENTION_BACKEND_CHOICES.count(name) == 1
+
+
+def test_query_option_flags_parse_and_validate() -> None:
+    import argparse
+
+    from sglang_ext.config import add_cli_args, config_from_namespace
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    cfg = config_from_namespace(p.parse_args(["--compaction-endpoint", "h:1"]))
+    assert cfg is not None and cfg.on_policy is True and cfg.follow_up_answer_tokens == 16
+    ns = p.parse_args(
+        ["--compaction-endpoint", "h:1", "--no-compaction-on-policy",
+         "--compaction-follow-up-answer-tokens", "0"]
+    )  # fmt: skip
+    cfg = config_from_namespace(ns)
+    assert cfg is not None and cfg.on_policy is False and cfg.follow_up_answer_tokens == 0
+    with pytest.raises(ValueError, match=r"answer-tokens must be in \[0, 256\], got -1"):
+        CompactionConfig(endpoint="h:1", follow_up_answer_tokens=-1)

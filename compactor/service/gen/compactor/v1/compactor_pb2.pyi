@@ -26,12 +26,16 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QuerySources(_message.Message):
-    __slots__ = ("sources", "follow_ups")
+    __slots__ = ("sources", "follow_ups", "on_policy", "follow_up_answer_tokens")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_UPS_FIELD_NUMBER: _ClassVar[int]
+    ON_POLICY_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_UP_ANSWER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedScalarFieldContainer[str]
     follow_ups: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, sources: _Optional[_Iterable[str]] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    on_policy: bool
+    follow_up_answer_tokens: int
+    def __init__(self, sources: _Optional[_Iterable[str]] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., on_policy: _Optional[bool] = ..., follow_up_answer_tokens: _Optional[int] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
     __slots__ = ("model_fingerprint", "token_ids", "method", "method_params_json", "budget", "queries", "request_id")
