@@ -27,7 +27,7 @@ def benchmarks() -> dict[str, list[str]]:
             "benchmarks/results/methods_speed.json",
         ],
         "quality": ["benchmarks/quality.py"],
-        "query_sources": ["benchmarks/query_sources.py"],
+        "agreement": ["benchmarks/agreement.py"],
         "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
         "serving": ["benchmarks/serving.py"],
         "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
