@@ -72,7 +72,7 @@ class CompactionConfig:
     query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
-    follow_up_answer_tokens: int = 16
+    follow_up_answer_tokens: int = 32
     on_policy: bool = True
     boundary_margin: int = 32
     max_retries: int = 2
@@ -164,7 +164,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compaction-follow-up-answer-tokens",
         type=int,
-        default=16,
+        default=32,
         help="The compactor appends the model's own greedy answer (this many tokens) to "
         "each follow-up question before fitting to it; 0 = the questions alone.",
     )

@@ -76,7 +76,8 @@ def test_shared_document_is_compacted_and_answers_hold(
     for q, b, a in zip(questions(), before, after):
         print(f"Q: {q}\n  stock:     {b['text']!r}\n  compacted: {a['text']!r}")
     # The needles above are the hard requirement; this guards against regressions. Measured
-    # with am-highest fitted on the follow-up queries alone: strict 16-token agreement 2/6
-    # before the 32-token boundary margin, 0/6 after it, where 2/6 answers still reproduce
-    # stock's answer token for token and differ only by going on where stock stopped.
-    assert reproduced >= 2, (agree, reproduced)
+    # with am-highest fitted on-policy to the six questions plus the model's own 32-token
+    # answers (the plugin's defaults): strict 16-token agreement 3/6, stock's answer text
+    # reproduced 5/6 (the other two go on where stock emitted its stop token). Fitted
+    # off-policy on the questions alone it was 0/6 and 2/6.
+    assert reproduced >= 4 and agree >= 2, (agree, reproduced)

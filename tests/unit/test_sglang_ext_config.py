@@ -119,7 +119,7 @@ def test_query_option_flags_parse_and_validate() -> None:
     p = argparse.ArgumentParser()
     add_cli_args(p)
     cfg = config_from_namespace(p.parse_args(["--compaction-endpoint", "h:1"]))
-    assert cfg is not None and cfg.on_policy is True and cfg.follow_up_answer_tokens == 16
+    assert cfg is not None and cfg.on_policy is True and cfg.follow_up_answer_tokens == 32
     ns = p.parse_args(
         ["--compaction-endpoint", "h:1", "--no-compaction-on-policy",
          "--compaction-follow-up-answer-tokens", "0"]
