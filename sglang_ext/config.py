@@ -108,9 +108,11 @@ class CompactionConfig:
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
                 f"{self.max_retries} and {self.retry_backoff_s}"
             )
-        if not 0 <= self.follow_up_answer_tokens <= 256:
+        from compactor.workers.job import MAX_FOLLOW_UP_ANSWER_TOKENS as max_answer
+
+        if not 0 <= self.follow_up_answer_tokens <= max_answer:
             raise ValueError(
-                "--compaction-follow-up-answer-tokens must be in [0, 256], got "
+                f"--compaction-follow-up-answer-tokens must be in [0, {max_answer}], got "
                 f"{self.follow_up_answer_tokens}"
             )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
