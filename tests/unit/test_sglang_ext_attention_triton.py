@@ -1,6 +1,6 @@
 """The Triton path for compacted prefixes: `attention_triton` against `biased_sdpa` per
-request (CPU under TRITON_INTERPRET=1, and on CUDA), and `CompactionTritonBackend`'s
-stock-or-biased dispatch."""
+request (CPU under TRITON_INTERPRET=1, and on CUDA; no SGLang needed), and
+`CompactionTritonBackend`'s stock-or-biased dispatch (needs SGLang)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("sglang")
-
-from sglang_ext.attention import biased_sdpa
 from sglang_ext.attention_triton import paged_biased_attention, plan_batch, row_slots
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
+from sglang_ext.sdpa import biased_sdpa
 
 S, H_KV, G, D = 96, 2, 3, 32
 H_Q = H_KV * G
@@ -156,6 +154,7 @@ class FakePool:
 
 
 def make_backend(b: Batch, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
+    pytest.importorskip("sglang")
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     from sglang_ext.triton_backend import CompactionTritonBackend
@@ -260,10 +259,10 @@ def test_backend_rejects_unsupported_layers(
 def test_backend_rejects_speculative_modes_on_compacted_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     b = make_batch()
     be, _ = make_backend(b, monkeypatch)
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
     fb = forward_batch(b, "decode", [0], [1])
     fb.forward_mode = ForwardMode.TARGET_VERIFY
     with pytest.raises(ValueError, match="do not support forward mode"):
