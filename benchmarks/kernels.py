@@ -31,6 +31,7 @@ import torch
 
 DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8, 32]
+KERNELS = ("triton_beta", "flashinfer_stock", "flashinfer_beta")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +47,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shuffle", action="store_true", help="scatter slots over the pool")
     p.add_argument("--max-gib", type=float, default=24.0, help="skip configs whose KV exceeds this")
     p.add_argument("--reps", type=int, default=50, help="timed repetitions per point")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=KERNELS,
+        default=list(KERNELS),
+        help="which kernels to time (default: all that can be built here)",
+    )
     return p.parse_args(argv)
 
 
@@ -90,6 +98,8 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
         return lambda: w.run(q, pool["k"], pool["v"], pool["beta"])
 
     out: dict[str, Any] = {"triton_beta": triton_beta}
+    if not {"flashinfer_stock", "flashinfer_beta"} & set(args.kernels):
+        return out
     try:
         import flashinfer
     except ImportError as exc:  # recorded in the JSON, not silently dropped
@@ -155,7 +165,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     elem = torch.empty(0, dtype=dtype).element_size()
     bandwidth = copy_bandwidth_gbs()
-    factories = _kernels(args)
+    factories = {k: f for k, f in _kernels(args).items() if k in args.kernels}
     rows: list[dict[str, Any]] = []
     for batch in args.batches:
         for length in args.lengths:

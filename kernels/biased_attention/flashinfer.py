@@ -53,6 +53,11 @@ __all__ = [
 MASKED_BETA = -1.0e4
 VARIANT_NAME = "CompactedBiasAttention"
 VARIANT_DECL = r"""
+template <typename P, typename = void>
+struct CompactedBiasHasPagedKV : std::false_type {};
+template <typename P>
+struct CompactedBiasHasPagedKV<P, std::void_t<decltype(&P::paged_kv)>> : std::true_type {};
+
 struct CompactedBiasAttention : AttentionVariantBase {
   static constexpr bool use_softmax = true;
 
@@ -65,18 +70,25 @@ struct CompactedBiasAttention : AttentionVariantBase {
     qo_len = params.get_qo_len(batch_idx);
     kv_len = params.get_kv_len(batch_idx);
     window_left = kv_len;
-    kv_begin = params.paged_kv.indptr[batch_idx];
-    num_kv_heads = params.paged_kv.num_heads;
+    if constexpr (CompactedBiasHasPagedKV<Params>::value) {
+      kv_begin = params.paged_kv.indptr[batch_idx];
+      num_kv_heads = params.paged_kv.num_heads;
+    } else {  // ragged prefill: built beside the paged kernel, never run by this module
+      kv_begin = 0;
+      num_kv_heads = params.num_kv_heads;
+    }
     sm_scale_log2 = float(params.sm_scale) * math::log2e;
     inv_sm_scale = 1.f / float(params.sm_scale);
   }
 
   // logits = raw q.k; the kernel multiplies the result by sm_scale_log2.
   REGISTER_LOGITS_TRANSFORM(params, logits, batch_idx, qo_idx, kv_idx, qo_head_idx, kv_head_idx, {
-    if (kv_idx < kv_len) {
-      const int64_t slot = params.paged_kv.indices[kv_begin + kv_idx];
-      const float beta = fmaxf(params.beta_cache[slot * num_kv_heads + kv_head_idx], -1.0e4f);
-      return logits + beta * inv_sm_scale;
+    if constexpr (CompactedBiasHasPagedKV<Params>::value) {
+      if (kv_idx < kv_len) {
+        const int64_t slot = params.paged_kv.indices[kv_begin + kv_idx];
+        const float beta = fmaxf(params.beta_cache[slot * num_kv_heads + kv_head_idx], -1.0e4f);
+        return logits + beta * inv_sm_scale;
+      }
     }
     return logits;
   })
@@ -228,6 +240,9 @@ class FlashInferBiasedPagedDecode(_Base):
                 self._workspace,
                 "NHD",
                 use_tensor_cores=self.use_tensor_cores,
+                # a custom variant needs a named backend (FlashInfer refuses "auto" with
+                # jit_args); the tensor-core decode runs FA2's prefill kernel
+                backend="fa2",
                 jit_args=jit_args(uri, q_dtype, kv_dtype, head_dim),
             )
         self._active = self._inner[key]

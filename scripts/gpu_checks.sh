@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# GPU checks for a CUDA machine (CI has none): the `gpu`-marked tests and the decode kernel
+# benchmark, in one call. Run from the repo root with the machine's own python3 (torch +
+# triton + pytest); no .venv, no SGLang needed.
+#
+#   OUT=/tmp/gpu bash scripts/gpu_checks.sh [triton|flashinfer|all]   (default all)
+#
+# FlashInfer is optional: if `.whl/` holds `flashinfer_slim.tar.xz` (the flashinfer_python
+# package without the kernels we never build) and an apache-tvm-ffi wheel, they are unpacked
+# into /tmp/site first; its JIT builds (minutes each, cached under ~/.cache/flashinfer) run in
+# the background while the Triton checks use the GPU. Logs and JSON land in $OUT; a summary
+# table is printed last.
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+WHAT=${1:-all}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PY:-python3}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+
+if [ -f .whl/flashinfer_slim.tar.xz ] && [ "$WHAT" != triton ]; then
+    mkdir -p /tmp/site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    tar -xJf .whl/flashinfer_slim.tar.xz -C /tmp/site || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+
+fi_pid=""
+if [ "$WHAT" != triton ]; then
+    # FlashInfer variant tests (their first plan() JIT-compiles the variant), in the background.
+    (timeout 540 "${PYTEST[@]}" tests/kernels/test_kernels_gpu.py -k flashinfer \
+        >"$OUT/flashinfer_tests.log" 2>&1; echo "exit $?" >>"$OUT/flashinfer_tests.log") &
+    fi_pid=$!
+fi
+
+status=0
+if [ "$WHAT" != flashinfer ]; then
+    timeout 300 "${PYTEST[@]}" -m gpu -k "not flashinfer" \
+        tests/kernels tests/unit/test_sglang_ext_attention_triton.py 2>&1 | tee "$OUT/triton_tests.log"
+    status=${PIPESTATUS[0]}
+    timeout 240 "$PY" -m benchmarks.kernels --kernels triton_beta --reps 30 \
+        --out "$OUT/kernels_triton.json" --plot "$OUT/kernels_triton.png" >"$OUT/bench_triton.log" 2>&1
+    echo "benchmark exit $?" >>"$OUT/bench_triton.log"
+fi
+
+if [ -n "$fi_pid" ]; then
+    wait "$fi_pid"
+    if grep -q " passed" "$OUT/flashinfer_tests.log" && ! grep -q "failed\|error" "$OUT/flashinfer_tests.log"; then
+        timeout 240 "$PY" -m benchmarks.kernels --kernels flashinfer_stock flashinfer_beta \
+            triton_beta --reps 30 --out "$OUT/kernels.json" --plot "$OUT/kernels.png" \
+            >"$OUT/bench_all.log" 2>&1
+        echo "benchmark exit $?" >>"$OUT/bench_all.log"
+    fi
+fi
+
+echo "=== summary ==="
+for f in "$OUT"/*_tests.log; do echo "$(basename "$f"): $(grep -E "passed|failed|error|skipped|exit" "$f" | tail -2 | tr '\n' ' ')"; done
+for f in "$OUT"/bench_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+for j in "$OUT"/kernels*.json; do
+    [ -f "$j" ] && "$PY" - "$j" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(sys.argv[1].rsplit("/", 1)[-1], r["device"], f"copy {r['copy_bandwidth_gbs']:.0f} GB/s")
+for x in r["results"]:
+    if "ms" in x:
+        print(f"  {x['kernel']:17s} B={x['batch']:<3d} L={x['length']:<7d} {x['ms']:8.3f} ms "
+              f"{x['gbs']:7.0f} GB/s ({x['frac_of_copy_bw']:.2f} of copy)")
+EOF
+done
+exit "$status"
