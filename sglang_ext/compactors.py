@@ -85,7 +85,8 @@ class InProcessCompactor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-_WORKER_MODEL: tuple[Any, Any] | None = None
+# (model, tokenizer, fingerprint of the loaded checkpoint), set once per worker process
+_WORKER_MODEL: tuple[Any, Any, str] | None = None
 
 
 def _worker_init(model_path: str) -> None:
@@ -94,39 +95,41 @@ def _worker_init(model_path: str) -> None:
     import torch
 
     from compactor.hf import load_model
+    from compactor.models import fingerprint
 
     torch.set_num_threads(1)
-    _WORKER_MODEL = load_model(model_path)
+    _WORKER_MODEL = (*load_model(model_path), fingerprint(model_path))
+
+
+def _query_sources(config: CompactionConfig, follow_ups: Sequence[Sequence[int]]) -> list[str]:
+    """The configured sources, less ``follow-up`` when no request sent a suffix (never empty)."""
+    sources = [s for s in config.query_sources if s != "follow-up" or follow_ups]
+    return sources or ["repeat-prefill"]
 
 
 def _worker_compact(
     config: CompactionConfig, fingerprint: str, token_ids: list[int], follow_ups: list[list[int]]
 ) -> CompactedPrefix:
-    """One compaction in the worker process (returns a picklable CompactedPrefix)."""
-    from compactor.pipeline import compact_prefix
-    from compactor.queries import QueryConfig
+    """One compaction in the worker process, through the service's own code path
+    (`compactor.workers.worker.run_compaction`); returns a picklable CompactedPrefix."""
+    from compactor.workers.job import CompactJob
+    from compactor.workers.worker import run_compaction
 
     if _WORKER_MODEL is None:
         raise RuntimeError("compaction worker used before its initializer ran")
-    model, tokenizer = _WORKER_MODEL
-    sources = tuple(s for s in config.query_sources if s != "follow-up" or follow_ups) or (
-        "repeat-prefill",
-    )
-    prefix, _times = compact_prefix(
-        model,
-        tokenizer,
-        token_ids,
-        config.method,
-        query_sources=QueryConfig(
-            sources=sources, follow_up_answer_tokens=config.follow_up_answer_tokens
-        ),
-        follow_ups=follow_ups or None,
-        on_policy=config.on_policy,
-        progress=False,
+    model, tokenizer, worker_fingerprint = _WORKER_MODEL
+    job = CompactJob(
         model_fingerprint=fingerprint,
-        **config.budget(),
+        token_ids=tuple(token_ids),
+        method=config.method,
+        ratio=config.ratio if config.tokens is None else None,
+        tokens=config.tokens,
+        query_sources=tuple(_query_sources(config, follow_ups)),
+        follow_ups=tuple(tuple(f) for f in follow_ups),
+        on_policy=config.on_policy,
+        follow_up_answer_tokens=config.follow_up_answer_tokens,
     )
-    return prefix
+    return run_compaction(model, tokenizer, worker_fingerprint, job).prefix
 
 
 class GrpcCompactor:
@@ -163,13 +166,12 @@ class GrpcCompactor:
     ) -> CompactedPrefix:
         if self._client is None:
             self._client = self._make_client()
-        sources = [s for s in self.config.query_sources if s != "follow-up" or follow_ups]
         result = await self._client.compact(
             [int(t) for t in token_ids],
             self.fingerprint,
             self.config.method,
             timeout=self.config.timeout,
-            query_sources=sources or ["repeat-prefill"],
+            query_sources=_query_sources(self.config, follow_ups),
             follow_ups=[[int(t) for t in f] for f in follow_ups],
             on_policy=self.config.on_policy,
             follow_up_answer_tokens=self.config.follow_up_answer_tokens,
