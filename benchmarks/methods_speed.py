@@ -3,10 +3,12 @@
 Shape legend: T prefix tokens, t kept, n reference queries, H_kv KV heads, D head dim.
 
     .venv/bin/python benchmarks/methods_speed.py --T 1024 --n 2048 --ratio 0.1 \
-        --methods am-omp-fast am-omp am-highest --json out.json
+        --methods am-omp-fast am-omp am-highest --json out.json [--device cuda]
 
 Keys/queries are drawn with a few dominant directions plus noise so attention is peaked
 (like real heads); single-threaded by default (one torch thread per worker, see DESIGN.md).
+The layer is drawn on the CPU (the same data on every device) and moved to ``--device``,
+where the fit runs; on CUDA the timer reads after a synchronize.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def synthetic_layer(H: int, T: int, n: int, D: int, seed: int) -> tuple[torch.Te
     return keys, values, q(n), q(n)
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU) so timers see all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,10 +71,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=30, help="for the whole-model estimate")
+    ap.add_argument("--device", default="cpu", help="torch device of the layer and the fit")
     ap.add_argument("--json", default="methods_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    keys, values, q_fit, q_eval = synthetic_layer(args.H, args.T, args.n, args.D, seed=0)
+    device = torch.device(args.device)
+    layer_data = synthetic_layer(args.H, args.T, args.n, args.D, seed=0)
+    keys, values, q_fit, q_eval = (x.to(device) for x in layer_data)
     budgets = head_budgets(args.T, args.H, ratio=args.ratio)
     ref_out, ref_lse = attend(q_eval, keys, values)
     rows = []
@@ -69,8 +86,10 @@ def main() -> None:
         method.compact_layer(keys, values, q_fit, budgets)  # warm-up
         times = []
         for _ in range(args.repeats):
+            _sync(device)
             t0 = time.perf_counter()
             layer = method.compact_layer(keys, values, q_fit, budgets)
+            _sync(device)
             times.append(time.perf_counter() - t0)
         out_err, mass_err = [], []
         for h in range(args.H):
@@ -92,7 +111,8 @@ def main() -> None:
         )
     print(
         f"H_kv={args.H} T={args.T} n={args.n} D={args.D} ratio={args.ratio} "
-        f"threads={args.threads} (best of {args.repeats})"
+        f"threads={args.threads} device={device} ({_device_name(device)}) "
+        f"(best of {args.repeats})"
     )
     print(
         f"{'method':<14}{'s/layer':>10}{'s/' + str(args.layers) + ' layers':>14}"
@@ -106,6 +126,7 @@ def main() -> None:
     meta = {k: v for k, v in vars(args).items() if k != "json"}
     meta["torch"] = torch.__version__
     meta["machine"] = platform.machine()
+    meta["device_name"] = _device_name(device)
     meta["budgets"] = budgets
     with open(args.json, "w") as f:
         json.dump({"config": meta, "results": rows}, f, indent=2)

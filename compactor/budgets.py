@@ -116,13 +116,14 @@ def sensitivity_curve(
         eval_queries: [H_kv, n', D] to measure on (default: ``queries``; prefer held-out).
 
     Returns:
-        err [H_kv, F] fp32: ||o_c - o|| / ||o|| over the evaluation queries, where o is
-        the original and o_c the compacted attention output of the prefix block.
+        err [H_kv, F] fp32 on the keys' device: ||o_c - o|| / ||o|| over the evaluation
+        queries, where o is the original and o_c the compacted attention output of the
+        prefix block.
     """
     H, T, _ = keys.shape
     ev = queries if eval_queries is None else eval_queries
     ref, _ = attend(ev, keys, values, sm_scale=sm_scale)
-    err = torch.zeros(H, len(fractions), dtype=torch.float32)
+    err = torch.zeros(H, len(fractions), dtype=torch.float32, device=keys.device)
     for j, f in enumerate(fractions):
         layer = method.compact_layer(keys, values, queries, head_budgets(T, H, ratio=f), sm_scale)
         for h in range(H):

@@ -108,10 +108,14 @@ def assemble_layer(
     Args:
         sinks: (keys [H_kv, s, D], values [H_kv, s, D]) kept verbatim at positions 0..s-1, or None.
         parts: (offset, layer) per chunk; `offset` is added to the chunk's kept_indices.
+
+    Returns the layer on the chunks' device (one host sync per chunk: its indptr).
     """
     if not parts:
         raise ValueError("assemble_layer: no compacted chunks")
     hkv = parts[0][1].num_kv_heads
+    dev = parts[0][1].keys.device
+    ptrs = [layer.indptr.tolist() for _, layer in parts]
     ks, vs, bs, ids, counts = [], [], [], [], []
     for h in range(hkv):
         n = 0
@@ -120,17 +124,17 @@ def assemble_layer(
             s = sk.shape[1]
             ks.append(sk[h])
             vs.append(sv[h])
-            bs.append(torch.zeros(s))
-            ids.append(torch.arange(s, dtype=torch.int64))
+            bs.append(torch.zeros(s, device=dev))
+            ids.append(torch.arange(s, dtype=torch.int64, device=dev))
             n += s
-        for offset, layer in parts:
-            k, v, b = layer.head(h)
-            lo, hi = int(layer.indptr[h]), int(layer.indptr[h + 1])
+        for (offset, layer), ip in zip(parts, ptrs):
+            lo, hi = ip[h], ip[h + 1]
+            k, v, b = layer.keys[lo:hi], layer.values[lo:hi], layer.beta[lo:hi]
             ki = layer.kept_indices
             ids.append(
                 ki[lo:hi] + offset
                 if ki is not None
-                else torch.full((hi - lo,), -1, dtype=torch.int64)
+                else torch.full((hi - lo,), -1, dtype=torch.int64, device=dev)
             )
             ids[-1] = torch.where(ids[-1] >= offset, ids[-1], torch.full_like(ids[-1], -1))
             ks.append(k)
@@ -138,8 +142,8 @@ def assemble_layer(
             bs.append(b.float())
             n += hi - lo
         counts.append(n)
-    indptr = torch.zeros(hkv + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    indptr = torch.zeros(hkv + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = torch.cumsum(torch.tensor(counts, device=dev), 0).to(torch.int32)
     return CompactedLayer(torch.cat(ks), torch.cat(vs), torch.cat(bs), indptr, torch.cat(ids))
 
 
@@ -211,6 +215,9 @@ def compact_prefix(
     before_layer: Callable[[int], None] | None = None,
 ) -> tuple[CompactedPrefix, StageTimes]:
     """Compact the prefix `token_ids` [T] for `model`; returns (prefix, stage times).
+
+    Runs on the model's device (prefill, queries and every layer's fit); the returned
+    prefix holds CPU tensors whatever that device is (it crosses Ray and is serialized).
 
     Args:
         method: a registered name (built with `method_params`) or a CompactionMethod.
@@ -359,6 +366,7 @@ def compact_prefix(
             t_queries += time.perf_counter() - tq
             c_queries += time.process_time() - cq
         queries.pop(li, None)
+    layers = [layer.to("cpu") for layer in layers]  # the result is host-side (see docstring)
     params = {
         "method": meth.params(),
         "ratio": ratio,

@@ -138,8 +138,8 @@ def reservoir(queries: torch.Tensor, cap: int, seed: int = 0, group_size: int = 
     if n <= cap:
         return queries
     per, keep = n // group_size, max(1, cap // group_size)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(per, generator=g)[:keep].sort().values.to(queries.device)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same rows on any device
+    idx = torch.randperm(per, generator=g, device="cpu")[:keep].sort().values.to(queries.device)
     return queries.reshape(h, group_size, per, d)[:, :, idx].reshape(h, group_size * keep, d)
 
 
@@ -161,11 +161,14 @@ def cat_pooled(parts: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
 
 
 def random_queries(norms: torch.Tensor, n: int, head_dim: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian queries [H_kv, n, D], each row rescaled to its head's norm `norms` [H_kv]."""
+    """Gaussian queries [H_kv, n, D], each row rescaled to its head's norm `norms` [H_kv].
+
+    Drawn on the CPU (the same draws on any device), returned on the device of `norms`.
+    """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(norms.shape[0], n, head_dim, generator=g)
+    q = torch.randn(norms.shape[0], n, head_dim, generator=g, device="cpu").to(norms.device)
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     return q * norms.float().reshape(-1, 1, 1)
 
@@ -284,7 +287,10 @@ def _generate(
     temperature: float,
     seed: int,
 ) -> list[list[int]]:
-    """The model's answers to `prompts` on the full prefix, decoded as one batch (cut at EOS)."""
+    """The model's answers to `prompts` on the full prefix, decoded as one batch (cut at EOS).
+
+    Sampling (temperature > 0) draws from a generator on the model's device, seeded `seed`.
+    """
     eos = getattr(tokenizer, "eos_token_id", None)
     return hf.batched_generate(
         model,
@@ -293,7 +299,7 @@ def _generate(
         max_new_tokens,
         eos_ids=[eos] if eos is not None else [],
         temperature=temperature,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator(device=model.device).manual_seed(seed),
     )
 
 

@@ -4,7 +4,7 @@ Shape legend: T prefix tokens, t kept, n reference queries, H_q/H_kv heads, D he
 B batch (usually H_kv: one independent problem per KV head), m rows, k unknowns.
 
 All functions accept a single problem (``A [m, k]``) or a batch (``A [B, m, k]``); they
-compute in fp32 (or fp64 if given fp64) and mutate nothing.
+compute in fp32 (or fp64 if given fp64) on the device of their inputs and mutate nothing.
 """
 
 from __future__ import annotations
@@ -101,11 +101,12 @@ def nnls_gram(
     eye = torch.eye(k, dtype=dt, device=G.device).expand(B, k, k)
     if mask is not None:
         m = mask.to(torch.bool)
+        zero = G.new_zeros(())
         both = m.unsqueeze(1) & m.unsqueeze(2)
-        G = torch.where(both, G, torch.zeros((), dtype=dt)) + torch.diag_embed((~m).to(dt))
-        c = torch.where(m, c, torch.zeros((), dtype=dt))
-        lo = torch.where(m, lo, torch.zeros((), dtype=dt))
-        hi = torch.where(m, hi, torch.zeros((), dtype=dt))
+        G = torch.where(both, G, zero) + torch.diag_embed((~m).to(dt))
+        c = torch.where(m, c, zero)
+        lo = torch.where(m, lo, zero)
+        hi = torch.where(m, hi, zero)
     diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [B]
     if ridge > 0:
         G = G + (ridge * diag_mean)[:, None, None] * eye
@@ -167,9 +168,10 @@ def lstsq_values(
     eye = torch.eye(t, dtype=dt, device=P.device).expand(B, t, t)
     if mask is not None:
         m = mask.to(torch.bool)
+        zero = G.new_zeros(())
         both = m.unsqueeze(1) & m.unsqueeze(2)
-        G = torch.where(both, G, torch.zeros((), dtype=dt))
-        R = torch.where(m.unsqueeze(-1), R, torch.zeros((), dtype=dt))
+        G = torch.where(both, G, zero)
+        R = torch.where(m.unsqueeze(-1), R, zero)
         diag_mean = torch.diagonal(G, dim1=1, dim2=2).sum(-1) / m.sum(-1).clamp_min(1)
     else:
         diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1)
@@ -249,7 +251,7 @@ def _polish(
     dt = G.dtype
     zero = torch.zeros((), dtype=dt, device=G.device)
     span = (hi - lo).clamp(max=1e30)
-    hi_fin = torch.where(torch.isfinite(hi), hi.abs(), torch.zeros((), dtype=dt))
+    hi_fin = torch.where(torch.isfinite(hi), hi.abs(), zero)
     eps = 1e-9 * torch.maximum(lo.abs(), hi_fin).clamp_min(1.0)
     eps = torch.minimum(eps, 0.25 * span.clamp_min(0))
     at_lo = w <= lo + eps

@@ -17,6 +17,7 @@ natural-log bias added to the *scaled* logit: ``logit = q.k * sm_scale + beta``;
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -94,6 +95,22 @@ class CompactedLayer:
         """t_h for each KV head (length H_kv)."""
         return torch.diff(self.indptr.to(torch.int64)).tolist()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the keys live (every tensor of a layer built here shares it)."""
+        return self.keys.device
+
+    def to(self, device: torch.device | str) -> CompactedLayer:
+        """The same layer with every tensor on ``device`` (self when already there)."""
+        dev = torch.device(device)
+        ts = (self.keys, self.values, self.beta, self.indptr, self.kept_indices)
+        if all(t is None or t.device == dev for t in ts):
+            return self
+        ki = None if self.kept_indices is None else self.kept_indices.to(dev)
+        return CompactedLayer(
+            self.keys.to(dev), self.values.to(dev), self.beta.to(dev), self.indptr.to(dev), ki
+        )
+
     def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys [t_h, D], values [t_h, D], beta [t_h]) of KV head h (views)."""
         lo, hi = int(self.indptr[h]), int(self.indptr[h + 1])
@@ -105,21 +122,23 @@ class CompactedLayer:
         """Dense per-head layout: (keys [H_kv, S, D], values [H_kv, S, D], beta [H_kv, S] fp32).
 
         Head h fills slots [0, t_h); the rest hold zeros with beta = -inf (masked). S = `slots`
-        must be >= every t_h. `dtype` casts keys/values (default: as stored).
+        must be >= every t_h. `dtype` casts keys/values (default: as stored). On the layer's
+        device; one host sync (the indptr), whatever H_kv.
         """
-        lengths = self.head_lengths()
+        ip = self.indptr.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(ip)]
         if slots < max(lengths, default=0):
             raise ValueError(f"slots={slots} < longest head ({max(lengths)})")
         dt = dtype or self.keys.dtype
-        h_kv, d = self.num_kv_heads, self.keys.shape[-1]
-        k = torch.zeros(h_kv, slots, d, dtype=dt)
-        v = torch.zeros(h_kv, slots, d, dtype=dt)
-        beta = torch.full((h_kv, slots), float("-inf"), dtype=torch.float32)
+        h_kv, d, dev = self.num_kv_heads, self.keys.shape[-1], self.keys.device
+        k = torch.zeros(h_kv, slots, d, dtype=dt, device=dev)
+        v = torch.zeros(h_kv, slots, d, dtype=dt, device=dev)
+        beta = torch.full((h_kv, slots), float("-inf"), dtype=torch.float32, device=dev)
         for h in range(h_kv):
-            kh, vh, bh = self.head(h)
-            k[h, : kh.shape[0]] = kh.to(dt)
-            v[h, : vh.shape[0]] = vh.to(dt)
-            beta[h, : bh.shape[0]] = bh.float()
+            lo, hi = ip[h], ip[h + 1]
+            k[h, : hi - lo] = self.keys[lo:hi].to(dt)
+            v[h, : hi - lo] = self.values[lo:hi].to(dt)
+            beta[h, : hi - lo] = self.beta[lo:hi].float()
         return k, v, beta
 
     def nbytes(self) -> int:

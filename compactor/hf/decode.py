@@ -69,21 +69,36 @@ def _use_gqa_sdpa(model: Any) -> Iterator[None]:
 
 
 def prefix_mask(
-    bias: torch.Tensor, num_new: int, q_len: int, num_q_heads: int, dtype: torch.dtype
+    bias: torch.Tensor,
+    num_new: int,
+    q_len: int,
+    num_q_heads: int,
+    dtype: torch.dtype,
+    uniform: bool | None = None,
 ) -> torch.Tensor:
-    """One layer's float SDPA mask [1, H_q or 1, q_len, S + num_new + q_len].
+    """One layer's float SDPA mask [1, H_q or 1, q_len, S + num_new + q_len], on bias's device.
 
     Columns: the prefix slots get their beta `bias` [H_kv, S] (-inf = padding), the
     `num_new` tokens appended earlier 0, the current `q_len` tokens 0/-inf causal. The head
-    dim is 1 (broadcast) when every KV head has the same beta.
+    dim is 1 (broadcast) when every KV head has the same beta; `uniform` says whether they
+    do (None: checked here, a host sync when bias is on an accelerator).
     """
     hkv, s = bias.shape
-    heads = 1 if bool((bias == bias[:1]).all()) else num_q_heads
+    if uniform is None:
+        uniform = heads_share_bias(bias)
+    heads = 1 if uniform else num_q_heads
     b = bias if heads == 1 else bias.repeat_interleave(num_q_heads // hkv, dim=0)
-    out = torch.zeros(1, heads, q_len, s + num_new + q_len, dtype=dtype)
+    dev = bias.device
+    out = torch.zeros(1, heads, q_len, s + num_new + q_len, dtype=dtype, device=dev)
     out[:, :, :, :s] = b[:heads, None, :].to(dtype)
-    out[:, :, :, s + num_new :] = torch.full((q_len, q_len), float("-inf"), dtype=dtype).triu(1)
+    causal = torch.full((q_len, q_len), float("-inf"), dtype=dtype, device=dev).triu(1)
+    out[:, :, :, s + num_new :] = causal
     return out
+
+
+def heads_share_bias(bias: torch.Tensor) -> bool:
+    """True when every KV head of `bias` [H_kv, S] has the same beta (one host sync)."""
+    return bool((bias == bias[:1]).all())
 
 
 class PrefixState:
@@ -93,6 +108,9 @@ class PrefixState:
         keys / values: per layer [H_kv, S, D] (model dtype); all layers share S.
         bias: [L, H_kv, S] fp32 beta per layer and slot (0 for a full prefix, -inf on padding).
         logical_length: T; the first new token gets position T.
+    Device: keys/values are copied to the model's device when the cache is built; the masks
+    are built on the bias's device (moved to the model's if elsewhere); positions and padding
+    bookkeeping live on the host.
     Mutates: :meth:`forward` appends to this state's own cache (:meth:`fork` for a fresh copy).
     """
 
@@ -124,23 +142,33 @@ class PrefixState:
         self.logical_length = int(logical_length)
         self.num_new = 0
         self._cache: Any = None
-        self._pad_hist = torch.zeros(1, 0, dtype=torch.bool)  # [B, num_new] True = padding
-        self._num_real = torch.zeros(1, dtype=torch.long)  # [B] real tokens appended per row
+        self._uniform: list[bool] | None = None  # per layer: heads share beta (lazy)
+        # host-side bookkeeping: [B, num_new] True = padding; [B] real tokens appended per row
+        self._pad_hist = torch.zeros(1, 0, dtype=torch.bool, device="cpu")
+        self._num_real = torch.zeros(1, dtype=torch.long, device="cpu")
 
     @classmethod
     def full(cls, pre: PrefillResult) -> PrefixState:
         """The uncompacted prefix (beta = 0 everywhere)."""
         hkv, t, _ = pre.keys[0].shape
-        return cls(list(pre.keys), list(pre.values), torch.zeros(len(pre.keys), hkv, t), t)
+        bias = torch.zeros(len(pre.keys), hkv, t, device=pre.keys[0].device)
+        return cls(list(pre.keys), list(pre.values), bias, t)
 
     @classmethod
     def from_compacted(
-        cls, prefix: CompactedPrefix, dtype: torch.dtype | None = None
+        cls,
+        prefix: CompactedPrefix,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> PrefixState:
-        """Pad a ragged :class:`CompactedPrefix` into S = max_{layer,h} t_h slots (beta -inf pads)."""
+        """Pad a ragged :class:`CompactedPrefix` into S = max_{layer,h} t_h slots (beta -inf pads).
+
+        device: where the padded tensors go (default: where the prefix's layers are).
+        """
         s = max(1, max(max(layer.head_lengths()) for layer in prefix.layers))
         dt = dtype or prefix.dtype
-        padded = [layer.padded(s, dt) for layer in prefix.layers]
+        layers = [layer if device is None else layer.to(device) for layer in prefix.layers]
+        padded = [layer.padded(s, dt) for layer in layers]
         keys = [k for k, _, _ in padded]
         values = [v for _, v, _ in padded]
         bias = torch.stack([b for _, _, b in padded])
@@ -148,7 +176,9 @@ class PrefixState:
 
     def fork(self) -> PrefixState:
         """A fresh state over the same prefix tensors (no appended tokens)."""
-        return PrefixState(self.keys, self.values, self.bias, self.logical_length)
+        out = PrefixState(self.keys, self.values, self.bias, self.logical_length)
+        out._uniform = self._uniform
+        return out
 
     @property
     def slots(self) -> int:
@@ -167,28 +197,33 @@ class PrefixState:
 
         `pad` [B, q_len] bool marks padding tokens of this append (never attended, like the
         padding of earlier appends). The head dim is 1 (broadcast) when every KV head of
-        `layer` has the same beta.
+        `layer` has the same beta. On the bias's device.
         """
-        out = prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype)
+        if self._uniform is None:  # once per state: one host sync for all layers
+            flat = self.bias.flatten(2)
+            self._uniform = (flat == flat[:, :1]).flatten(1).all(-1).tolist()
+        uniform = self._uniform[layer]
+        out = prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype, uniform)
         if pad is not None:
             s = self.slots
             bsz = pad.shape[0]
             out = out.expand(bsz, -1, -1, -1).clone()
-            cols = torch.cat([self._pad_hist.expand(bsz, -1), pad], dim=1)  # [B, num_new + q]
+            cols = torch.cat([self._pad_hist.expand(bsz, -1), pad.cpu()], dim=1)  # [B, num_new+q]
+            cols = cols.to(out.device)
             out[:, :, :, s:] = out[:, :, :, s:].masked_fill(cols[:, None, None, :], float("-inf"))
         return out
 
-    def _ensure_cache(self, batch: int) -> Any:
+    def _ensure_cache(self, batch: int, device: torch.device) -> Any:
         if self._cache is None:
             from transformers import DynamicCache
 
             cache: Any = DynamicCache()
             for i, (k, v) in enumerate(zip(self.keys, self.values)):
-                kb = k.unsqueeze(0).expand(batch, -1, -1, -1).clone()
-                cache.update(kb, v.unsqueeze(0).expand(batch, -1, -1, -1).clone(), i)
+                kb = k.to(device).unsqueeze(0).expand(batch, -1, -1, -1).clone()
+                cache.update(kb, v.to(device).unsqueeze(0).expand(batch, -1, -1, -1).clone(), i)
             self._cache = cache
-            self._pad_hist = torch.zeros(batch, 0, dtype=torch.bool)
-            self._num_real = torch.zeros(batch, dtype=torch.long)
+            self._pad_hist = torch.zeros(batch, 0, dtype=torch.bool, device="cpu")
+            self._num_real = torch.zeros(batch, dtype=torch.long, device="cpu")
         elif self._num_real.shape[0] != batch:
             raise ValueError(f"this state decodes {self._num_real.shape[0]} rows, got {batch}")
         return self._cache
@@ -210,7 +245,8 @@ class PrefixState:
         Each attention module gets its own layer's mask through a forward pre-hook (built
         on the fly, so a long append never holds L masks at once).
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        dev, dt = model.device, model.dtype
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
         batched = ids.dim() == 2
         ids = ids.reshape(1, -1) if not batched else ids
         bsz, q_len = ids.shape
@@ -224,11 +260,14 @@ class PrefixState:
                 f"prefix has {self.bias.shape[0]} layers x {self.bias.shape[1]} KV heads, model has "
                 f"{info.num_layers} x {info.num_kv_heads}"
             )
-        cache = self._ensure_cache(bsz)
-        padm = pad.bool() if pad is not None else torch.zeros(bsz, q_len, dtype=torch.bool)
+        cache = self._ensure_cache(bsz, dev)
+        padm = (
+            pad.to("cpu", torch.bool)
+            if pad is not None
+            else torch.zeros(bsz, q_len, dtype=torch.bool, device="cpu")
+        )
         real = (~padm).long()
         pos = self.logical_length + self._num_real[:, None] + torch.cumsum(real, 1) - real
-        dev, dt = model.device, model.dtype
         use_pad = padm if bool(padm.any() or self._pad_hist.any()) else None
 
         def make_hook(li: int) -> Any:
@@ -248,7 +287,7 @@ class PrefixState:
             first = self.mask(0, q_len, info.num_q_heads, dt, use_pad).to(dev)
             with _use_gqa_sdpa(model):
                 out = model(
-                    input_ids=ids.to(dev),
+                    input_ids=ids,
                     attention_mask=first,
                     position_ids=pos.to(dev),
                     past_key_values=cache,
@@ -291,8 +330,7 @@ def greedy_generate(
         if temperature == 0:
             tok = int(logits.argmax())
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=generator))
+            tok = int(_sample(logits, temperature, generator))
         out.append(tok)
         if tok in eos or step == max_new_tokens - 1:
             break
@@ -314,7 +352,8 @@ def batched_generate(
 
     Prompts are left-padded (padding masked out, positions counted per row), decoded for
     `max_new_tokens` steps in one batch, and each output is cut after its first EOS.
-    Mutates `state` (use ``state.fork()``).
+    The tokens stay on the model's device until the end (one host sync). Mutates `state`
+    (use ``state.fork()``).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched_generate: need non-empty prompts")
@@ -323,10 +362,10 @@ def batched_generate(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    pad = torch.ones(len(prompts), width, dtype=torch.bool)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cpu")
+    pad = torch.ones(len(prompts), width, dtype=torch.bool, device="cpu")
     for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(list(p))
+        ids[i, width - len(p) :] = torch.as_tensor(list(p), device="cpu")
         pad[i, width - len(p) :] = False
     logits = state.forward(model, ids, last_only=True, pad=pad)[:, -1]
     steps = []
@@ -334,8 +373,7 @@ def batched_generate(
         if temperature == 0:
             tok = logits.argmax(-1)
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            tok = _sample(logits, temperature, generator).squeeze(1)
         steps.append(tok)
         if step < max_new_tokens - 1:
             logits = state.forward(model, tok[:, None], last_only=True)[:, -1]
@@ -344,3 +382,17 @@ def batched_generate(
         cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
         out.append(row[:cut])
     return out
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of logits [..., V] sampled at `temperature`: [..., 1] int64.
+
+    Draws on the generator's device (moving the probabilities there and the tokens back
+    when it differs from the logits': pass a generator on the model's device to avoid it).
+    """
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if generator is None or generator.device == probs.device:
+        return torch.multinomial(probs, 1, generator=generator)
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)

@@ -155,8 +155,11 @@ class PrefillResult:
 def prefill(
     model: Any, token_ids: Sequence[int] | torch.Tensor, with_queries: bool = False
 ) -> PrefillResult:
-    """Run the prefix [T] through `model`; return its KV cache (and queries if asked)."""
-    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    """Run the prefix [T] through `model`; return its KV cache (and queries if asked).
+
+    Everything returned is on the model's device.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device).reshape(1, -1)
     if ids.shape[1] < 1:
         raise ValueError("prefill: empty prefix")
     from transformers import DynamicCache
@@ -164,17 +167,10 @@ def prefill(
     cache: Any = DynamicCache()
     if with_queries:
         with record_queries(model) as rec:
-            out = model(
-                input_ids=ids.to(model.device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         queries: list[torch.Tensor] | None = [rec[i][0] for i in sorted(rec)]
     else:
-        out = model(
-            input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         queries = None
     keys = [layer.keys[0] for layer in cache.layers]
     values = [layer.values[0] for layer in cache.layers]

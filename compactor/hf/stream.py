@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from compactor.hf.decode import _use_gqa_sdpa, prefix_mask
+from compactor.hf.decode import _use_gqa_sdpa, heads_share_bias, prefix_mask
 from compactor.hf.model import model_info, post_rope_queries
 
 __all__ = ["LayerStream"]
@@ -106,7 +106,8 @@ class LayerStream:
         """Run the current layer with prefix slots keys/values [H_kv, S, D], beta `bias` [H_kv, S].
 
         Padding slots carry beta -inf. Each sequence attends to the prefix slots and causally
-        to itself, in blocks of `block` tokens.
+        to itself, in blocks of `block` tokens. The inputs are moved to the model's device
+        (no-op when there); one host sync per call (whether the heads share beta).
         """
         dec = self._check_layer()
         hkv = self.info.num_kv_heads
@@ -120,13 +121,14 @@ class LayerStream:
                 f"bias must be [H_kv, S]={tuple(keys.shape[:2])}, got {tuple(bias.shape)}"
             )
         dt, dev = self.model.dtype, self.model.device
-        k, v, b = keys[None].to(dev, dt), values[None].to(dev, dt), bias.float()
+        k, v, b = keys[None].to(dev, dt), values[None].to(dev, dt), bias.to(dev).float()
+        uniform = heads_share_bias(b)
         with _use_gqa_sdpa(self.model):
             for j, (h, (cos, sin)) in enumerate(zip(self._hidden, self._rope)):
                 cache, outs = _PrefixKV(k, v), []
                 for a in range(0, h.shape[1], self.block):
                     e = min(a + self.block, h.shape[1])
-                    mask = prefix_mask(b, a, e - a, self.info.num_q_heads, dt).to(dev)
+                    mask = prefix_mask(b, a, e - a, self.info.num_q_heads, dt, uniform)
                     out = dec(
                         h[:, a:e],
                         attention_mask=mask,

@@ -45,8 +45,9 @@ def attention_probs(
         T, n = keys.shape[1], queries.shape[1]
         if n % window:
             raise ValueError(f"{n} window queries are not a multiple of window={window}")
-        pos = (T - window) + torch.arange(n) % window  # [n]
-        future = torch.arange(T).unsqueeze(0) > pos.unsqueeze(1)  # [n, T]
+        dev = logits.device
+        pos = (T - window) + torch.arange(n, device=dev) % window  # [n]
+        future = torch.arange(T, device=dev).unsqueeze(0) > pos.unsqueeze(1)  # [n, T]
         logits.masked_fill_(future.unsqueeze(0), -math.inf)
     return torch.softmax(logits, dim=-1)
 
@@ -69,21 +70,24 @@ def topk_selection(scores: torch.Tensor, budgets: Sequence[int]) -> Selection:
     """Keep the budgets[h] highest scores [H, T] of each head; indices ascending."""
     t_max = max(budgets)
     top = scores.topk(t_max, dim=-1).indices
-    mask = torch.arange(t_max).unsqueeze(0) < torch.as_tensor(list(budgets)).unsqueeze(1)
+    dev = scores.device
+    bud = torch.as_tensor(list(budgets), device=dev)
+    mask = torch.arange(t_max, device=dev).unsqueeze(0) < bud.unsqueeze(1)
     big = torch.iinfo(torch.int64).max
     idx = torch.where(mask, top, torch.full_like(top, big)).sort(-1).values
-    return Selection(torch.where(mask, idx, torch.zeros((), dtype=torch.int64)), mask)
+    return Selection(torch.where(mask, idx, idx.new_zeros(())), mask)
 
 
 def mask_selection(keep: torch.Tensor) -> Selection:
-    """[H, T] bool -> Selection (indices ascending)."""
-    return Selection.from_lists([torch.nonzero(row).flatten() for row in keep])
+    """[H, T] bool -> Selection (indices ascending, on keep's device)."""
+    return Selection.from_mask(keep)
 
 
 def global_topk_budgets(scores: torch.Tensor, total: int, floor: int = 1) -> list[int]:
     """Split ``total`` kept entries over heads by a global top-k of scores [H, T].
 
-    Every head keeps at least ``floor`` (then the global top-k fills the rest).
+    Every head keeps at least ``floor`` (then the global top-k fills the rest). One host
+    sync (the budgets come back as a list).
     """
     H, T = scores.shape
     total = max(min(total, H * T), H * floor)
@@ -150,7 +154,8 @@ def finish(
         )
     g = sel.indices.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
     ck, cv = torch.gather(keys, 1, g), torch.gather(values, 1, g)
-    return pack_layer(ck, cv, torch.zeros(sel.indices.shape), sel, keys.dtype)
+    beta = torch.zeros(sel.indices.shape, device=keys.device)
+    return pack_layer(ck, cv, beta, sel, keys.dtype)
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:

@@ -78,16 +78,20 @@ def omp_select(
     """
     phi, b = targets.phi, targets.mass
     H, n, T = phi.shape
-    bud = torch.as_tensor(list(budgets), dtype=torch.int64)
+    dev = phi.device
+    bud = torch.as_tensor(list(budgets), dtype=torch.int64, device=dev)
+    bud_max = max(int(x) for x in budgets)
     kk = min(k, T)
     lo_w = 0.0 if prune_beta is None else math.exp(prune_beta)
     inv_norm = phi.square().sum(1).clamp_min(1e-30).rsqrt()  # [H, T]
-    taken = torch.zeros(H, T, dtype=torch.bool)  # selected now or pruned before
-    st = _Slots(H, n, int(bud.max()) + 2 * kk, b)
-    done = torch.zeros(H, dtype=torch.bool)
+    taken = torch.zeros(H, T, dtype=torch.bool, device=dev)  # selected now or pruned before
+    st = _Slots(H, n, bud_max + 2 * kk, b)
+    done = torch.zeros(H, dtype=torch.bool, device=dev)
     r = b.clone()
     step = 0
-    max_steps = 4 * (int(bud.max()) // kk + 1) + T // kk
+    max_steps = 4 * (bud_max // kk + 1) + T // kk
+    slot_ar = torch.arange(kk, device=dev).unsqueeze(0)  # [1, kk]
+    zero = phi.new_zeros(())
     while step < max_steps:
         remaining = bud - st.live.sum(-1)
         done |= remaining <= 0
@@ -97,7 +101,7 @@ def omp_select(
         corr.masked_fill_(taken, -math.inf)
         top_val, top_idx = corr.topk(kk, dim=-1)
         done |= ~(top_val[:, 0] > 0)
-        take = torch.arange(kk).unsqueeze(0) < remaining.clamp(max=kk).unsqueeze(1)
+        take = slot_ar < remaining.clamp(max=kk).unsqueeze(1)
         take &= (top_val > 0) & ~done.unsqueeze(1)
         taken |= torch.zeros_like(taken).scatter_(1, top_idx, take)
         st.add(top_idx, take, phi)
@@ -114,12 +118,12 @@ def omp_select(
             ridge=nnls_ridge,
             polish_rounds=8,
         )
-        w = torch.where(st.live, beta.exp(), torch.zeros(()))
+        w = torch.where(st.live, beta.exp(), zero)
         weak = st.live & (w < lo_w)
         if bool(weak.any()):
             st.live &= ~weak  # pruned keys stay in `taken`: never picked again
             done &= ~weak.any(-1)  # a head that lost keys may pick again
-            w = torch.where(weak, torch.zeros(()), w)
+            w = torch.where(weak, zero, w)
         r = b - torch.bmm(w.unsqueeze(1), st.At).squeeze(1)
     return st.selection(T)
 
@@ -127,17 +131,18 @@ def omp_select(
 class _Slots:
     """OMP working set: feature columns stored as rows At [H, cap+1, n] in insertion
     order, their Gram G = A'A and c = A'mass, kept incrementally; slot ``cap`` is a
-    write-off slot.
+    write-off slot. Everything lives on the device of the mass ``b`` [H, n].
     Mutated by :meth:`add` (and compacted in place when full)."""
 
     def __init__(self, H: int, n: int, cap: int, b: torch.Tensor) -> None:
         self.cap, self.b = cap, b
-        self.At = torch.zeros(H, cap + 1, n)
-        self.G = torch.zeros(H, cap + 1, cap + 1)
-        self.c = torch.zeros(H, cap + 1)
-        self.idx = torch.zeros(H, cap + 1, dtype=torch.int64)
-        self.live = torch.zeros(H, cap + 1, dtype=torch.bool)
-        self.used = torch.zeros(H, dtype=torch.int64)
+        dev = b.device
+        self.At = torch.zeros(H, cap + 1, n, device=dev)
+        self.G = torch.zeros(H, cap + 1, cap + 1, device=dev)
+        self.c = torch.zeros(H, cap + 1, device=dev)
+        self.idx = torch.zeros(H, cap + 1, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(H, cap + 1, dtype=torch.bool, device=dev)
+        self.used = torch.zeros(H, dtype=torch.int64, device=dev)
 
     def add(self, top_idx: torch.Tensor, take: torch.Tensor, phi: torch.Tensor) -> None:
         """Append the taken keys top_idx [H, kk] (take [H, kk] bool)."""
@@ -170,9 +175,9 @@ class _Slots:
 
     def selection(self, T: int) -> Selection:
         """The live keys as a Selection (indices ascending)."""
-        hits = torch.zeros(self.live.shape[0], T, dtype=torch.int32)
+        hits = torch.zeros(self.live.shape[0], T, dtype=torch.int32, device=self.live.device)
         hits.scatter_add_(1, self.idx, self.live.to(torch.int32))
-        return _from_mask(hits > 0)
+        return Selection.from_mask(hits > 0)
 
 
 @register_method("am-highest")
@@ -306,7 +311,8 @@ class KeepOnly(CompactionMethod):
         sel = self.select(keys, values, queries, budgets, sm_scale)
         g = sel.indices.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
         ck, cv = torch.gather(keys, 1, g), torch.gather(values, 1, g)
-        return pack_layer(ck, cv, torch.zeros(sel.indices.shape), sel, keys.dtype)
+        beta = torch.zeros(sel.indices.shape, device=keys.device)
+        return pack_layer(ck, cv, beta, sel, keys.dtype)
 
     def params(self) -> dict[str, Any]:
         inner = cast(CompactionMethod, self.inner)  # a method after __post_init__
@@ -316,21 +322,11 @@ class KeepOnly(CompactionMethod):
 # ---- private helpers -------------------------------------------------------------------
 
 
-def _from_mask(selected: torch.Tensor) -> Selection:
-    """[H, T] bool -> Selection with ascending indices."""
-    counts = selected.sum(-1)
-    t_max = int(counts.max()) if counts.numel() else 0
-    order = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    idx = order[:, :t_max]
-    mask = torch.arange(t_max).unsqueeze(0) < counts.unsqueeze(1)
-    return Selection(torch.where(mask, idx, torch.zeros((), dtype=torch.int64)), mask)
-
-
 def _sorted(sel: Selection) -> Selection:
     big = torch.iinfo(torch.int64).max
     key = torch.where(sel.mask, sel.indices, torch.full_like(sel.indices, big))
     idx = key.sort(-1).values
-    return Selection(torch.where(sel.mask, idx, torch.zeros((), dtype=torch.int64)), sel.mask)
+    return Selection(torch.where(sel.mask, idx, idx.new_zeros(())), sel.mask)
 
 
 def _check_bounds(bounds: Any) -> tuple[float, float]:

@@ -3,6 +3,9 @@
 Shape legend: T prefix tokens, t kept (t_max = max over heads), n reference queries,
 H_q/H_kv heads, D head dim, indptr [H_kv+1] int32.
 
+Device: methods compute on the device of the keys they are given (CPU or CUDA) and return
+their CompactedLayer there; every tensor they allocate follows an input's device.
+
 A method is a ``@dataclass`` of hyper-parameters registered by name with
 :func:`register_method`; :func:`get_method` builds one, importing the module that
 defines it on first use (modules under ``compactor.methods`` are discovered lazily).
@@ -91,16 +94,38 @@ class Selection(NamedTuple):
     mask: torch.Tensor
 
     @classmethod
-    def from_lists(cls, per_head: Sequence[Sequence[int] | torch.Tensor]) -> Selection:
-        """Build from one index list per KV head (ragged)."""
+    def from_lists(
+        cls,
+        per_head: Sequence[Sequence[int] | torch.Tensor],
+        device: torch.device | str | None = None,
+    ) -> Selection:
+        """Build from one index list per KV head (ragged).
+
+        device: where the Selection lives (default: that of the first tensor row, else CPU).
+        """
+        if device is None:
+            device = next((x.device for x in per_head if isinstance(x, torch.Tensor)), "cpu")
         t_max = max((len(x) for x in per_head), default=0)
-        idx = torch.zeros(len(per_head), t_max, dtype=torch.int64)
-        mask = torch.zeros(len(per_head), t_max, dtype=torch.bool)
+        idx = torch.zeros(len(per_head), t_max, dtype=torch.int64, device=device)
+        mask = torch.zeros(len(per_head), t_max, dtype=torch.bool, device=device)
         for h, x in enumerate(per_head):
-            row = torch.as_tensor(x, dtype=torch.int64).reshape(-1)
+            row = torch.as_tensor(x, dtype=torch.int64, device=device).reshape(-1)
             idx[h, : row.numel()] = row
             mask[h, : row.numel()] = True
         return cls(idx, mask)
+
+    @classmethod
+    def from_mask(cls, selected: torch.Tensor) -> Selection:
+        """[H_kv, T] bool (True = kept) -> Selection with ascending indices, on its device.
+
+        One host sync (t_max), whatever H_kv.
+        """
+        counts = selected.sum(-1)
+        t_max = int(counts.max()) if counts.numel() else 0
+        order = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        idx = order[:, :t_max]
+        mask = torch.arange(t_max, device=selected.device).unsqueeze(0) < counts.unsqueeze(1)
+        return cls(torch.where(mask, idx, idx.new_zeros(())), mask)
 
     def budgets(self) -> list[int]:
         """t_h per head."""
@@ -220,7 +245,7 @@ def pack_layer(
     """
     m = sel.mask
     counts = m.sum(-1)
-    indptr = torch.zeros(m.shape[0] + 1, dtype=torch.int32)
+    indptr = torch.zeros(m.shape[0] + 1, dtype=torch.int32, device=m.device)
     indptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
     return CompactedLayer(
         keys=keys[m].to(dtype).contiguous(),

@@ -50,7 +50,7 @@ def snapkv_scores(
     if window <= 0:
         return avg_pool(probs.mean(1), kernel)
     body = avg_pool(probs[..., : T - window].mean(1), kernel)
-    top = body.max() + 1 if body.numel() else torch.ones(())
+    top = body.max() + 1 if body.numel() else body.new_ones(())
     return torch.cat([body, top.expand(body.shape[0], window)], dim=-1)
 
 
@@ -116,7 +116,7 @@ class H2O(ScoreSelectMethod):
             raise ValueError(f"window={self.window} must be < T={T}")
         scale = resolve_sm_scale(sm_scale, keys.shape[-1])
         heavy = attention_probs(keys, queries, scale, self.window).sum(1)  # [H, T]
-        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool)
+        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool, device=keys.device)
         for h, t in enumerate(b):
             n_recent = round(t * self.recent_fraction)
             keep[h, T - n_recent :] = True
@@ -151,7 +151,7 @@ class StreamingLLM(ScoreSelectMethod):
     ) -> Selection:
         b = check_layer_inputs(keys, values, queries, budgets)
         T = keys.shape[1]
-        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool)
+        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool, device=keys.device)
         for h, t in enumerate(b):
             s = min(self.n_sink, t)
             keep[h, :s] = True

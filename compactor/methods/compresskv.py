@@ -69,8 +69,11 @@ def layer_budgets(
     errors: Sequence[float], budget: float, T: int, min_scale: float, max_scale: float
 ) -> list[int]:
     """Per-layer budgets b_l in [min_scale*budget, max_scale*budget] (and [1, T]),
-    proportional to errors[l], summing to about L * budget (bisection on the scale)."""
-    e = torch.as_tensor(list(errors), dtype=torch.float64).clamp_min(1e-12)
+    proportional to errors[l], summing to about L * budget (bisection on the scale).
+
+    Host-side planning: computed on the CPU whatever the default device.
+    """
+    e = torch.as_tensor(list(errors), dtype=torch.float64, device="cpu").clamp_min(1e-12)
     L = e.numel()
     lo_b = max(1.0, min_scale * budget)
     hi_b = min(float(T), max(lo_b, max_scale * budget))
@@ -102,7 +105,7 @@ def srh_token_scores(
     max + 1 (always kept).
     """
     T = keys.shape[1]
-    total = torch.zeros(T)
+    total = torch.zeros(T, device=keys.device)
     for j in heads:
         kv, g = divmod(int(j), group_size)
         q = group_view(queries[kv : kv + 1], group_size)[0, g].unsqueeze(0)  # [1, n, D]
@@ -184,7 +187,7 @@ class CompressKV(ScoreSelectMethod):
             )
         mean_b = sum(b) / len(b)
         b_l = layer_budgets(err, mean_b, T, self.min_scale, self.max_scale)[layer]
-        row = torch.as_tensor(srh[layer], dtype=torch.float64)
+        row = torch.as_tensor(srh[layer], dtype=torch.float64, device="cpu")  # host planning
         heads = row.topk(min(self.top_heads, row.numel())).indices.tolist()
         scale = resolve_sm_scale(sm_scale, D)
         G = len(srh[layer]) // H

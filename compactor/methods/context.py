@@ -15,6 +15,8 @@ budget) implements :class:`LayerBudgetPlanner`; the pipeline calls it once befor
 loop and uses its per-layer budgets instead of the uniform one.
 
 Everything here is plain tensors + ints (picklable: it may cross a Ray boundary).
+:func:`build_layer_contexts` leaves the tensors on the model's device; methods move a
+context to their keys' device with :meth:`LayerContext.to` (a no-op when it is there).
 """
 
 from __future__ import annotations
@@ -87,6 +89,22 @@ class LayerContext:
         """T, the number of prefix tokens."""
         return int(self.hidden.shape[0])
 
+    def to(self, device: torch.device | str) -> LayerContext:
+        """The same context with its tensors on ``device`` (self when they already are)."""
+        dev = torch.device(device)
+        ts = (self.hidden, self.q_weight, self.q_bias, self.inv_freq, self.last_query)
+        if all(t is None or t.device == dev for t in ts):
+            return self
+        bias = None if self.q_bias is None else self.q_bias.to(dev)
+        return dataclasses.replace(
+            self,
+            hidden=self.hidden.to(dev),
+            q_weight=self.q_weight.to(dev),
+            q_bias=bias,
+            inv_freq=self.inv_freq.to(dev),
+            last_query=self.last_query.to(dev),
+        )
+
     def for_span(self, start: int, stop: int) -> LayerContext:
         """The same context for the keys of tokens [start, stop) (a chunk or the non-sinks)."""
         return dataclasses.replace(self, span=(int(start), int(stop)))
@@ -146,9 +164,12 @@ def build_layer_contexts(
 
     Records each attention module's input hidden states with forward pre-hooks (removed on
     exit; the model is not otherwise mutated). Llama-like models only (q_proj + RoPE with
-    ``rotary_emb.inv_freq``); a model with ``q_norm`` is rejected (not handled yet).
+    ``rotary_emb.inv_freq``); a model with ``q_norm`` is rejected (not handled yet). The
+    contexts' tensors stay on the model's device (fp32; q_weight may share the parameter's
+    storage when the model is fp32).
     """
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(1, -1)
+    dev = model.device
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=dev).reshape(1, -1)
     if ids.shape[1] < 1:
         raise ValueError("build_layer_contexts: empty prefix")
     cfg = model.config
@@ -156,7 +177,7 @@ def build_layer_contexts(
     layers = model.model.layers
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
     rot = model.model.rotary_emb
-    inv_freq = rot.inv_freq.detach().float().cpu()
+    inv_freq = rot.inv_freq.detach().float()
     scale = float(getattr(rot, "attention_scaling", 1.0))
     seen: dict[int, torch.Tensor] = {}
     handles = []
@@ -164,7 +185,7 @@ def build_layer_contexts(
     def make_hook(i: int) -> Any:
         def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            seen[i] = hs[0].detach().float().cpu()
+            seen[i] = hs[0].detach().float()
 
         return hook
 
@@ -175,7 +196,7 @@ def build_layer_contexts(
             handles.append(
                 layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True)
             )
-        model(input_ids=ids.to(model.device), use_cache=False)
+        model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -183,20 +204,20 @@ def build_layer_contexts(
     out = []
     for i, layer in enumerate(layers):
         qp = layer.self_attn.q_proj
-        bias = qp.bias.detach().float().cpu() if qp.bias is not None else None
+        bias = qp.bias.detach().float() if qp.bias is not None else None
         ctx = LayerContext(
             layer=i,
             num_layers=len(layers),
             hidden=seen[i],
-            q_weight=qp.weight.detach().float().cpu(),
+            q_weight=qp.weight.detach().float(),
             q_bias=bias,
             inv_freq=inv_freq,
             rope_scale=scale,
-            last_query=torch.zeros(hq, d),
+            last_query=torch.zeros(hq, d, device=dev),
             num_q_heads=hq,
             head_dim=d,
             model_dir=model_dir,
         )
-        last = ctx.project_queries(seen[i][-1:], torch.tensor([T - 1]))[:, 0]
+        last = ctx.project_queries(seen[i][-1:], torch.tensor([T - 1], device=dev))[:, 0]
         out.append(dataclasses.replace(ctx, last_query=last))
     return out

@@ -79,15 +79,17 @@ class GVote(ScoreSelectMethod):
         """S sampled post-RoPE queries [H_q, S, D] for the layer of ``ctx``."""
         h = ctx.hidden[min(self.n_sink, ctx.logical_length - 1) :].float()
         mu, sigma = h.mean(0), h.std(0, unbiased=False)
+        # drawn on the CPU (same samples whatever the device), then moved to h's device
         gen = torch.Generator().manual_seed(int(self.seed) + 1000 * ctx.layer)
-        eps = [torch.randn(h.shape[1], generator=gen) for _ in range(self.S)]  # nested in S
-        samples = mu + sigma * torch.stack(eps) if eps else h[:0]
+        eps = [torch.randn(h.shape[1], generator=gen, device="cpu") for _ in range(self.S)]
+        samples = mu + sigma * torch.stack(eps).to(h.device) if eps else h[:0]
         q = samples @ ctx.q_weight.t()
         if ctx.q_bias is not None:
             q = q + ctx.q_bias
         q = q.view(-1, ctx.num_q_heads, ctx.head_dim).transpose(0, 1)  # [H_q, S, D]
         T = ctx.logical_length
-        cos, sin = rope_cos_sin(ctx.inv_freq, torch.arange(T, T + self.horizon), ctx.rope_scale)
+        pos = torch.arange(T, T + self.horizon, device=ctx.inv_freq.device)
+        cos, sin = rope_cos_sin(ctx.inv_freq, pos, ctx.rope_scale)
         return apply_rope(q, cos.mean(0, keepdim=True), sin.mean(0, keepdim=True))
 
     def select(  # type: ignore[override]
@@ -110,6 +112,7 @@ class GVote(ScoreSelectMethod):
                 f"context (span {context.span}, H_q={context.num_q_heads}, D={context.head_dim})"
                 f" does not match keys {tuple(keys.shape)}"
             )
+        context = context.to(keys.device)
         G = context.num_q_heads // H
         scale = resolve_sm_scale(sm_scale, D)
         kq = keys.float().repeat_interleave(G, dim=0)  # [H_q, Tc, D]
@@ -119,16 +122,17 @@ class GVote(ScoreSelectMethod):
         if self.vote_last_query:
             voters = torch.cat([voters, context.last_query.float().unsqueeze(1)], dim=1)
         logits = torch.bmm(voters, kq.transpose(1, 2))  # [H_q, V, Tc]
-        keep_q = torch.zeros(context.num_q_heads, Tc, dtype=torch.bool)
+        keep_q = torch.zeros(context.num_q_heads, Tc, dtype=torch.bool, device=keys.device)
+        nb_list = nb.tolist()  # one host sync for every head's top-k size
         for j in range(context.num_q_heads):
-            top = logits[j].topk(int(nb[j]), dim=-1).indices  # [V, b_j]
+            top = logits[j].topk(nb_list[j], dim=-1).indices  # [V, b_j]
             keep_q[j, top.flatten()] = True
         keep = keep_q.view(H, G, Tc).any(1)
         kept = keep.sum(-1).tolist()
         self.last_report = {
             "layer": context.layer,
             "span": [a, b],
-            "nucleus_budget_per_q_head": nb.tolist(),
+            "nucleus_budget_per_q_head": nb_list,
             "kept_per_kv_head": kept,
             "ratio": sum(kept) / float(H * Tc),
         }

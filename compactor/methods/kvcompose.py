@@ -136,5 +136,5 @@ class KVCompose(ScoreSelectMethod):
         L = comp.shape[0]
         kept = comp.flatten().topk(L * budget).indices // T
         out = torch.bincount(kept, minlength=L).clamp(min=self.min_per_layer, max=T)
-        self.last_layer_budgets = [int(x) for x in out]
+        self.last_layer_budgets = [int(x) for x in out.tolist()]  # one host sync
         return list(self.last_layer_budgets)

@@ -93,7 +93,7 @@ def refit(
     gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
     ck = torch.gather(keys, 1, gather)  # [H, t_max, D]
     cv0 = torch.gather(values, 1, gather).float()
-    beta = torch.zeros(idx.shape, dtype=torch.float32)
+    beta = torch.zeros(idx.shape, dtype=torch.float32, device=keys.device)
     cv = cv0
     tg = targets
     if tg is None and (fit_beta or fit_values):
@@ -139,7 +139,7 @@ def fit_beta_nnls(
         polish_rounds=polish_rounds,
     )
     beta = torch.log(w.float())
-    return torch.where(mask, beta, torch.zeros((), dtype=torch.float32))
+    return torch.where(mask, beta, beta.new_zeros(()))
 
 
 def fit_beta_nnls_gram(
@@ -165,15 +165,16 @@ def fit_beta_nnls_gram(
         polish_rounds=polish_rounds,
     )
     beta = torch.log(w.float())
-    return torch.where(mask, beta, torch.zeros((), dtype=torch.float32))
+    return torch.where(mask, beta, beta.new_zeros(()))
 
 
 def selection_from_budgets(indices: torch.Tensor, budgets: Sequence[int]) -> Selection:
     """Selection keeping the first budgets[h] entries of each row of indices [H, >=t_max]."""
     t_max = max(budgets)
-    ar = torch.arange(t_max).unsqueeze(0)
-    mask = ar < torch.as_tensor(budgets).unsqueeze(1)
-    idx = torch.where(mask, indices[:, :t_max], torch.zeros((), dtype=torch.int64))
+    dev = indices.device
+    ar = torch.arange(t_max, device=dev).unsqueeze(0)
+    mask = ar < torch.as_tensor(list(budgets), device=dev).unsqueeze(1)
+    idx = torch.where(mask, indices[:, :t_max], indices.new_zeros(()))
     return Selection(idx, mask)
 
 
