@@ -10,6 +10,17 @@
 # into /tmp/site first; its JIT builds (minutes each, cached under ~/.cache/flashinfer) run in
 # the background while the Triton checks use the GPU. Logs and JSON land in $OUT; a summary
 # table is printed last.
+#
+# Making .whl/ (on a machine with pip access; the full wheel is 65 MB, over a 64 MB transfer
+# limit, so only the Python code, headers and the batch decode/prefill sources are kept):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d /tmp/w \
+#       flashinfer_python==0.7.2 "apache-tvm-ffi>=0.1.11,<0.2"   (add --platform manylinux_2_28_x86_64)
+#   (cd /tmp/w && unzip -q flashinfer_python-*.whl && { find flashinfer -name '*.py' \
+#       -not -path '*/data/*'; find flashinfer_python-*.dist-info -type f; find \
+#       flashinfer/data/{include,spdlog,cccl,cutlass/include} -type f; find flashinfer/data/csrc \
+#       -maxdepth 1 -type f \( -name 'batch_decode*' -o -name 'batch_prefill*' -o -name '*.h' \
+#       -o -name '*.cuh' \); } > list && tar -cJf flashinfer_slim.tar.xz -T list)
+#   cp /tmp/w/flashinfer_slim.tar.xz /tmp/w/apache_tvm_ffi-*.whl .whl/   (~15 MB)
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 WHAT=${1:-all}
