@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument(
+        "--seed", type=int, default=0, help="first document seed (documents seed, seed+1, ...)"
+    )
+    p.add_argument(
         "--methods",
         default="full,am-omp,keep-only",
         help="comma-separated methods; parameters as name:key=value (e.g. snapkv:refit=am)",
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model, tok = hf.load_model(resolve_model(args.model))
-    cases = make_niah_cases(tok, args.docs, args.tokens)
+    cases = make_niah_cases(tok, args.docs, args.tokens, seed=args.seed)
     qcfg = QueryConfig(
         sources=tuple(s for s in args.query_sources.split(",") if s),
         max_queries_per_head=args.max_queries,
