@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--docs", type=int, default=2, help="needle documents (workload index 0..)")
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
-    p.add_argument("--methods", default="am-highest,am-omp-fast")
+    p.add_argument(
+        "--methods",
+        default="am-highest,am-omp-fast",
+        help="comma-separated; parameters as name:key=value (e.g. am-highest:value_ridge=1)",
+    )
     p.add_argument("--ratios", default="0.1")
     p.add_argument("--policies", default="off,on", help="off and/or on (on-policy fitting)")
     p.add_argument(
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from compactor import hf
+    from compactor.eval.runner import parse_method_spec
     from compactor.models import resolve_model
     from compactor.pipeline import compact_prefix
     from compactor.queries import QueryConfig
@@ -104,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         for method, ratio, policy, n_ans in configs:
             qcfg = QueryConfig(sources=sources, follow_up_answer_tokens=n_ans)
             t0 = time.perf_counter()
+            name, params = parse_method_spec(method)
             compacted, _ = compact_prefix(
-                model, tok, prefix, method, ratio=ratio, query_sources=qcfg,
+                model, tok, prefix, name, ratio=ratio, query_sources=qcfg, method_params=params,
                 follow_ups=follow, on_policy=policy == "on", progress=False,
             )  # fmt: skip
             row = rows[(method, ratio, policy, n_ans)]
