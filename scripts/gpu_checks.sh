@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks for a CUDA machine (CI has none): the `gpu`-marked tests and the decode kernel
-# benchmark, in one call. Run from the repo root with the machine's own python3 (torch +
+# GPU checks for a CUDA machine (CI has none): the `gpu`-marked tests (kernels, the plugin's
+# Triton path, compaction on CUDA) and the decode kernel benchmark, in one call. Run from the repo root with the machine's own python3 (torch +
 # triton + pytest); no .venv, no SGLang needed.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_checks.sh [triton|flashinfer|all]   (default all)
@@ -52,7 +52,8 @@ fi
 status=0
 if [ "$WHAT" != flashinfer ]; then
     timeout 300 "${PYTEST[@]}" -m gpu -k "not flashinfer" \
-        tests/kernels tests/unit/test_sglang_ext_attention_triton.py 2>&1 | tee "$OUT/triton_tests.log"
+        tests/kernels tests/unit/test_sglang_ext_attention_triton.py \
+        tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
     status=${PIPESTATUS[0]}
     timeout 240 "$PY" -m benchmarks.kernels --kernels triton_beta --reps 30 \
         --out "$OUT/kernels_triton.json" --plot "$OUT/kernels_triton.png" >"$OUT/bench_triton.log" 2>&1
