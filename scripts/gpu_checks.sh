@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine (CI has none): the `gpu`-marked tests (kernels, the plugin's
-# Triton path, compaction on CUDA) and the decode kernel benchmark, in one call. Run from the repo root with the machine's own python3 (torch +
-# triton + pytest); no .venv, no SGLang needed.
+# Triton path, compaction on CUDA) and the decode kernel benchmark, in one call. Run from the
+# repo root with the machine's own python3 (torch + triton + pytest); no .venv, no SGLang.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_checks.sh [triton|flashinfer|all]   (default all)
 #
