@@ -2,8 +2,8 @@
 
 One server with `--compaction-endpoint inproc://` and `--compaction-min-hits 6`: the six
 questions are first answered uncompacted (no prefix has 6 hits until the sixth one is cached,
-so these are the stock answers), the sixth hit triggers the compaction, and after the install
-the same questions are asked again over the compacted prefix (ratio 0.1).
+so these are the stock answers), the sixth hit triggers the compaction (am-omp, ratio 0.1), and
+after the install the same questions are asked again over the compacted prefix.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_shared_document_is_compacted_and_answers_hold(
     doc = document()
     args = [
         *compaction_args(
-            "inproc://", 0.1, "am-highest", min_hits=len(questions()), min_prefix_tokens=512,
+            "inproc://", 0.1, "am-omp", min_hits=len(questions()), min_prefix_tokens=512,
             timeout_s=400,
         ),
         "--compaction-query-sources", "follow-up", "--enable-metrics",
@@ -75,9 +75,10 @@ def test_shared_document_is_compacted_and_answers_hold(
     )
     for q, b, a in zip(questions(), before, after):
         print(f"Q: {q}\n  stock:     {b['text']!r}\n  compacted: {a['text']!r}")
-    # The needles above are the hard requirement; this guards against regressions. Measured
-    # with am-highest fitted on-policy to the six questions plus the model's own 32-token
-    # answers (the plugin's defaults): strict 16-token agreement 3/6, stock's answer text
-    # reproduced 5/6 (the other two go on where stock emitted its stop token). Fitted
-    # off-policy on the questions alone it was 0/6 and 2/6.
-    assert reproduced >= 4 and agree >= 2, (agree, reproduced)
+    # The needles above are the hard requirement; the rest is the issue's "first 16 greedy
+    # tokens agree on most questions". Measured with am-omp fitted on-policy to the six
+    # questions plus the model's own 32-token answers (the plugin's query defaults): strict
+    # 16-token agreement 5/6, stock's answer text reproduced 5/6. The default am-highest gives
+    # 3/6 and 5/6 here (its two misses go on where stock emitted its stop token); replayed
+    # offline (benchmarks/agreement.py --docs 1 --held-out 0) the strict counts are the same.
+    assert reproduced >= 4 and agree >= 4, (agree, reproduced)
