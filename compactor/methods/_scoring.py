@@ -78,11 +78,6 @@ def topk_selection(scores: torch.Tensor, budgets: Sequence[int]) -> Selection:
     return Selection(torch.where(mask, idx, idx.new_zeros(())), mask)
 
 
-def mask_selection(keep: torch.Tensor) -> Selection:
-    """[H, T] bool -> Selection (indices ascending, on keep's device)."""
-    return Selection.from_mask(keep)
-
-
 def global_topk_budgets(scores: torch.Tensor, total: int, floor: int = 1) -> list[int]:
     """Split ``total`` kept entries over heads by a global top-k of scores [H, T].
 
@@ -175,6 +170,5 @@ __all__ = [
     "finish",
     "global_topk_budgets",
     "group_view",
-    "mask_selection",
     "topk_selection",
 ]

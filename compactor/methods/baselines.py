@@ -29,7 +29,6 @@ from compactor.methods._scoring import (
     avg_pool,
     check_positive_int,
     global_topk_budgets,
-    mask_selection,
     topk_selection,
 )
 from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
@@ -122,7 +121,7 @@ class H2O(ScoreSelectMethod):
             keep[h, T - n_recent :] = True
             rest = heavy[h].masked_fill(keep[h], -1.0)
             keep[h, rest.topk(t - n_recent).indices] = True
-        return mask_selection(keep)
+        return Selection.from_mask(keep)
 
 
 @register_method("streamingllm")
@@ -157,7 +156,7 @@ class StreamingLLM(ScoreSelectMethod):
             keep[h, :s] = True
             if t > s:
                 keep[h, T - (t - s) :] = True
-        return mask_selection(keep)
+        return Selection.from_mask(keep)
 
 
 @register_method("kvzip")

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from compactor.methods._scoring import ScoreSelectMethod, check_positive_int, mask_selection
+from compactor.methods._scoring import ScoreSelectMethod, check_positive_int
 from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
 from compactor.methods.context import LayerContext, apply_rope, rope_cos_sin
 
@@ -137,7 +137,7 @@ class GVote(ScoreSelectMethod):
             "ratio": sum(kept) / float(H * Tc),
         }
         self.history.append(self.last_report)
-        return mask_selection(keep)
+        return Selection.from_mask(keep)
 
     def chosen_ratio(self) -> float:
         """Mean kept fraction over every span compacted so far (0.0 before the first)."""
