@@ -32,10 +32,10 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy compactor sglang_ext kernels
+	$(VENV)/bin/mypy compactor sglang_ext kernels harness
 
 demo: setup
-	$(PY) -m sglang_ext.demo
+	$(PY) -m harness.demo
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -1,6 +1,6 @@
 """Greedy agreement after compaction, offline: the plugin's shared-document workload in transformers.
 
-For each needle document of ``sglang_ext.workload`` (the plugin test's ~1.9k-token ledger) the
+For each needle document of ``harness.workload`` (the plugin test's ~1.9k-token ledger) the
 six question prompts are tokenized, their common prefix minus the plugin's boundary margin is
 the shared prefix, and each question's suffix is answered greedily (`--answer-tokens`) twice:
 on the full prefix and on the compacted one. The compaction is fitted the way the plugin asks
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from compactor.models import resolve_model
     from compactor.pipeline import compact_prefix
     from compactor.queries import QueryConfig
-    from sglang_ext.workload import document, needle_correct, prompt, questions
+    from harness.workload import document, needle_correct, prompt, questions
 
     torch.set_num_threads(1)
     model, tok = hf.load_model(resolve_model(args.model))

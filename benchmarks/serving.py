@@ -94,8 +94,8 @@ def server_for(
     endpoint: str | None,
     ratio: float | None,
 ) -> Any:
-    from sglang_ext.launch import SGLangServer
-    from sglang_ext.workload import compaction_args
+    from harness.launch import SGLangServer
+    from harness.workload import compaction_args
 
     extra = ["--enable-metrics", "--sleep-on-idle", "--decode-log-interval", "1"]
     if ratio is not None:
@@ -123,7 +123,7 @@ def warm_up(name: str, srv: Any, ratio: float | None, rows: list[Any]) -> dict[s
 
 def wait_installs(name: str, srv: Any, info: dict[str, float], timeout_s: float) -> None:
     """Wait for the server's compactions; held slots become the physical ones (mutates info)."""
-    from sglang_ext.workload import wait_for_compactions
+    from harness.workload import wait_for_compactions
 
     info |= wait_for_compactions(srv, int(info["groups"]), timeout_s, progress=False)
     info["kv_slots_held"] = info["physical_tokens"] + max(
@@ -202,7 +202,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    from sglang_ext.demo import bar_panels
+    from harness.demo import bar_panels
 
     panels = [
         ("kv_slots_held", "KV slots held by shared prefixes"),
@@ -236,7 +236,7 @@ def main() -> int:
     import signal
 
     from compactor.models import prepare_model
-    from sglang_ext.launch import CompactorService, start_all
+    from harness.launch import CompactorService, start_all
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()

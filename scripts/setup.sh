@@ -36,6 +36,6 @@ fi
 # The project itself, editable (compat mode: new subpackages are picked up without reinstall).
 "${PIP[@]}" install -q --no-deps -e . --config-settings editable_mode=compat 2>/dev/null
 
-"$VENV/bin/python" -c "import torch, sglang, sgl_kernel, compactor, sglang_ext, kernels"
+"$VENV/bin/python" -c "import torch, sglang, sgl_kernel, compactor, sglang_ext, kernels, harness"
 echo "$want" > "$STAMP"
 echo "setup: done"

@@ -26,7 +26,7 @@ def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_p
     before = set(_our_processes())
     proc = subprocess.run(
         [
-            sys.executable, "-m", "sglang_ext.demo", "--docs", "1", "--sentences", "40",
+            sys.executable, "-m", "harness.demo", "--docs", "1", "--sentences", "40",
             "--ratios", "0.1", "--max-new-tokens", "12", "--out", str(tmp_path),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=900,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.launch import SGLangServer
-from sglang_ext.workload import (
+from harness.launch import SGLangServer
+from harness.workload import (
     ask_all,
     compaction_args,
     document,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.launch import SGLangServer, free_port
-from sglang_ext.workload import ask_all, compaction_args, document, metric
+from harness.launch import SGLangServer, free_port
+from harness.workload import ask_all, compaction_args, document, metric
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

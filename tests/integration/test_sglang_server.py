@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.launch import SGLangServer
 from sglang_ext import ANNOUNCEMENT
-from sglang_ext.launch import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from compactor.client import CompactorClient
-from sglang_ext.launch import CompactorService, ServerStartError
+from harness.launch import CompactorService, ServerStartError
 
 pytestmark = pytest.mark.slow
 

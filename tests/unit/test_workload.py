@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext.workload import NEEDLE_VALUES, document, needle_correct, needles, prompt, questions
+from harness.workload import NEEDLE_VALUES, document, needle_correct, needles, prompt, questions
 
 
 def test_each_document_holds_its_own_needles() -> None:

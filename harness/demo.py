@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.launch import CompactorService, SGLangServer, start_all
-from sglang_ext.workload import (
+from harness.launch import CompactorService, SGLangServer, start_all
+from harness.workload import (
     compaction_args,
     document,
     needle_correct,
@@ -183,9 +183,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m sglang_ext.demo", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m harness.demo", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="known model name")
     p.add_argument("--docs", type=int, default=2, help="shared documents (up to 4)")
     p.add_argument("--sentences", type=int, default=60, help="sentences per document (~17 tokens)")

@@ -3,7 +3,7 @@
 Each document is harbour-town filler with three needles (a vault password,
 the mayor's name, the colour of the mayor's boat); document `i` uses the i-th value set, so
 answers are checkable per document. The plugin's server tests use document 0 and its six
-questions; the serving demo (`sglang_ext.demo`) uses several documents.
+questions; the serving demo (`harness.demo`) uses several documents.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.launch import SGLangServer
+from harness.launch import SGLangServer
 
 _FILLER = [
     "The harbour town kept its records in a blue ledger.",
