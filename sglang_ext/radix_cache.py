@@ -3,7 +3,7 @@
 A compacted prefix of T tokens is one node `K` hanging off the root under a private child
 key, beside the ordinary tree. Its value is T slot indices: t_max physical slots then
 `ALIAS_SLOT` (see `sglang_ext.kv_store`), so requests that match it get a KV row T long and
-their positions continue at T. Rules:
+their positions continue at T (the node itself: `sglang_ext.compacted_node`). Rules:
 
 - Match whole or not at all: a key whose first T tokens equal K's goes through K (the
   longest such K wins); any other key sees only the ordinary tree.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from typing import Any
 
 import torch
@@ -38,31 +37,23 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from compactor.types import CompactedPrefix, prefix_hash
+from sglang_ext.compacted_node import (
+    CompactionInfo,
+    child_key,
+    compaction_info,
+    covering,
+    new_compacted_node,
+    path_tokens,
+    physical_size,
+)
 from sglang_ext.config import CompactionConfig
-from sglang_ext.kv_store import ALIAS_SLOT, BetaStore, head_counts, write_prefix
+from sglang_ext.kv_store import BetaStore, head_counts, write_prefix
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.trigger import CompactionTrigger
 
 __all__ = ["CompactionInfo", "CompactionRadixCache"]
 
 logger = logging.getLogger(__name__)
-
-
-class CompactionInfo:
-    """What makes a tree node a compacted prefix."""
-
-    __slots__ = ("logical_length", "method", "prefix_hash", "slots", "t_max")
-
-    def __init__(self, slots: torch.Tensor, logical_length: int, phash: str, method: str):
-        self.slots = slots  # [t_max] int64 physical slots
-        self.t_max = int(slots.numel())
-        self.logical_length = logical_length
-        self.prefix_hash = phash
-        self.method = method
-
-
-def _info(node: TreeNode) -> CompactionInfo | None:
-    return getattr(node, "compaction", None)
 
 
 class CompactionRadixCache(RadixCache):
@@ -159,12 +150,7 @@ class CompactionRadixCache(RadixCache):
             self.beta_store.clear(slots)
             self.token_to_kv_pool_allocator.free(slots)
             raise
-        node = TreeNode()
-        node.parent = self.root_node
-        node.key = RadixKey(array("q", ids), None)
-        node.value = torch.cat([slots, torch.full((T - t_max,), ALIAS_SLOT, dtype=torch.int64)])
-        node.compaction = CompactionInfo(slots, T, phash, prefix.method)  # type: ignore[attr-defined]
-        self.root_node.children[self._child_key(phash)] = node
+        node = new_compacted_node(self.root_node, ids, slots, phash, prefix.method)
         self._compacted[phash] = node
         self.evictable_size_ += t_max
         self._update_leaf_status(node)
@@ -188,7 +174,7 @@ class CompactionRadixCache(RadixCache):
     def reset(self) -> None:
         store = getattr(self, "beta_store", None)
         for node in getattr(self, "_compacted", {}).values():
-            info = _info(node)
+            info = compaction_info(node)
             if store is not None and info is not None:
                 store.clear(info.slots)
         if hasattr(self, "_compacted"):
@@ -235,7 +221,7 @@ class CompactionRadixCache(RadixCache):
         delta = 0
         while node != self.root_node:
             if node.lock_ref == 0:
-                n = self._phys(node)
+                n = physical_size(node)
                 self.evictable_size_ -= n
                 self.protected_size_ += n
                 delta -= n
@@ -250,7 +236,7 @@ class CompactionRadixCache(RadixCache):
         delta = 0
         while node != self.root_node:
             if node.lock_ref == 1:
-                n = self._phys(node)
+                n = physical_size(node)
                 self.evictable_size_ += n
                 self.protected_size_ -= n
                 delta += n
@@ -263,7 +249,7 @@ class CompactionRadixCache(RadixCache):
         total, stack = 0, [self.root_node]
         while stack:
             node = stack.pop()
-            total += self._phys(node) if node is not self.root_node else 0
+            total += physical_size(node) if node is not self.root_node else 0
             stack.extend(c for c in node.children.values() if not c.evicted)
         return total
 
@@ -294,43 +280,24 @@ class CompactionRadixCache(RadixCache):
 
     def _inc_hit_count(self, node: TreeNode) -> None:
         super()._inc_hit_count(node)
-        if _info(node) is None:
+        if compaction_info(node) is None:
             self.trigger.on_hit(node)
 
     def _delete_leaf(self, node: TreeNode) -> None:
-        info = _info(node)
+        info = compaction_info(node)
         if info is None:
             super()._delete_leaf(node)
             return
-        node.parent.children.pop(self._child_key(info.prefix_hash), None)
+        node.parent.children.pop(child_key(info.prefix_hash), None)
         self._compacted.pop(info.prefix_hash, None)
         self.evictable_size_ -= info.t_max
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
 
     # ---- helpers ----------------------------------------------------------------------
-    @staticmethod
-    def _child_key(phash: str) -> tuple[str, str]:
-        return ("__compacted__", phash)
-
-    @staticmethod
-    def _phys(node: TreeNode) -> int:
-        info = _info(node)
-        return info.t_max if info is not None else len(node.key)
-
     def _covering(self, key: RadixKey) -> TreeNode | None:
         """The longest compacted node whose whole key is a prefix of `key`."""
-        if not self._compacted or key.extra_key is not None or key.cache_salt is not None:
-            return None
-        if key.is_bigram:
-            return None
-        best: TreeNode | None = None
-        for node in self._compacted.values():
-            T = len(node.key)
-            fits = len(key) >= T and (best is None or len(best.key) < T)
-            if fits and node.key.match(key) == T:
-                best = node
-        return best
+        return covering(self._compacted.values(), key) if self._compacted else None
 
     def _alloc(self, n: int) -> torch.Tensor:
         alloc = self.token_to_kv_pool_allocator
@@ -343,7 +310,7 @@ class CompactionRadixCache(RadixCache):
 
     def _free_node(self, node: TreeNode) -> int:
         """Free an unlocked leaf's slots and delete it; returns slots freed."""
-        info = _info(node)
+        info = compaction_info(node)
         if info is not None:
             self.token_to_kv_pool_allocator.free(info.slots)
             self.beta_store.clear(info.slots)
@@ -400,21 +367,10 @@ class CompactionRadixCache(RadixCache):
                     self._retired.discard(node)
                     progress = True
 
-    def _path_tokens(self, node: TreeNode) -> list[int] | None:
-        parts = []
-        while node is not self.root_node:
-            if _info(node) is not None or node.key.extra_key is not None:
-                return None  # paths through a compacted node or a namespace: not compacted
-            if node.key.cache_salt is not None:
-                return None
-            parts.append(node.key.token_ids[: len(node.key)])
-            node = node.parent
-        return [t for part in reversed(parts) for t in part]
-
     def _maybe_submit(self) -> None:
         if self.runner is None or not self.trigger.candidates:
             return
-        picked = self.trigger.pick(self._path_tokens)
+        picked = self.trigger.pick(lambda node: path_tokens(node, self.root_node))
         if picked is None:
             return
         tokens, follow_ups = picked
@@ -431,7 +387,7 @@ class CompactionRadixCache(RadixCache):
         k0 = kv.get_key_buffer(kv.start_layer)
         per_slot = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
         logical = sum(len(n.key) for n in self._compacted.values())
-        physical = sum(self._phys(n) for n in self._compacted.values())
+        physical = sum(physical_size(n) for n in self._compacted.values())
         self.stats.logical_tokens, self.stats.physical_tokens = logical, physical
         self.stats.bytes_saved = (logical - physical) * per_slot
 

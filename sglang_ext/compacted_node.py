@@ -1,0 +1,107 @@
+"""Compacted-prefix tree nodes: what marks one, how one is built, how one is found.
+
+A compacted prefix of T tokens is a `TreeNode` hanging off the root under
+`child_key(prefix_hash)`, beside the ordinary tree; its `compaction` attribute is a
+`CompactionInfo`. Its value is T slot indices: the t_max physical slots, then `ALIAS_SLOT`
+(see `sglang_ext.kv_store`). `sglang_ext.radix_cache.CompactionRadixCache` owns these nodes;
+the functions here only read nodes, except `new_compacted_node`, which attaches one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+import torch
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+from sglang_ext.kv_store import ALIAS_SLOT
+
+__all__ = [
+    "CompactionInfo",
+    "child_key",
+    "compaction_info",
+    "covering",
+    "new_compacted_node",
+    "path_tokens",
+    "physical_size",
+]
+
+
+class CompactionInfo:
+    """What makes a tree node a compacted prefix."""
+
+    __slots__ = ("logical_length", "method", "prefix_hash", "slots", "t_max")
+
+    def __init__(self, slots: torch.Tensor, logical_length: int, phash: str, method: str):
+        self.slots = slots  # [t_max] int64 physical slots
+        self.t_max = int(slots.numel())
+        self.logical_length = logical_length
+        self.prefix_hash = phash
+        self.method = method
+
+
+def compaction_info(node: TreeNode) -> CompactionInfo | None:
+    """The node's `CompactionInfo`, or None for an ordinary node."""
+    return getattr(node, "compaction", None)
+
+
+def child_key(phash: str) -> tuple[str, str]:
+    """The root's child key of the compacted node for prefix hash `phash` (no token key)."""
+    return ("__compacted__", phash)
+
+
+def physical_size(node: TreeNode) -> int:
+    """KV slots the node holds: t_max for a compacted node, its key length otherwise."""
+    info = compaction_info(node)
+    return info.t_max if info is not None else len(node.key)
+
+
+def new_compacted_node(
+    root: TreeNode, ids: list[int], slots: torch.Tensor, phash: str, method: str
+) -> TreeNode:
+    """Attach a compacted node for tokens `ids` [T] holding `slots` [t_max] int64 under `root`.
+
+    Mutates `root.children` only; the caller does the tree's size and leaf bookkeeping.
+    """
+    T, t_max = len(ids), int(slots.numel())
+    node = TreeNode()
+    node.parent = root
+    node.key = RadixKey(array("q", ids), None)
+    node.value = torch.cat([slots, torch.full((T - t_max,), ALIAS_SLOT, dtype=torch.int64)])
+    node.compaction = CompactionInfo(slots, T, phash, method)  # type: ignore[attr-defined]
+    root.children[child_key(phash)] = node
+    return node
+
+
+def covering(compacted: Iterable[TreeNode], key: RadixKey) -> TreeNode | None:
+    """The longest of the `compacted` nodes whose whole key is a prefix of `key`.
+
+    None for a namespaced (`extra_key`), salted or bigram key: those never match one.
+    """
+    if key.extra_key is not None or key.cache_salt is not None or key.is_bigram:
+        return None
+    best: TreeNode | None = None
+    for node in compacted:
+        T = len(node.key)
+        fits = len(key) >= T and (best is None or len(best.key) < T)
+        if fits and node.key.match(key) == T:
+            best = node
+    return best
+
+
+def path_tokens(node: TreeNode, root: TreeNode) -> list[int] | None:
+    """The tokens from `root` down to `node`, or None when the path cannot be compacted.
+
+    None when the path goes through a compacted node, a namespace (`extra_key`) or a
+    salted node.
+    """
+    parts = []
+    while node is not root:
+        if compaction_info(node) is not None or node.key.extra_key is not None:
+            return None  # paths through a compacted node or a namespace: not compacted
+        if node.key.cache_salt is not None:
+            return None
+        parts.append(node.key.token_ids[: len(node.key)])
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
