@@ -248,7 +248,7 @@ def compact_prefix(
             with head_budgets: a missing curves file, curves for another model shape or
             fingerprint, more than one chunk, or a LayerBudgetPlanner method (KVCompose).
     """
-    from compactor.methods import CompactionMethod, get_method
+    from compactor.methods import CompactionMethod, LayerInput, get_method
     from compactor.methods.context import LayerBudgetPlanner, build_layer_contexts, wants_context
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -325,6 +325,7 @@ def compact_prefix(
             info.sm_scale,
         )
     layers: list[CompactedLayer] = []
+    reports: list[dict[str, Any]] = []
     per_layer: list[float] = []
     it = range(info.num_layers)
     if progress:
@@ -343,17 +344,16 @@ def compact_prefix(
         k, v, q = pre.keys[li], pre.values[li], queries[li]
         parts = []
         for (a, b), tb in zip(bounds, chunk_budgets):
-            kw = {"context": contexts[li].for_span(s + a, s + b)} if contexts else {}
+            ctx = contexts[li].for_span(s + a, s + b) if contexts else None
             tbl = tb if layer_budgets is None else min(b - a, layer_budgets[li])
             per_head = [tbl] * info.num_kv_heads if plan_budgets is None else plan_budgets[li]
-            layer = meth.compact_layer(
-                k[:, s + a : s + b],
-                v[:, s + a : s + b],
-                q,
-                per_head,
-                info.sm_scale,
-                **kw,
+            x = LayerInput(
+                k[:, s + a : s + b], v[:, s + a : s + b], q, tuple(per_head), info.sm_scale, ctx
             )
+            res = meth.compact(x)
+            layer = res.layer
+            if res.report:  # what the method decided (GVote: kept counts, "ratio")
+                reports.append(res.report)
             parts.append((s + a, layer))
         sinks = (k[:, :s], v[:, :s]) if s else None
         layers.append(assemble_layer(sinks, parts))
@@ -377,8 +377,12 @@ def compact_prefix(
         "chunk_size": chunk_size,
         "on_policy": on_policy,
         "keep_sink_tokens": s,
-        "method_report": getattr(meth, "history", None),
-        "chosen_ratio": meth.chosen_ratio() if hasattr(meth, "chosen_ratio") else None,
+        "method_report": reports or None,  # one per layer (and chunk) that reported
+        "chosen_ratio": (  # methods that pick their own budget (GVote): mean kept fraction
+            sum(r["ratio"] for r in reports) / len(reports)
+            if reports and all("ratio" in r for r in reports)
+            else None
+        ),
         "head_budgets": "uniform" if plan_budgets is None else "sensitivity",
         # [L][H_kv] entries per head, sinks included (None: uniform budget_per_head)
         "head_budget_table": (

@@ -6,6 +6,7 @@ belong inside its handler, so `compactor --help` stays fast).
 
 COMMANDS: tuple[str, ...] = (
     "models",
+    "methods",
     "compact",
     "eval",
     "calibrate",

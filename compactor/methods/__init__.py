@@ -1,18 +1,39 @@
 """Compaction methods, chosen by name through a lazy registry.
 
-    from compactor.methods import get_method
+    from compactor.methods import LayerInput, get_method
     method = get_method("am-omp-fast", k=4, tau=2)
-    layer = method.compact_layer(keys, values, queries, budgets)
+    result = method.compact(LayerInput(keys, values, queries, budgets))  # .layer, .report
+    layer = method.compact_layer(keys, values, queries, budgets)  # the same layer
 
 Importing this package imports no method module; :func:`get_method` does on demand.
 """
 
 from compactor.methods.base import (
     CompactionMethod,
+    LayerInput,
+    MethodInfo,
+    MethodResult,
+    Picked,
+    ScoreMethod,
+    SelectingMethod,
     Selection,
+    describe_methods,
     get_method,
     list_methods,
     register_method,
 )
 
-__all__ = ["CompactionMethod", "Selection", "get_method", "list_methods", "register_method"]
+__all__ = [
+    "CompactionMethod",
+    "LayerInput",
+    "MethodInfo",
+    "MethodResult",
+    "Picked",
+    "ScoreMethod",
+    "SelectingMethod",
+    "Selection",
+    "describe_methods",
+    "get_method",
+    "list_methods",
+    "register_method",
+]

@@ -12,21 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from compactor.methods.base import (
-    CompactionMethod,
-    Selection,
-    check_layer_inputs,
-    pack_layer,
-    resolve_sm_scale,
-)
-from compactor.methods.refit import refit as am_refit
-from compactor.types import CompactedLayer
+from compactor.methods.base import RefitSpec
+from compactor.methods.selection import topk_selection
 
 REFIT_CHOICES = (None, "am")
 
@@ -66,18 +58,6 @@ def avg_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.avg_pool1d(scores.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
 
 
-def topk_selection(scores: torch.Tensor, budgets: Sequence[int]) -> Selection:
-    """Keep the budgets[h] highest scores [H, T] of each head; indices ascending."""
-    t_max = max(budgets)
-    top = scores.topk(t_max, dim=-1).indices
-    dev = scores.device
-    bud = torch.as_tensor(list(budgets), device=dev)
-    mask = torch.arange(t_max, device=dev).unsqueeze(0) < bud.unsqueeze(1)
-    big = torch.iinfo(torch.int64).max
-    idx = torch.where(mask, top, torch.full_like(top, big)).sort(-1).values
-    return Selection(torch.where(mask, idx, idx.new_zeros(())), mask)
-
-
 def global_topk_budgets(scores: torch.Tensor, total: int, floor: int = 1) -> list[int]:
     """Split ``total`` kept entries over heads by a global top-k of scores [H, T].
 
@@ -95,8 +75,8 @@ def global_topk_budgets(scores: torch.Tensor, total: int, floor: int = 1) -> lis
 
 
 @dataclasses.dataclass
-class ScoreSelectMethod(CompactionMethod):
-    """Base of selection baselines: ``select`` picks keys, ``refit`` decides what follows.
+class RefitOption:
+    """Mixin of the selection baselines: what follows their pick (see ``refit_spec``).
 
     refit: None keeps the selected keys as they are (beta 0, original values); ``"am"``
     applies the Attention-Matching refit (NNLS beta within refit_beta_bounds + LS values,
@@ -119,38 +99,9 @@ class ScoreSelectMethod(CompactionMethod):
             raise ValueError(f"refit_beta_bounds need lo <= 0 <= hi, got {(lo, hi)}")
         self.refit_beta_bounds = (lo, hi)
 
-    def compact_layer(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> CompactedLayer:
-        """Select (see the method's ``select``), then keep as is or refit (``refit``)."""
-        sel = self.select(keys, values, queries, budgets, sm_scale, context=context)  # type: ignore[call-arg]
-        return finish(self, keys, values, queries, sel, sm_scale)
-
-
-def finish(
-    method: Any,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    queries: torch.Tensor,
-    sel: Selection,
-    sm_scale: float | None,
-) -> CompactedLayer:
-    """Pack ``sel`` as kept keys (beta 0) or AM-refit it, per ``method.refit``."""
-    if method.refit == "am":
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        return am_refit(
-            keys, values, queries, sel, sm_scale=scale, beta_bounds=method.refit_beta_bounds
-        )
-    g = sel.indices.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-    ck, cv = torch.gather(keys, 1, g), torch.gather(values, 1, g)
-    beta = torch.zeros(sel.indices.shape, device=keys.device)
-    return pack_layer(ck, cv, beta, sel, keys.dtype)
+    def refit_spec(self) -> RefitSpec | None:
+        """None (keep as is) or the AM refit with refit_beta_bounds."""
+        return RefitSpec(self.refit_beta_bounds) if self.refit == "am" else None
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -162,12 +113,10 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 __all__ = [
     "REFIT_CHOICES",
-    "ScoreSelectMethod",
+    "RefitOption",
     "attention_probs",
     "avg_pool",
-    "check_layer_inputs",
     "check_positive_int",
-    "finish",
     "global_topk_budgets",
     "group_view",
     "topk_selection",

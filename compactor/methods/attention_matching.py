@@ -3,10 +3,12 @@
 Shape legend: T prefix tokens, t kept (t_max = max over heads), n reference queries,
 H_kv KV heads, D head dim, indptr [H_kv+1] int32.
 
-Every method = a key selection (:meth:`select`) followed by the AM refit
-(:func:`compactor.methods.refit.refit`: NNLS beta on the attention mass + least-squares
-values). ``keep-only`` wraps any selecting method and skips the refit (beta = 0,
-original values): the ablation that shows what the refit buys.
+Every method = a key selection (:meth:`pick`, on the layer's reference targets) followed by
+the AM refit (:func:`compactor.methods.refit.refit`: NNLS beta on the attention mass +
+least-squares values), with the method's bounds and ridge (:meth:`refit_spec`); the targets
+are computed once per layer (``LayerInput.targets``) and shared by both steps.
+``keep-only`` wraps any selecting method and skips the refit (beta = 0, original values):
+the ablation that shows what the refit buys.
 """
 
 from __future__ import annotations
@@ -20,35 +22,41 @@ import torch
 
 from compactor.methods.base import (
     CompactionMethod,
+    LayerInput,
+    Picked,
+    RefitSpec,
+    ScoreMethod,
+    SelectingMethod,
     Selection,
-    check_layer_inputs,
     get_method,
-    pack_layer,
     register_method,
-    resolve_sm_scale,
+    topk_selection,
 )
-from compactor.methods.refit import (
-    Targets,
-    fit_beta_nnls_gram,
-    reference_targets,
-    refit,
-    selection_from_budgets,
-)
-from compactor.types import CompactedLayer
+from compactor.methods.refit import Targets, fit_beta_nnls_gram
 
-__all__ = ["AMOMP", "AMHighest", "AMOMPFast", "KeepOnly", "highest_attention_select", "omp_select"]
+__all__ = [
+    "AMOMP",
+    "AMHighest",
+    "AMOMPFast",
+    "KeepOnly",
+    "highest_attention_scores",
+    "highest_attention_select",
+    "omp_select",
+]
+
+
+def highest_attention_scores(targets: Targets) -> torch.Tensor:
+    """[H, T] RMS over the reference queries of each key's attention weight.
+
+    targets: :func:`~compactor.methods.refit.reference_targets` of the layer.
+    """
+    attn = targets.phi / targets.mass.unsqueeze(-1)  # [H, n, T]
+    return attn.square().mean(1).sqrt()
 
 
 def highest_attention_select(targets: Targets, budgets: Sequence[int]) -> Selection:
-    """Top-t_h keys per head by RMS over reference queries of their attention weight.
-
-    targets: :func:`reference_targets` of the layer. Returns indices sorted ascending.
-    """
-    attn = targets.phi / targets.mass.unsqueeze(-1)  # [H, n, T]
-    score = attn.square().mean(1).sqrt()  # [H, T]
-    top = score.topk(max(budgets), dim=-1).indices
-    sel = selection_from_budgets(top, budgets)
-    return _sorted(sel)
+    """Top-t_h keys per head by :func:`highest_attention_scores`; indices ascending."""
+    return topk_selection(highest_attention_scores(targets), budgets)
 
 
 def omp_select(
@@ -182,7 +190,7 @@ class _Slots:
 
 @register_method("am-highest")
 @dataclasses.dataclass
-class AMHighest(CompactionMethod):
+class AMHighest(ScoreMethod):
     """Keep the top-t keys by RMS attention, then the AM refit with beta in beta_bounds."""
 
     beta_bounds: tuple[float, float] = (-3.0, 3.0)
@@ -193,32 +201,17 @@ class AMHighest(CompactionMethod):
         self.beta_bounds = _check_bounds(self.beta_bounds)
         _check_ridge(self.value_ridge)
 
-    def select(self, keys, values, queries, budgets, sm_scale=None) -> Selection:  # type: ignore[no-untyped-def]
-        budgets = check_layer_inputs(keys, values, queries, budgets)
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        return highest_attention_select(reference_targets(keys, values, queries, scale), budgets)
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """:func:`highest_attention_scores` of the layer."""
+        return highest_attention_scores(x.targets)
 
-    def compact_layer(self, keys, values, queries, budgets, sm_scale=None) -> CompactedLayer:  # type: ignore[no-untyped-def]
-        budgets = check_layer_inputs(keys, values, queries, budgets)
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        tg = reference_targets(keys, values, queries, scale)
-        sel = highest_attention_select(tg, budgets)
-        return refit(
-            keys,
-            values,
-            queries,
-            sel,
-            sm_scale=scale,
-            beta_bounds=self.beta_bounds,
-            fit_values=self.fit_values,
-            value_ridge=self.value_ridge,
-            targets=tg,
-        )
+    def refit_spec(self) -> RefitSpec:
+        return RefitSpec(self.beta_bounds, self.fit_values, self.value_ridge)
 
 
 @register_method("am-omp")
 @dataclasses.dataclass
-class AMOMP(CompactionMethod):
+class AMOMP(SelectingMethod):
     """OMP key selection on the mass features (k keys per step, NNLS refit every tau
     steps, prune beta < prune_beta), then the AM refit (beta >= prune_beta)."""
 
@@ -240,37 +233,20 @@ class AMOMP(CompactionMethod):
             raise ValueError(f"nnls_iters must be >= 0, got {self.nnls_iters!r}")
         _check_ridge(self.value_ridge)
 
-    def _select(self, tg: Targets, budgets: list[int]) -> Selection:
-        return omp_select(
-            tg,
-            budgets,
+    def pick(self, x: LayerInput) -> Picked:
+        """:func:`omp_select` on the layer's targets."""
+        sel = omp_select(
+            x.targets,
+            x.budgets,
             k=self.k,
             tau=self.tau,
             prune_beta=self.prune_beta,
             nnls_iters=self.nnls_iters,
         )
+        return Picked(sel, {})
 
-    def select(self, keys, values, queries, budgets, sm_scale=None) -> Selection:  # type: ignore[no-untyped-def]
-        budgets = check_layer_inputs(keys, values, queries, budgets)
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        return self._select(reference_targets(keys, values, queries, scale), budgets)
-
-    def compact_layer(self, keys, values, queries, budgets, sm_scale=None) -> CompactedLayer:  # type: ignore[no-untyped-def]
-        budgets = check_layer_inputs(keys, values, queries, budgets)
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        tg = reference_targets(keys, values, queries, scale)
-        sel = self._select(tg, budgets)
-        return refit(
-            keys,
-            values,
-            queries,
-            sel,
-            sm_scale=scale,
-            beta_bounds=(self.prune_beta, None),
-            fit_values=self.fit_values,
-            value_ridge=self.value_ridge,
-            targets=tg,
-        )
+    def refit_spec(self) -> RefitSpec:
+        return RefitSpec((self.prune_beta, None), self.fit_values, self.value_ridge)
 
 
 @register_method("am-omp-fast")
@@ -284,49 +260,36 @@ class AMOMPFast(AMOMP):
 
 @register_method("keep-only")
 @dataclasses.dataclass
-class KeepOnly(CompactionMethod):
+class KeepOnly(SelectingMethod):
     """Ablation: the inner method's selection, beta = 0, original values (no refit).
 
-    ``inner`` is a selecting method or its registered name (built with inner_params).
+    ``inner`` is a selecting method or its registered name (built with inner_params); its
+    pick's report is passed on.
     """
 
-    inner: CompactionMethod | str = "am-omp"
+    inner: SelectingMethod | str = "am-omp"
     inner_params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.inner, str):
-            self.inner = get_method(self.inner, **self.inner_params)
-        elif not isinstance(self.inner, CompactionMethod):
-            raise ValueError(
-                f"inner must be a CompactionMethod or a method name, got {self.inner!r}"
-            )
-        if type(self.inner).select is CompactionMethod.select:
-            raise ValueError(f"inner method {self.inner.name!r} does not select a key subset")
-        self.inner_params = self.inner.params()
+        inner: object = self.inner
+        if isinstance(inner, str):
+            inner = get_method(inner, **self.inner_params)
+        elif not isinstance(inner, CompactionMethod):
+            raise ValueError(f"inner must be a CompactionMethod or a method name, got {inner!r}")
+        if not isinstance(inner, SelectingMethod):
+            raise ValueError(f"inner method {inner.name!r} does not select a key subset")
+        self.inner = inner
+        self.inner_params = inner.params()
 
-    def select(self, keys, values, queries, budgets, sm_scale=None) -> Selection:  # type: ignore[no-untyped-def]
-        return cast(CompactionMethod, self.inner).select(keys, values, queries, budgets, sm_scale)
-
-    def compact_layer(self, keys, values, queries, budgets, sm_scale=None) -> CompactedLayer:  # type: ignore[no-untyped-def]
-        sel = self.select(keys, values, queries, budgets, sm_scale)
-        g = sel.indices.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-        ck, cv = torch.gather(keys, 1, g), torch.gather(values, 1, g)
-        beta = torch.zeros(sel.indices.shape, device=keys.device)
-        return pack_layer(ck, cv, beta, sel, keys.dtype)
+    def pick(self, x: LayerInput) -> Picked:
+        return cast(SelectingMethod, self.inner).pick(x)
 
     def params(self) -> dict[str, Any]:
-        inner = cast(CompactionMethod, self.inner)  # a method after __post_init__
+        inner = cast(SelectingMethod, self.inner)  # a method after __post_init__
         return {"inner": inner.name, "inner_params": inner.params()}
 
 
 # ---- private helpers -------------------------------------------------------------------
-
-
-def _sorted(sel: Selection) -> Selection:
-    big = torch.iinfo(torch.int64).max
-    key = torch.where(sel.mask, sel.indices, torch.full_like(sel.indices, big))
-    idx = key.sort(-1).values
-    return Selection(torch.where(sel.mask, idx, idx.new_zeros(())), sel.mask)
 
 
 def _check_bounds(bounds: Any) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""Method registry, the CompactionMethod base class, and layer-level helpers.
+"""Method registry, the method base classes, and the one input/result types of a layer.
 
 Shape legend: T prefix tokens, t kept (t_max = max over heads), n reference queries,
 H_q/H_kv heads, D head dim, indptr [H_kv+1] int32.
@@ -9,31 +9,57 @@ their CompactedLayer there; every tensor they allocate follows an input's device
 A method is a ``@dataclass`` of hyper-parameters registered by name with
 :func:`register_method`; :func:`get_method` builds one, importing the module that
 defines it on first use (modules under ``compactor.methods`` are discovered lazily).
+Methods are stateless: :meth:`CompactionMethod.compact` takes a :class:`LayerInput` and
+returns a :class:`MethodResult` (the layer + a report dict); nothing is stored on the method.
+
+Class hierarchy (each level has exactly one abstract method, taking only a LayerInput):
+
+* :class:`CompactionMethod` — ``compact(x) -> MethodResult``;
+* :class:`SelectingMethod` — ``pick(x) -> Picked`` (kept key indices + report); its
+  ``compact`` keeps the picked keys as they are or applies the AM refit (``refit_spec``);
+* :class:`ScoreMethod` — ``score(x) -> [H_kv, T]``; its ``pick`` keeps the top t_h per head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, final
 
 import torch
 
+from compactor.methods.refit import Targets, reference_targets
+from compactor.methods.refit import refit as am_refit
+from compactor.methods.selection import Selection, keep_selected, pack_layer, topk_selection
 from compactor.types import CompactedLayer
+
+if TYPE_CHECKING:
+    from compactor.methods.context import LayerContext
 
 __all__ = [
     "CompactionMethod",
+    "LayerInput",
+    "MethodInfo",
+    "MethodResult",
+    "ParamInfo",
+    "Picked",
+    "RefitSpec",
+    "ScoreMethod",
+    "SelectingMethod",
     "Selection",
     "check_layer_inputs",
+    "describe_methods",
     "get_method",
     "list_methods",
     "pack_layer",
     "register_method",
     "resolve_sm_scale",
+    "topk_selection",
 ]
 
 _REGISTRY: dict[str, type[CompactionMethod]] = {}
@@ -83,57 +109,134 @@ def list_methods() -> list[str]:
     return sorted(set(_REGISTRY) | set(_BUILTIN))
 
 
-class Selection(NamedTuple):
-    """Kept token indices per KV head, padded to t_max.
+class ParamInfo(NamedTuple):
+    """One hyper-parameter: its name, its annotated type (as written) and default
+    (``required`` when it has none)."""
 
-    indices: [H_kv, t_max] int64 (padding entries are 0); mask: [H_kv, t_max] bool
-    (True = kept). Valid entries of a row are distinct.
+    name: str
+    type: str
+    default: Any
+    required: bool = False
+
+
+class MethodInfo(NamedTuple):
+    """A registered method: name, one line of doc, parameters, whether it picks a key
+    subset (``selects``) and whether it needs a LayerContext (``needs_context``)."""
+
+    name: str
+    doc: str
+    params: tuple[ParamInfo, ...]
+    selects: bool
+    needs_context: bool
+
+
+def describe_methods(names: Sequence[str] | None = None) -> list[MethodInfo]:
+    """MethodInfo of every registered method (or of ``names``; ValueError if unknown),
+    read from the dataclasses: their init fields and the first paragraph of their doc."""
+    out = []
+    for name in list_methods() if names is None else names:
+        cls = _lookup(name)
+        params = []
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default, required = f.default, False
+            elif f.default_factory is not dataclasses.MISSING:
+                default, required = f.default_factory(), False
+            else:
+                default, required = None, True
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            params.append(ParamInfo(f.name, kind, default, required))
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+        out.append(
+            MethodInfo(
+                name,
+                " ".join(doc.split()),
+                tuple(params),
+                issubclass(cls, SelectingMethod),
+                cls.needs_context,
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerInput:
+    """One layer handed to a method; validated on construction (ValueError).
+
+    Attributes:
+        keys: [H_kv, T, D] post-RoPE keys (model dtype).
+        values: [H_kv, T, D].
+        queries: [H_kv, n, D] post-RoPE reference queries (GQA groups pooled).
+        budgets: t_h per KV head, 1 <= t_h <= T (stored as a tuple of ints).
+        sm_scale: logit scale (None: 1/sqrt(D)); see :attr:`scale`.
+        context: what the layer saw during the prefill, for methods with
+            ``needs_context`` (GVote, CompressKV); None otherwise.
     """
 
-    indices: torch.Tensor
-    mask: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    budgets: tuple[int, ...]
+    sm_scale: float | None = None
+    context: LayerContext | None = None
 
-    @classmethod
-    def from_lists(
-        cls,
-        per_head: Sequence[Sequence[int] | torch.Tensor],
-        device: torch.device | str | None = None,
-    ) -> Selection:
-        """Build from one index list per KV head (ragged).
+    def __post_init__(self) -> None:
+        budgets = check_layer_inputs(self.keys, self.values, self.queries, self.budgets)
+        object.__setattr__(self, "budgets", tuple(budgets))
+        resolve_sm_scale(self.sm_scale, self.D)
 
-        device: where the Selection lives (default: that of the first tensor row, else CPU).
-        """
-        if device is None:
-            device = next((x.device for x in per_head if isinstance(x, torch.Tensor)), "cpu")
-        t_max = max((len(x) for x in per_head), default=0)
-        idx = torch.zeros(len(per_head), t_max, dtype=torch.int64, device=device)
-        mask = torch.zeros(len(per_head), t_max, dtype=torch.bool, device=device)
-        for h, x in enumerate(per_head):
-            row = torch.as_tensor(x, dtype=torch.int64, device=device).reshape(-1)
-            idx[h, : row.numel()] = row
-            mask[h, : row.numel()] = True
-        return cls(idx, mask)
+    @property
+    def H(self) -> int:
+        """H_kv, the number of KV heads."""
+        return int(self.keys.shape[0])
 
-    @classmethod
-    def from_mask(cls, selected: torch.Tensor) -> Selection:
-        """[H_kv, T] bool (True = kept) -> Selection with ascending indices, on its device.
+    @property
+    def T(self) -> int:
+        """T, the number of tokens handed in."""
+        return int(self.keys.shape[1])
 
-        One host sync (t_max), whatever H_kv.
-        """
-        counts = selected.sum(-1)
-        t_max = int(counts.max()) if counts.numel() else 0
-        order = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        idx = order[:, :t_max]
-        mask = torch.arange(t_max, device=selected.device).unsqueeze(0) < counts.unsqueeze(1)
-        return cls(torch.where(mask, idx, idx.new_zeros(())), mask)
+    @property
+    def D(self) -> int:
+        """D, the head dim."""
+        return int(self.keys.shape[2])
 
-    def budgets(self) -> list[int]:
-        """t_h per head."""
-        return self.mask.sum(-1).tolist()
+    @property
+    def scale(self) -> float:
+        """The logit scale: sm_scale, or 1/sqrt(D) when None."""
+        return resolve_sm_scale(self.sm_scale, self.D)
 
-    def per_head(self) -> list[torch.Tensor]:
-        """Ragged list of [t_h] int64 index tensors."""
-        return [self.indices[h][self.mask[h]] for h in range(self.indices.shape[0])]
+    @functools.cached_property
+    def targets(self) -> Targets:
+        """:func:`~compactor.methods.refit.reference_targets` of the layer, computed on
+        first use and then kept on this input (so a selection and its refit share them)."""
+        return reference_targets(self.keys, self.values, self.queries, self.scale)
+
+
+class MethodResult(NamedTuple):
+    """What :meth:`CompactionMethod.compact` returns: the compacted layer and a JSON-ready
+    report of what the method decided ({} when it has nothing to say)."""
+
+    layer: CompactedLayer
+    report: dict[str, Any]
+
+
+class Picked(NamedTuple):
+    """What :meth:`SelectingMethod.pick` returns: kept keys and a report ({} if none)."""
+
+    selection: Selection
+    report: dict[str, Any]
+
+
+class RefitSpec(NamedTuple):
+    """How a SelectingMethod finishes its pick with the AM refit
+    (:func:`compactor.methods.refit.refit`): beta bounds (None = unbounded on that side),
+    whether values are fitted, and the value ridge."""
+
+    beta_bounds: tuple[float | None, float | None]
+    fit_values: bool = True
+    value_ridge: float = 1e-3
 
 
 @dataclasses.dataclass
@@ -141,14 +244,18 @@ class CompactionMethod(ABC):
     """Base of all methods: a dataclass of hyper-parameters with one job.
 
     Subclasses validate their fields in ``__post_init__`` (ValueError, never assert) and
-    implement :meth:`compact_layer`. Methods that pick a subset of the original keys
-    also implement :meth:`select`, so wrappers (e.g. ``keep-only``) and the AM refit
-    can reuse the selection.
+    implement :meth:`compact`. A method that needs a LayerContext sets ``needs_context``.
     """
 
     name: ClassVar[str] = ""
+    needs_context: ClassVar[bool] = False
 
     @abstractmethod
+    def compact(self, x: LayerInput) -> MethodResult:
+        """Compact one layer: the CompactedLayer (keys/values in the input dtype, beta
+        fp32, on the keys' device) and a report dict. Mutates nothing."""
+
+    @final
     def compact_layer(
         self,
         keys: torch.Tensor,
@@ -156,30 +263,11 @@ class CompactionMethod(ABC):
         queries: torch.Tensor,
         budgets: Sequence[int],
         sm_scale: float | None = None,
+        context: LayerContext | None = None,
     ) -> CompactedLayer:
-        """Compact one layer.
-
-        Args:
-            keys: [H_kv, T, D] post-RoPE keys (model dtype).
-            values: [H_kv, T, D].
-            queries: [H_kv, n, D] post-RoPE reference queries (GQA groups pooled).
-            budgets: t_h per KV head, 1 <= t_h <= T.
-            sm_scale: logit scale (default 1/sqrt(D)).
-
-        Returns:
-            CompactedLayer with keys/values in the input dtype, beta fp32.
-        """
-
-    def select(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-    ) -> Selection:
-        """Pick kept token indices per head (same arguments as :meth:`compact_layer`)."""
-        raise NotImplementedError(f"method {self.name!r} does not select a key subset")
+        """``compact(LayerInput(...)).layer``: see :class:`LayerInput` for the arguments."""
+        x = LayerInput(keys, values, queries, tuple(budgets), sm_scale, context)
+        return self.compact(x).layer
 
     def params(self) -> dict[str, Any]:
         """JSON-serializable hyper-parameters (nested methods become {'name', 'params'})."""
@@ -196,6 +284,69 @@ class CompactionMethod(ABC):
         return out
 
 
+@dataclasses.dataclass
+class SelectingMethod(CompactionMethod):
+    """A method that picks a subset of the original keys (:meth:`pick`); ``compact`` then
+    keeps them as they are (beta 0, original values) or, when :meth:`refit_spec` says so,
+    applies the AM refit (NNLS beta + least-squares values) on the reference queries."""
+
+    @abstractmethod
+    def pick(self, x: LayerInput) -> Picked:
+        """Kept token indices per KV head (at most budgets[h] unless the method sets its
+        own budgets) and a report dict."""
+
+    def refit_spec(self) -> RefitSpec | None:
+        """None keeps the picked keys as they are; a RefitSpec applies the AM refit."""
+        return None
+
+    @final
+    def compact(self, x: LayerInput) -> MethodResult:
+        """Pick, then keep as is or refit (see :meth:`refit_spec`)."""
+        sel, report = self.pick(x)
+        spec = self.refit_spec()
+        if spec is None:
+            return MethodResult(keep_selected(x.keys, x.values, sel), report)
+        layer = am_refit(
+            x.keys,
+            x.values,
+            x.queries,
+            sel,
+            sm_scale=x.scale,
+            beta_bounds=spec.beta_bounds,
+            fit_values=spec.fit_values,
+            value_ridge=spec.value_ridge,
+            targets=x.targets,
+        )
+        return MethodResult(layer, report)
+
+    @final
+    def select(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        budgets: Sequence[int],
+        sm_scale: float | None = None,
+        context: LayerContext | None = None,
+    ) -> Selection:
+        """``pick(LayerInput(...)).selection`` (same arguments as :meth:`compact_layer`)."""
+        x = LayerInput(keys, values, queries, tuple(budgets), sm_scale, context)
+        return self.pick(x).selection
+
+
+@dataclasses.dataclass
+class ScoreMethod(SelectingMethod):
+    """A selecting method that scores every key (:meth:`score`) and, by default, keeps
+    the budgets[h] best of each KV head (indices ascending), with an empty report."""
+
+    @abstractmethod
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """Key scores [H_kv, T] (higher = keep)."""
+
+    def pick(self, x: LayerInput) -> Picked:
+        return Picked(topk_selection(self.score(x), x.budgets), {})
+
+
 def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     """sm_scale, defaulting to 1/sqrt(D); ValueError if not positive and finite."""
     if sm_scale is None:
@@ -208,7 +359,7 @@ def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
 def check_layer_inputs(
     keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, budgets: Sequence[int]
 ) -> list[int]:
-    """Validate compact_layer arguments (see its docstring); return budgets as ints."""
+    """Validate one layer's inputs (see :class:`LayerInput`); return budgets as ints."""
     if keys.dim() != 3:
         raise ValueError(f"keys must be [H_kv, T, D], got {tuple(keys.shape)}")
     H, T, D = keys.shape
@@ -227,33 +378,6 @@ def check_layer_inputs(
         if not 1 <= x <= T:
             raise ValueError(f"budget of head {h} is {x}; must be in [1, T={T}]")
     return b
-
-
-def pack_layer(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    sel: Selection,
-    dtype: torch.dtype,
-) -> CompactedLayer:
-    """Ragged-pack padded per-head results into a CompactedLayer.
-
-    Args:
-        keys, values: [H_kv, t_max, D] (any float dtype; cast to ``dtype``).
-        beta: [H_kv, t_max] (cast to fp32).
-        sel: the Selection whose mask marks valid rows; indices become kept_indices.
-    """
-    m = sel.mask
-    counts = m.sum(-1)
-    indptr = torch.zeros(m.shape[0] + 1, dtype=torch.int32, device=m.device)
-    indptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    return CompactedLayer(
-        keys=keys[m].to(dtype).contiguous(),
-        values=values[m].to(dtype).contiguous(),
-        beta=beta[m].to(torch.float32).contiguous(),
-        indptr=indptr,
-        kept_indices=sel.indices[m].to(torch.int64).contiguous(),
-    )
 
 
 # ---- private helpers -------------------------------------------------------------------

@@ -3,10 +3,10 @@
 Shape legend: T prefix tokens (of the keys handed in), t kept, n reference queries,
 H_kv KV heads, G query heads per KV head, w window tokens, D head dim, indptr [H_kv+1] int32.
 
-Each method scores the keys, keeps the top t_h per head (or a fixed pattern), and then
-either keeps them as they are (``refit=None``: beta 0, original values) or applies the
-Attention-Matching refit (``refit="am"``). What plays the role of the paper's observation
-queries:
+Each method scores the keys (``score``), keeps the top t_h per head (or a fixed pattern:
+``pick``), and then either keeps them as they are (``refit=None``: beta 0, original values)
+or applies the Attention-Matching refit (``refit="am"``). What plays the role of the paper's
+observation queries:
 
 * the pipeline's reference queries (repeat-prefill, self-study, ... — all *after* the
   prefix, so no causal mask), which is how these methods run in the shared-prefix setting;
@@ -18,20 +18,25 @@ queries:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from compactor.methods._scoring import (
-    ScoreSelectMethod,
+    RefitOption,
     attention_probs,
     avg_pool,
     check_positive_int,
     global_topk_budgets,
     topk_selection,
 )
-from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+from compactor.methods.base import (
+    LayerInput,
+    Picked,
+    ScoreMethod,
+    SelectingMethod,
+    Selection,
+    register_method,
+)
 
 __all__ = ["H2O", "KVzip", "SnapKV", "StreamingLLM", "snapkv_scores"]
 
@@ -55,7 +60,7 @@ def snapkv_scores(
 
 @register_method("snapkv")
 @dataclasses.dataclass
-class SnapKV(ScoreSelectMethod):
+class SnapKV(RefitOption, ScoreMethod):
     """SnapKV (arXiv 2404.14469): mean attention of the observation queries, pooled with an
     odd ``kernel`` (zero padding), top-t_h per KV head (GQA: the group's queries pooled)."""
 
@@ -69,25 +74,15 @@ class SnapKV(ScoreSelectMethod):
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (same-length pooling), got {self.kernel}")
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
-        b = check_layer_inputs(keys, values, queries, budgets)
-        if self.window >= keys.shape[1]:
-            raise ValueError(f"window={self.window} must be < T={keys.shape[1]}")
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        return topk_selection(snapkv_scores(keys, queries, scale, self.window, self.kernel), b)
+    def score(self, x: LayerInput) -> torch.Tensor:
+        if self.window >= x.T:
+            raise ValueError(f"window={self.window} must be < T={x.T}")
+        return snapkv_scores(x.keys, x.queries, x.scale, self.window, self.kernel)
 
 
 @register_method("h2o")
 @dataclasses.dataclass
-class H2O(ScoreSelectMethod):
+class H2O(RefitOption, ScoreMethod):
     """One-shot H2O (arXiv 2306.14048): ``recent_fraction`` of each budget goes to the most
     recent tokens, the rest to the heavy hitters by attention summed over the queries."""
 
@@ -100,33 +95,26 @@ class H2O(ScoreSelectMethod):
             raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}")
         check_positive_int("window", self.window, 0)
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
-        b = check_layer_inputs(keys, values, queries, budgets)
-        T = keys.shape[1]
-        if self.window >= T:
-            raise ValueError(f"window={self.window} must be < T={T}")
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        heavy = attention_probs(keys, queries, scale, self.window).sum(1)  # [H, T]
-        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool, device=keys.device)
-        for h, t in enumerate(b):
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """Heavy-hitter scores [H, T]: attention summed over the queries."""
+        if self.window >= x.T:
+            raise ValueError(f"window={self.window} must be < T={x.T}")
+        return attention_probs(x.keys, x.queries, x.scale, self.window).sum(1)
+
+    def pick(self, x: LayerInput) -> Picked:
+        heavy, T = self.score(x), x.T
+        keep = torch.zeros(x.H, T, dtype=torch.bool, device=x.keys.device)
+        for h, t in enumerate(x.budgets):
             n_recent = round(t * self.recent_fraction)
             keep[h, T - n_recent :] = True
             rest = heavy[h].masked_fill(keep[h], -1.0)
             keep[h, rest.topk(t - n_recent).indices] = True
-        return Selection.from_mask(keep)
+        return Picked(Selection.from_mask(keep), {})
 
 
 @register_method("streamingllm")
 @dataclasses.dataclass
-class StreamingLLM(ScoreSelectMethod):
+class StreamingLLM(RefitOption, SelectingMethod):
     """StreamingLLM (arXiv 2309.17453): the first ``n_sink`` tokens + the most recent ones.
 
     Note: the pipeline already keeps its own sink tokens and hands the method the keys
@@ -139,35 +127,27 @@ class StreamingLLM(ScoreSelectMethod):
         super().__post_init__()
         check_positive_int("n_sink", self.n_sink, 0)
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
-        b = check_layer_inputs(keys, values, queries, budgets)
-        T = keys.shape[1]
-        keep = torch.zeros(keys.shape[0], T, dtype=torch.bool, device=keys.device)
-        for h, t in enumerate(b):
+    def pick(self, x: LayerInput) -> Picked:
+        T = x.T
+        keep = torch.zeros(x.H, T, dtype=torch.bool, device=x.keys.device)
+        for h, t in enumerate(x.budgets):
             s = min(self.n_sink, t)
             keep[h, :s] = True
             if t > s:
                 keep[h, T - (t - s) :] = True
-        return Selection.from_mask(keep)
+        return Picked(Selection.from_mask(keep), {})
 
 
 @register_method("kvzip")
 @dataclasses.dataclass
-class KVzip(ScoreSelectMethod):
+class KVzip(RefitOption, ScoreMethod):
     """KVzip-style (arXiv 2505.23416) context-reconstruction scoring.
 
     Score of a key = max over the reference queries (meant to be repeat-prefill ones:
     the model re-reading the context) and over the group's query heads of its attention.
     ``non_uniform=True``: the layer's total budget sum(t_h) is split over KV heads by a
     global top-k of the scores (each head keeps >= 1), so heads that need more keep more.
+    Report: {"budgets": the kept count per KV head}.
     """
 
     non_uniform: bool = True
@@ -176,21 +156,14 @@ class KVzip(ScoreSelectMethod):
         super().__post_init__()
         if not isinstance(self.non_uniform, bool):
             raise ValueError(f"non_uniform must be a bool, got {self.non_uniform!r}")
-        self.last_budgets: list[int] = []
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
-        b = check_layer_inputs(keys, values, queries, budgets)
-        scale = resolve_sm_scale(sm_scale, keys.shape[-1])
-        scores = attention_probs(keys, queries, scale).amax(1)  # [H, T]
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """Max attention [H, T] over the reference queries (and the group's heads)."""
+        return attention_probs(x.keys, x.queries, x.scale).amax(1)
+
+    def pick(self, x: LayerInput) -> Picked:
+        scores = self.score(x)
+        b = list(x.budgets)
         if self.non_uniform:
             b = global_topk_budgets(scores, sum(b))
-        self.last_budgets = list(b)
-        return topk_selection(scores, b)
+        return Picked(topk_selection(scores, b), {"budgets": list(b)})

@@ -19,26 +19,28 @@ layer. b_l = the layer's share of L * budget, proportional to its error and clam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from compactor.methods._scoring import (
-    ScoreSelectMethod,
+    RefitOption,
     attention_probs,
     avg_pool,
     check_positive_int,
     group_view,
     topk_selection,
 )
-from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+from compactor.methods.base import LayerInput, Picked, ScoreMethod, register_method
 
 __all__ = [
     "CALIBRATION_FILE",
     "CompressKV",
+    "cached_calibration",
     "layer_budgets",
     "load_calibration",
     "srh_token_scores",
@@ -49,9 +51,7 @@ CALIBRATION_FILE = "compresskv_calibration.json"
 
 def load_calibration(path: str | Path) -> dict[str, Any]:
     """Read and check a CompressKV calibration JSON (ValueError when malformed)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / CALIBRATION_FILE
+    p = _calibration_file(path)
     if not p.is_file():
         raise ValueError(
             f"no CompressKV calibration at {p}; run `compactor calibrate compresskv --model M`"
@@ -63,6 +63,18 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
     if len({len(r) for r in srh}) != 1:
         raise ValueError(f"{p}: srh_scores rows differ in length")
     return dict(data)
+
+
+def cached_calibration(path: str | Path) -> dict[str, Any]:
+    """:func:`load_calibration`, read once per file version (path, mtime, size) per process.
+
+    The same dict is handed to every caller: treat it as read-only.
+    """
+    p = _calibration_file(path)
+    if not p.is_file():
+        return load_calibration(p)  # raises the usual error
+    st = p.stat()
+    return _load_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
 
 
 def layer_budgets(
@@ -119,13 +131,15 @@ def srh_token_scores(
 
 @register_method("compresskv")
 @dataclasses.dataclass
-class CompressKV(ScoreSelectMethod):
-    """CompressKV online selection (see module docstring).
+class CompressKV(RefitOption, ScoreMethod):
+    """CompressKV: the layer's top semantic-retrieval heads score the tokens; one token set
+    of a calibrated per-layer size, shared by the layer's KV heads (see module docstring).
 
     calibration: JSON path (or model directory); None reads it from the context's
     ``model_dir``. top_heads: SRHs per layer. kernel: pooling width (odd). window: as in
     snapkv (0: the pooled reference queries are the observation window). min_scale /
     max_scale: per-layer budget bounds [m, M] as multiples of the uniform budget.
+    Report: {"layer", "budget": b_l, "srh_heads": the scoring query heads}.
     """
 
     needs_context: ClassVar[bool] = True
@@ -148,50 +162,68 @@ class CompressKV(ScoreSelectMethod):
             raise ValueError(
                 f"need 0 < min_scale <= 1 <= max_scale, got {self.min_scale}, {self.max_scale}"
             )
-        self._calib: dict[str, Any] | None = None
-        self.last_report: dict[str, Any] = {}
-        self.history: list[dict[str, Any]] = []
 
     def calibration_data(self, model_dir: str | None = None) -> dict[str, Any]:
-        """The loaded calibration (cached after the first call)."""
-        if self._calib is None:
-            src = self.calibration or model_dir
-            if src is None:
-                raise ValueError("compresskv needs `calibration` or a context with model_dir")
-            self._calib = load_calibration(src)
-        return self._calib
+        """The calibration (``calibration``, else ``model_dir``'s), read once per file."""
+        src = self.calibration or model_dir
+        if src is None:
+            raise ValueError("compresskv needs `calibration` or a context with model_dir")
+        return cached_calibration(src)
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """The layer's shared token scores, the same row [T] for each of the H_kv heads."""
+        return self._score(x, self._plan(x))
+
+    def pick(self, x: LayerInput) -> Picked:
         """One token set per layer (the same for all KV heads), b_l tokens.
 
-        Needs ``context.layer`` (which calibration row) unless the calibration has one layer.
+        Needs ``x.context.layer`` (which calibration row) unless the calibration has one layer.
         """
-        b = check_layer_inputs(keys, values, queries, budgets)
-        data = self.calibration_data(getattr(context, "model_dir", None))
+        plan = self._plan(x)
+        sel = topk_selection(self._score(x, plan), [plan.budget] * x.H)
+        report = {"layer": plan.layer, "budget": plan.budget, "srh_heads": sorted(plan.heads)}
+        return Picked(sel, report)
+
+    def _plan(self, x: LayerInput) -> _Plan:
+        """Calibration row, b_l and the SRH query heads of the layer (host-side)."""
+        ctx = x.context
+        data = self.calibration_data(None if ctx is None else ctx.model_dir)
         srh, err = data["srh_scores"], data["layer_errors"]
-        layer = int(getattr(context, "layer", 0))
-        if not 0 <= layer < len(srh) or (context is None and len(srh) != 1):
+        layer = 0 if ctx is None else int(ctx.layer)
+        if not 0 <= layer < len(srh) or (ctx is None and len(srh) != 1):
             raise ValueError(f"no calibration row for layer {layer} (have {len(srh)})")
-        H, T, D = keys.shape
-        if len(srh[layer]) % H:
+        if len(srh[layer]) % x.H:
             raise ValueError(
-                f"calibration has {len(srh[layer])} query heads, not a multiple of {H}"
+                f"calibration has {len(srh[layer])} query heads, not a multiple of {x.H}"
             )
-        mean_b = sum(b) / len(b)
-        b_l = layer_budgets(err, mean_b, T, self.min_scale, self.max_scale)[layer]
+        mean_b = sum(x.budgets) / len(x.budgets)
+        b_l = layer_budgets(err, mean_b, x.T, self.min_scale, self.max_scale)[layer]
         row = torch.as_tensor(srh[layer], dtype=torch.float64, device="cpu")  # host planning
         heads = row.topk(min(self.top_heads, row.numel())).indices.tolist()
-        scale = resolve_sm_scale(sm_scale, D)
-        G = len(srh[layer]) // H
-        shared = srh_token_scores(keys, queries, heads, G, scale, self.kernel, self.window)
-        self.last_report = {"layer": layer, "budget": b_l, "srh_heads": sorted(heads)}
-        self.history.append(self.last_report)
-        return topk_selection(shared.unsqueeze(0).expand(H, T), [b_l] * H)
+        return _Plan(layer, b_l, heads, len(srh[layer]) // x.H)
+
+    def _score(self, x: LayerInput, plan: _Plan) -> torch.Tensor:
+        shared = srh_token_scores(
+            x.keys, x.queries, plan.heads, plan.group_size, x.scale, self.kernel, self.window
+        )
+        return shared.unsqueeze(0).expand(x.H, x.T)
+
+
+# ---- private helpers -------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    layer: int
+    budget: int
+    heads: list[int]
+    group_size: int
+
+
+def _calibration_file(path: str | Path) -> Path:
+    p = Path(path)
+    return p / CALIBRATION_FILE if p.is_dir() else p
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    return load_calibration(path)

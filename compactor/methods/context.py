@@ -6,9 +6,9 @@ D head dim, E hidden size.
 GVote needs the layer's attention *inputs* (the input-layernorm outputs of the prefix), the
 layer's query projection and RoPE, and the real last query; CompressKV needs the layer index
 and the model directory (its calibration JSON lives there). A method that wants this sets the
-class attribute ``needs_context = True`` and accepts ``context: LayerContext | None`` in
-``compact_layer``/``select``; the pipeline builds the contexts once per prefix with
-:func:`build_layer_contexts` and passes ``context.for_span(start, stop)`` for each chunk.
+class attribute ``needs_context = True`` and reads ``LayerInput.context``; the pipeline builds
+the contexts once per prefix with :func:`build_layer_contexts` and passes
+``context.for_span(start, stop)`` for each chunk.
 
 A method whose per-layer budgets depend on *all* layers (KVCompose's global layer-adaptive
 budget) implements :class:`LayerBudgetPlanner`; the pipeline calls it once before the layer

@@ -16,20 +16,20 @@ Per layer (needs a :class:`~compactor.methods.context.LayerContext`):
    union over its G query heads and the S samples (plus the real last query's own top-b_j
    when ``vote_last_query``).
 
-No ratio is set: the ``budgets`` argument of ``compact_layer`` is ignored. The chosen kept
-count per KV head is reported in ``last_report`` and accumulated in ``history``.
+No ratio is set: the input's ``budgets`` are ignored. The chosen kept count per KV head
+(and the kept fraction, ``"ratio"``) is in the report of each result; the pipeline collects
+them into ``params["method_report"]`` and their mean ratio into ``params["chosen_ratio"]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from compactor.methods._scoring import ScoreSelectMethod, check_positive_int
-from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+from compactor.methods._scoring import RefitOption, check_positive_int
+from compactor.methods.base import LayerInput, Picked, SelectingMethod, Selection, register_method
 from compactor.methods.context import LayerContext, apply_rope, rope_cos_sin
 
 __all__ = ["GVote", "nucleus_size"]
@@ -45,7 +45,7 @@ def nucleus_size(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 @register_method("gvote")
 @dataclasses.dataclass
-class GVote(ScoreSelectMethod):
+class GVote(RefitOption, SelectingMethod):
     """GVote: union of the top-b_j keys of S sampled future queries (see module docstring).
 
     p: nucleus mass of the real last query that sets b_j. S: sampled queries per layer.
@@ -72,8 +72,6 @@ class GVote(ScoreSelectMethod):
         check_positive_int("horizon", self.horizon)
         if not self.vote_last_query and self.S == 0:
             raise ValueError("S = 0 needs vote_last_query=True (nothing would vote)")
-        self.last_report: dict[str, Any] = {}
-        self.history: list[dict[str, Any]] = []
 
     def sample_queries(self, ctx: LayerContext) -> torch.Tensor:
         """S sampled post-RoPE queries [H_q, S, D] for the layer of ``ctx``."""
@@ -92,19 +90,13 @@ class GVote(ScoreSelectMethod):
         cos, sin = rope_cos_sin(ctx.inv_freq, pos, ctx.rope_scale)
         return apply_rope(q, cos.mean(0, keepdim=True), sin.mean(0, keepdim=True))
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: LayerContext | None = None,
-    ) -> Selection:
-        """Kept keys per KV head (``budgets`` is only validated, never used)."""
-        check_layer_inputs(keys, values, queries, budgets)
+    def pick(self, x: LayerInput) -> Picked:
+        """Kept keys per KV head (``x.budgets`` are ignored) and the report: layer, span,
+        nucleus budget per query head, kept count per KV head, kept fraction ``ratio``."""
+        context = x.context
         if context is None:
             raise ValueError("gvote needs a LayerContext (hidden states, q_proj, last query)")
+        keys = x.keys
         H, Tc, D = keys.shape
         a, b = context.span
         if b - a != Tc or context.head_dim != D or context.num_q_heads % H:
@@ -114,7 +106,7 @@ class GVote(ScoreSelectMethod):
             )
         context = context.to(keys.device)
         G = context.num_q_heads // H
-        scale = resolve_sm_scale(sm_scale, D)
+        scale = x.scale
         kq = keys.float().repeat_interleave(G, dim=0)  # [H_q, Tc, D]
         last = torch.einsum("hd,htd->ht", context.last_query.float(), kq) * scale
         nb = nucleus_size(torch.softmax(last, -1), float(self.p))  # [H_q]
@@ -129,18 +121,11 @@ class GVote(ScoreSelectMethod):
             keep_q[j, top.flatten()] = True
         keep = keep_q.view(H, G, Tc).any(1)
         kept = keep.sum(-1).tolist()
-        self.last_report = {
+        report = {
             "layer": context.layer,
             "span": [a, b],
             "nucleus_budget_per_q_head": nb_list,
             "kept_per_kv_head": kept,
             "ratio": sum(kept) / float(H * Tc),
         }
-        self.history.append(self.last_report)
-        return Selection.from_mask(keep)
-
-    def chosen_ratio(self) -> float:
-        """Mean kept fraction over every span compacted so far (0.0 before the first)."""
-        if not self.history:
-            return 0.0
-        return sum(r["ratio"] for r in self.history) / len(self.history)
+        return Picked(Selection.from_mask(keep), report)

@@ -13,26 +13,24 @@ a global top-k over all (layer, rank) composite scores, with the total budget of
 layers, decides how many composite tokens each layer keeps (layer 0's composite scores
 are raised to the max over layers, as in the reference implementation). That global step
 is :meth:`KVCompose.plan_layer_budgets` (the pipeline calls it once per prefix, see
-``compactor.methods.context.LayerBudgetPlanner``); ``compact_layer`` alone keeps the
-budget it is given.
+``compactor.methods.context.LayerBudgetPlanner``); ``compact`` alone keeps the budget it
+is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from compactor.methods._scoring import (
-    ScoreSelectMethod,
+    RefitOption,
     attention_probs,
     check_positive_int,
     group_view,
-    topk_selection,
 )
-from compactor.methods.base import Selection, check_layer_inputs, register_method, resolve_sm_scale
+from compactor.methods.base import LayerInput, ScoreMethod, register_method, resolve_sm_scale
 
 __all__ = ["KVCompose", "kvcompose_scores"]
 
@@ -60,7 +58,7 @@ def kvcompose_scores(
 
 @register_method("kvcompose")
 @dataclasses.dataclass
-class KVCompose(ScoreSelectMethod):
+class KVCompose(RefitOption, ScoreMethod):
     """Structured KVCompose: per-head top tokens, the same count per head of a layer.
 
     group_size: G query heads per KV head in the pooled queries (1 treats the pooled
@@ -81,9 +79,14 @@ class KVCompose(ScoreSelectMethod):
         for name in ("agg_task", "agg_group"):
             if getattr(self, name) not in _AGG:
                 raise ValueError(f"{name} must be one of {_AGG}, got {getattr(self, name)!r}")
-        self.last_layer_budgets: list[int] = []
 
-    def _scores(self, keys: torch.Tensor, queries: torch.Tensor, sm_scale: float | None) -> Any:
+    def score(self, x: LayerInput) -> torch.Tensor:
+        """Token scores [H_kv, T] (:func:`kvcompose_scores`); the top t_h per head are kept."""
+        return self._scores(x.keys, x.queries, x.sm_scale)
+
+    def _scores(
+        self, keys: torch.Tensor, queries: torch.Tensor, sm_scale: float | None
+    ) -> torch.Tensor:
         scale = resolve_sm_scale(sm_scale, keys.shape[-1])
         return kvcompose_scores(
             keys,
@@ -95,18 +98,6 @@ class KVCompose(ScoreSelectMethod):
             add_mean_across_heads=self.add_mean_across_heads,
         )
 
-    def select(  # type: ignore[override]
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: Any = None,
-    ) -> Selection:
-        b = check_layer_inputs(keys, values, queries, budgets)
-        return topk_selection(self._scores(keys, queries, sm_scale), b)
-
     def plan_layer_budgets(
         self,
         keys: Sequence[torch.Tensor],
@@ -117,7 +108,8 @@ class KVCompose(ScoreSelectMethod):
         """Per-layer budget per KV head from the global top-k of composite scores.
 
         keys[l] [H_kv, T, D], queries[l] [H_kv, n, D]; budget: mean kept per head and
-        layer (total kept = L * budget composite tokens). Records ``last_layer_budgets``.
+        layer (total kept = L * budget composite tokens). Host-side planning: the result is a
+        list (one host sync).
         """
         if len(keys) != len(queries) or not keys:
             raise ValueError(
@@ -136,5 +128,4 @@ class KVCompose(ScoreSelectMethod):
         L = comp.shape[0]
         kept = comp.flatten().topk(L * budget).indices // T
         out = torch.bincount(kept, minlength=L).clamp(min=self.min_per_layer, max=T)
-        self.last_layer_budgets = [int(x) for x in out.tolist()]  # one host sync
-        return list(self.last_layer_budgets)
+        return [int(x) for x in out.tolist()]  # one host sync

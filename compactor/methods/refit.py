@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from compactor.methods.base import Selection, pack_layer
+from compactor.methods.selection import Selection, pack_layer
 from compactor.solvers import lstsq_values, nnls, nnls_gram
 from compactor.types import CompactedLayer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compactor import hf
-from compactor.methods import get_method
+from compactor.methods import LayerInput, get_method
 from compactor.methods.context import build_layer_contexts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,9 +46,9 @@ def test_gvote_and_baselines_on_real_layers(loaded) -> None:
     fit = hf.pool_gqa(pre.queries[12][:, -64:-8], 3)
     k, v = pre.keys[12], pre.values[12]
     g = get_method("gvote")
-    layer = g.compact_layer(k, v, fit, [T] * 3, context=ctxs[12])
+    layer, report = g.compact(LayerInput(k, v, fit, (T,) * 3, context=ctxs[12]))
     lens = layer.head_lengths()
-    assert lens == g.last_report["kept_per_kv_head"] and 0 < sum(lens) <= 3 * T
+    assert lens == report["kept_per_kv_head"] and 0 < sum(lens) <= 3 * T
     b = max(1, T // 10)
     for name in ("snapkv", "h2o", "streamingllm", "kvzip", "kvcompose"):
         out = get_method(name).compact_layer(k, v, fit, [b] * 3)

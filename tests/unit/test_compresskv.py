@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compactor.calibrate import answer_span_mass, layer_budget_error
-from compactor.methods import get_method
-from compactor.methods.compresskv import layer_budgets, load_calibration
+from compactor.methods import LayerInput, get_method
+from compactor.methods.compresskv import cached_calibration, layer_budgets, load_calibration
 
 D = 16
 
@@ -63,10 +63,11 @@ def test_srh_heads_pick_one_shared_token_set(tmp_path: Path) -> None:
     q[1, n:, 0] = 5.0  # query head 3 (KV 1, group 1) retrieves token 33
     path = _calib(tmp_path, [[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], [1.0, 1.0])
     m = get_method("compresskv", calibration=path, top_heads=1, kernel=1)
-    sel = m.select(k, k, q, [3, 3], context=_Ctx(0))
+    sel, report = m.pick(LayerInput(k, k, q, (3, 3), context=_Ctx(0)))
     rows = [r.tolist() for r in sel.per_head()]
     assert rows[0] == rows[1] and 33 in rows[0]
-    assert m.last_report == {"layer": 0, "budget": 3, "srh_heads": [3]}
+    assert report == {"layer": 0, "budget": 3, "srh_heads": [3]}
+    assert torch.equal(m.select(k, k, q, [3, 3], context=_Ctx(0)).indices, sel.indices)
     other = get_method("compresskv", calibration=path, top_heads=1, kernel=1)
     assert 33 not in other.select(k, k, q, [3, 3], context=_Ctx(1)).per_head()[0].tolist()
 
@@ -76,13 +77,24 @@ def test_per_layer_budget_from_errors_and_model_dir(tmp_path: Path) -> None:
     k = torch.randn(1, 60, D)
     q = torch.randn(1, 8, D)
     m = get_method("compresskv", min_scale=0.5, max_scale=2.0)
-    lens = [
-        m.compact_layer(k, k, q, [10], context=_Ctx(i, str(tmp_path))).head_lengths()[0]
-        for i in range(3)
+    results = [
+        m.compact(LayerInput(k, k, q, (10,), context=_Ctx(i, str(tmp_path)))) for i in range(3)
     ]
+    lens = [r.layer.head_lengths()[0] for r in results]
     assert lens[2] == 20 and lens[0] == lens[1] < 10
+    assert [r.report["budget"] for r in results] == lens
+    assert [r.report["layer"] for r in results] == [0, 1, 2]
     fitted = get_method("compresskv", calibration=str(tmp_path), refit="am")
     assert fitted.compact_layer(k, k, q, [10], context=_Ctx(2)).head_lengths() == [20]
+
+
+def test_calibration_cached_per_file_version(tmp_path: Path) -> None:
+    path = _calib(tmp_path, [[1.0, 0.5]], [1.0])
+    first = cached_calibration(path)
+    assert cached_calibration(tmp_path) is first  # the directory names the same file
+    assert first == load_calibration(path)
+    _calib(tmp_path, [[0.5, 1.0, 2.0]], [3.0])  # rewritten (another size): read again
+    assert cached_calibration(path)["srh_scores"] == [[0.5, 1.0, 2.0]]
 
 
 def test_layer_budget_error_is_zero_at_full_budget() -> None:

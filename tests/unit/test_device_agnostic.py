@@ -11,6 +11,8 @@ proves every tensor followed an input. The ``gpu`` tests run the same paths on C
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 
 from compactor import hf
 from compactor.budgets import sensitivity_curve
-from compactor.methods import get_method, list_methods
+from compactor.methods import CompactionMethod, LayerInput, get_method, list_methods
 from compactor.methods.compresskv import layer_budgets
 from compactor.methods.context import LayerContext
 from compactor.solvers import attend, lstsq_values, nnls, nnls_gram
@@ -89,16 +91,23 @@ def calib_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d)
 
 
-def _compact(name: str, params: dict[str, Any], lay: dict[str, Any], calib: str) -> CompactedLayer:
-    method = get_method(name, **params)
-    kw: dict[str, Any] = {}
-    if getattr(method, "needs_context", False):
-        kw["context"] = LayerContext(**{**lay["ctx"].__dict__, "model_dir": calib})
+def _input(
+    method: CompactionMethod, params: dict[str, Any], lay: dict[str, Any], calib: str
+) -> LayerInput:
+    """The method's LayerInput for the synthetic layer (a context when it needs one)."""
+    ctx = None
+    if method.needs_context:
+        ctx = LayerContext(**{**lay["ctx"].__dict__, "model_dir": calib})
     q = lay["q_fit"]
     if params.get("window"):  # window queries: the last `window` tokens' own, per query head
         w = params["window"]
         q = q.reshape(H_KV, G, N, D)[:, :, -w:].reshape(H_KV, G * w, D)
-    return method.compact_layer(lay["keys"], lay["values"], q, lay["budgets"], **kw)
+    return LayerInput(lay["keys"], lay["values"], q, tuple(lay["budgets"]), context=ctx)
+
+
+def _compact(name: str, params: dict[str, Any], lay: dict[str, Any], calib: str) -> CompactedLayer:
+    method = get_method(name, **params)
+    return method.compact(_input(method, params, lay, calib)).layer
 
 
 def _assert_same(a: CompactedLayer, b: CompactedLayer) -> None:
@@ -148,6 +157,21 @@ def test_compact_layer_allocates_nothing_on_the_default_device(
         got = _compact(name, params, lay, calib_dir)
     assert got.keys.device.type == "cpu"
     _assert_same(ref, got)
+
+
+@pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
+def test_methods_are_stateless(name: str, params: dict[str, Any], calib_dir: str) -> None:
+    """compact mutates nothing on the method (its attributes are its hyper-parameters and
+    stay equal) and gives the same layer and report when called again."""
+    method = get_method(name, **params)
+    assert set(vars(method)) == {f.name for f in dataclasses.fields(method)}
+    before = copy.deepcopy(vars(method))
+    x = _input(method, params, _layer(2), calib_dir)
+    first, again = method.compact(x), method.compact(x)
+    assert vars(method) == before
+    _assert_same(first.layer, again.layer)
+    assert first.report == again.report
+    assert (first.report != {}) == (name in ("gvote", "compresskv", "kvzip"))
 
 
 def test_solvers_and_budget_helpers_allocate_nothing_on_the_default_device() -> None:

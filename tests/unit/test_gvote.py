@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from compactor.methods import get_method
+from compactor.methods import LayerInput, get_method
 from compactor.methods.context import LayerContext, apply_rope, rope_cos_sin
 from compactor.methods.gvote import GVote, nucleus_size
 
@@ -61,7 +61,7 @@ def test_union_grows_with_S() -> None:
 def test_last_query_alone_keeps_its_nucleus() -> None:
     ctx, k = _ctx(seed=1)
     m = GVote(S=0, p=0.7)
-    sel = m.select(k, k, torch.randn(HKV, 3, D), [1, 1], context=ctx)
+    sel, report = m.pick(LayerInput(k, k, torch.randn(HKV, 3, D), (1, 1), context=ctx))
     G = HQ // HKV
     logits = torch.einsum("hd,htd->ht", ctx.last_query, k.repeat_interleave(G, 0)) / D**0.5
     nb = nucleus_size(torch.softmax(logits, -1), 0.7)
@@ -72,8 +72,10 @@ def test_last_query_alone_keeps_its_nucleus() -> None:
             s |= set(logits[j].topk(int(nb[j])).indices.tolist())
         expect.append(sorted(s))
     assert [r.tolist() for r in sel.per_head()] == expect
-    assert m.last_report["nucleus_budget_per_q_head"] == nb.tolist()
-    assert m.last_report["kept_per_kv_head"] == [len(e) for e in expect]
+    assert report["nucleus_budget_per_q_head"] == nb.tolist()
+    assert report["kept_per_kv_head"] == [len(e) for e in expect]
+    assert report["layer"] == 3 and report["span"] == [0, T]
+    assert report["ratio"] == sum(len(e) for e in expect) / (HKV * T)
 
 
 def test_sampled_queries_follow_the_gaussian_and_averaged_rope() -> None:
@@ -95,19 +97,20 @@ def test_sinks_are_skipped_in_the_fit() -> None:
     torch.testing.assert_close(q_skip, q_ref, atol=1e-3, rtol=1e-3)
 
 
-def test_compact_layer_ragged_output_and_history() -> None:
+def test_compact_ragged_output_and_report() -> None:
     ctx, k = _ctx(seed=2)
     v = torch.randn_like(k)
     m = get_method("gvote", p=0.5, S=4)
-    layer = m.compact_layer(k, v, torch.randn(HKV, 5, D), [T, T], context=ctx)
+    x = LayerInput(k, v, torch.randn(HKV, 5, D), (T, T), context=ctx)
+    layer, report = m.compact(x)
     lens = layer.head_lengths()
-    assert lens == m.last_report["kept_per_kv_head"]
+    assert lens == report["kept_per_kv_head"]
     assert layer.keys.shape[0] == sum(lens)
-    assert 0 < m.chosen_ratio() <= 1
-    fitted = get_method("gvote", p=0.5, S=4, refit="am").compact_layer(
-        k, v, torch.randn(HKV, 5, D), [T, T], context=ctx
-    )
-    assert fitted.head_lengths() == lens
+    assert 0 < report["ratio"] <= 1 and report["ratio"] == sum(lens) / (HKV * T)
+    assert m.compact(x).report == report  # nothing accumulates on the method
+    assert m.compact_layer(k, v, x.queries, [T, T], context=ctx).head_lengths() == lens
+    fitted = get_method("gvote", p=0.5, S=4, refit="am").compact(x)
+    assert fitted.layer.head_lengths() == lens and fitted.report == report
 
 
 def test_span_and_errors() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -9,7 +10,18 @@ import sys
 import pytest
 import torch
 
-from compactor.methods import Selection, get_method, list_methods
+from compactor.methods import (
+    CompactionMethod,
+    LayerInput,
+    MethodResult,
+    ScoreMethod,
+    SelectingMethod,
+    Selection,
+    describe_methods,
+    get_method,
+    list_methods,
+)
+from compactor.methods.base import _lookup
 from compactor.methods.refit import refit
 from compactor.solvers import attend
 from compactor.types import CompactedLayer, CompactedPrefix
@@ -230,3 +242,76 @@ def test_keep_all_is_near_exact():
     layer = get_method("am-highest").compact_layer(keys, values, q, [48, 48])
     out_e, mass_e = errors(layer, keys, values, q)
     assert out_e < 1e-2 and mass_e < 1e-3
+
+
+def test_layer_input_validates_once_and_derives():
+    keys, values, q, _ = clustered(H=2, T=40, n=8, D=16)
+    x = LayerInput(keys, values, q, [5, 7.0])
+    assert x.budgets == (5, 7) and all(type(b) is int for b in x.budgets)
+    assert (x.H, x.T, x.D) == (2, 40, 16) and x.scale == 0.25
+    assert LayerInput(keys, values, q, (5, 7), sm_scale=0.5).scale == 0.5
+    assert x.targets is x.targets  # computed once, shared by a pick and its refit
+    with pytest.raises(ValueError, match="sm_scale"):
+        LayerInput(keys, values, q, (5, 7), sm_scale=-1.0)
+    with pytest.raises(ValueError, match="values"):
+        LayerInput(keys, values[:, :10], q, (5, 7))
+    with pytest.raises(ValueError, match="queries"):
+        LayerInput(keys, values, q[:1], (5, 7))
+    with pytest.raises(ValueError, match="budget of head 1"):
+        LayerInput(keys, values, q, (5, 41))
+    with pytest.raises(ValueError, match="one budget per KV head"):
+        LayerInput(keys, values, q, (5,))
+
+
+@pytest.mark.parametrize("name", [*AM, "keep-only"])
+def test_compact_result_equals_compact_layer(name):
+    keys, values, q, _ = clustered(T=96, n=64, seed=7)
+    m = get_method(name)
+    res = m.compact(LayerInput(keys, values, q, (9, 14)))
+    assert isinstance(res, MethodResult) and res.report == {}
+    ref = m.compact_layer(keys, values, q, [9, 14])
+    for f in ("keys", "values", "beta", "indptr", "kept_indices"):
+        assert torch.equal(getattr(res.layer, f), getattr(ref, f))
+    picked = m.pick(LayerInput(keys, values, q, (9, 14)))
+    assert torch.equal(picked.selection.indices, m.select(keys, values, q, [9, 14]).indices)
+
+
+def test_callers_conveniences_are_defined_once():
+    """compact_layer / select / SelectingMethod.compact live in the base, never overridden."""
+    for name in list_methods():
+        cls = _lookup(name)
+        assert cls.compact_layer is CompactionMethod.compact_layer
+        if issubclass(cls, SelectingMethod):
+            assert cls.compact is SelectingMethod.compact
+            assert cls.select is SelectingMethod.select
+    for name in ("snapkv", "kvzip", "kvcompose", "compresskv", "am-highest"):
+        assert issubclass(_lookup(name), ScoreMethod)
+
+
+def test_keep_only_needs_a_selecting_inner():
+    @dataclasses.dataclass
+    class _Whole(CompactionMethod):
+        def compact(self, x: LayerInput) -> MethodResult:
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="does not select a key subset"):
+        get_method("keep-only", inner=_Whole())
+    inner = get_method("kvzip")
+    keys, values, q, _ = clustered(T=64, n=32)
+    res = get_method("keep-only", inner=inner).compact(LayerInput(keys, values, q, (6, 6)))
+    assert sum(res.report["budgets"]) == 12 and bool((res.layer.beta == 0).all())
+
+
+def test_describe_methods_reads_the_dataclasses():
+    infos = {m.name: m for m in describe_methods()}
+    assert sorted(infos) == list_methods()
+    omp = infos["am-omp"]
+    assert omp.doc.startswith("OMP key selection") and "\n" not in omp.doc
+    params = {p.name: p for p in omp.params}
+    assert (params["k"].type, params["k"].default, params["k"].required) == ("int", 1, False)
+    assert infos["am-omp-fast"].params[0].default == 4
+    assert infos["gvote"].needs_context and not infos["snapkv"].needs_context
+    assert infos["keep-only"].params[1].default == {}  # default_factory called
+    assert [m.name for m in describe_methods(["kvzip"])] == ["kvzip"]
+    with pytest.raises(ValueError, match="unknown compaction method"):
+        describe_methods(["no-such-method"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compactor import hf
-from compactor.methods import CompactionMethod, register_method
+from compactor.methods import CompactionMethod, LayerInput, MethodResult, register_method
 from compactor.pipeline import compact_prefix, split_budget
 from compactor.types import CompactedLayer
 from tests.unit._tiny import real_model, tiny_llama
@@ -19,16 +19,17 @@ from tests.unit._tiny import real_model, tiny_llama
 class _Identity(CompactionMethod):
     """Keeps every key (budget ignored), beta 0: the identity compaction."""
 
-    def compact_layer(self, keys, values, queries, budgets, sm_scale=None):
-        H, T, _ = keys.shape
+    def compact(self, x: LayerInput) -> MethodResult:
+        H, T, _ = x.keys.shape
         indptr = torch.arange(0, H * T + 1, T, dtype=torch.int32)
-        return CompactedLayer(
-            keys.reshape(H * T, -1),
-            values.reshape(H * T, -1),
+        layer = CompactedLayer(
+            x.keys.reshape(H * T, -1),
+            x.values.reshape(H * T, -1),
             torch.zeros(H * T),
             indptr,
             torch.arange(T).repeat(H),
         )
+        return MethodResult(layer, {})
 
 
 @register_method("test-first")
@@ -36,17 +37,18 @@ class _Identity(CompactionMethod):
 class _First(CompactionMethod):
     """Keeps the first budget keys of each head with beta = 0.5."""
 
-    def compact_layer(self, keys, values, queries, budgets, sm_scale=None):
-        H, _, D = keys.shape
-        t = int(budgets[0])
+    def compact(self, x: LayerInput) -> MethodResult:
+        H, _, D = x.keys.shape
+        t = x.budgets[0]
         indptr = torch.arange(0, H * t + 1, t, dtype=torch.int32)
-        return CompactedLayer(
-            keys[:, :t].reshape(-1, D),
-            values[:, :t].reshape(-1, D),
+        layer = CompactedLayer(
+            x.keys[:, :t].reshape(-1, D),
+            x.values[:, :t].reshape(-1, D),
             torch.full((H * t,), 0.5),
             indptr,
             torch.arange(t).repeat(H),
         )
+        return MethodResult(layer, {})
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,24 @@ def test_on_policy_runs_and_matches_shapes(tiny):
     )
     assert a.kept_per_head() == b.kept_per_head() == [[8, 8], [8, 8]]
     assert a.params["on_policy"] is True
+
+
+def test_method_reports_collected_per_layer_and_chunk(tiny):
+    ids = _ids(40, seed=4)
+    run = dict(ratio=0.3, query_sources=SRC, progress=False, keep_sink_tokens=2)
+    gv, _ = compact_prefix(tiny, None, ids, "gvote", chunk_size=19, **run)
+    report = gv.params["method_report"]
+    assert [r["layer"] for r in report] == [0, 0, 1, 1]  # one per layer and chunk
+    assert [r["span"] for r in report[:2]] == [[2, 21], [21, 40]]
+    for r in report:
+        assert 0 < r["ratio"] <= 1 and len(r["kept_per_kv_head"]) == 2
+    ratios = [r["ratio"] for r in report]
+    assert gv.params["chosen_ratio"] == sum(ratios) / len(ratios)
+    zip_, _ = compact_prefix(tiny, None, ids, "kvzip", **run)
+    assert [sum(r["budgets"]) for r in zip_.params["method_report"]] == [20, 20]
+    assert zip_.params["chosen_ratio"] is None  # a report without "ratio"
+    am, _ = compact_prefix(tiny, None, ids, "am-highest", **run)
+    assert am.params["method_report"] is None and am.params["chosen_ratio"] is None
 
 
 @pytest.mark.parametrize(
