@@ -145,8 +145,8 @@ def test_paged_matches_reference(make_ragged, decode):
 
 def test_plan_once_run_many(make_ragged):
     kv = make_ragged(COUNTS, H_KV, D, seed=10)
-    wrapper = tri.BiasedRaggedAttention()
-    plan = wrapper.plan(kv.indptr, H_Q, H_KV, D, num_splits=3, sm_scale=0.2)
+    wrapper = tri.BiasedPagedAttention()  # ragged: the identity slot table (kv_indices None)
+    plan = wrapper.plan(kv.indptr, None, H_Q, H_KV, D, num_splits=3, sm_scale=0.2)
     assert plan.num_splits == 3 and plan.chunk_size % plan.block_n == 0
     for seed in (11, 12):
         q = _q(2, seed)
@@ -157,15 +157,15 @@ def test_plan_once_run_many(make_ragged):
 def test_errors(make_ragged, monkeypatch):
     kv = make_ragged(COUNTS, H_KV, D)
     with pytest.raises(RuntimeError, match="plan"):
-        tri.BiasedRaggedAttention().run(_q(2, 0), kv.keys, kv.values, kv.beta)
-    wrapper = tri.BiasedRaggedAttention()
-    wrapper.plan(kv.indptr, H_Q, H_KV, D)
+        tri.BiasedPagedAttention().run(_q(2, 0), kv.keys, kv.values, kv.beta)
+    wrapper = tri.BiasedPagedAttention()
+    wrapper.plan(kv.indptr, None, H_Q, H_KV, D)
     with pytest.raises(ValueError, match=r"q must be \[n=2"):
         wrapper.run(_q(3, 0), kv.keys, kv.values, kv.beta)
     with pytest.raises(ValueError, match="not a multiple of H_kv=4"):
-        wrapper.plan(kv.indptr, 8, 4, D)
+        wrapper.plan(kv.indptr, None, 8, 4, D)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        wrapper.plan(kv.indptr, H_Q, H_KV, D, block_n=24)
+        wrapper.plan(kv.indptr, None, H_Q, H_KV, D, block_n=24)
     with pytest.raises(ValueError, match="kv_indices must lie in"):
         tri.paged_decode(
             _q(1, 0),
