@@ -45,7 +45,6 @@ import torch
 __all__ = [
     "AttentionOutput",
     "check_indptr",
-    "check_paged",
     "check_paged_call",
     "check_pool",
     "check_queries",
@@ -158,22 +157,6 @@ def check_slot_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
     check_indptr(kv_indptr, "kv_indptr", None, kv_indices.numel())
 
 
-def check_paged(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-) -> None:
-    """Validate a paged KV pool and its per-request slot table (see module legend)."""
-    check_pool(k_cache, v_cache, beta_cache)
-    check_slot_table(kv_indptr, kv_indices)
-    if kv_indices.numel():
-        lo, hi = int(kv_indices.min()), int(kv_indices.max())
-        if lo < 0 or hi >= k_cache.shape[0]:
-            raise ValueError(f"kv_indices must lie in [0, S={k_cache.shape[0]}), got [{lo}, {hi}]")
-
-
 def check_queries(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str = "q") -> int:
     """Validate ``q [n, H_q, D]`` against H_kv and D; return the group size G."""
     if q.dim() != 3:
@@ -223,8 +206,14 @@ def check_paged_call(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
 ) -> None:
-    """Validate a paged extend call (pool, slot table, ``qo_indptr [B+1]``, queries)."""
-    check_paged(k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
+    """Validate a paged extend call: the pool, its slot table (ids in ``[0, S)``),
+    ``qo_indptr [B+1]`` and the queries (see module legend)."""
+    check_pool(k_cache, v_cache, beta_cache)
+    check_slot_table(kv_indptr, kv_indices)
+    if kv_indices.numel():
+        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        if lo < 0 or hi >= k_cache.shape[0]:
+            raise ValueError(f"kv_indices must lie in [0, S={k_cache.shape[0]}), got [{lo}, {hi}]")
     check_indptr(qo_indptr, "qo_indptr", kv_indptr.numel(), q.shape[0])
     check_queries(q, k_cache.shape[1], k_cache.shape[2])
 
