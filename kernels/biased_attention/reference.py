@@ -91,8 +91,8 @@ def biased_attention(
     Args:
         q: ``[..., H_q, m, D]`` (or ``[..., m, D]`` with no head dim); leading dims broadcast.
         k, v: ``[..., H_kv, t, D]``; H_q = G * H_kv, query head i reads KV head i // G.
-        beta: ``[..., H_kv, t]`` (or ``[..., t]``) per-key natural-log bias, -inf masks a
-            key; None is 0.
+        beta: ``[..., H_kv, t]`` per-key natural-log bias, broadcast like k's leading
+            dims (under GQA its head dim must be H_kv or 1); -inf masks a key; None is 0.
         sm_scale: logit scale; None is 1/sqrt(D).
         causal_offset: query row i sits at position ``causal_offset + i`` and sees keys
             ``j <= causal_offset + i`` only (None: every key).
@@ -102,7 +102,8 @@ def biased_attention(
 
     Returns:
         ``with_lse=False``: ``out [..., H_q, m, D]`` in q's dtype, from torch's fused SDPA
-        in that dtype (the decoding paths: no fp32 logits are materialised).
+        in that dtype (the decoding paths: no fp32 logits are materialised; a row with
+        every key masked gets whatever the SDPA backend gives, NaN on some).
         ``with_lse=True``: ``AttentionOutput(out [..., H_q, m, D], lse [..., H_q, m])``,
         both fp32 and computed explicitly in fp32 (the truth the solvers and kernels are
         checked against); a row that sees no finite logit gets out = 0, lse = -inf.
@@ -285,6 +286,10 @@ def _key_bias(
     """:func:`attention_bias` of beta (zeros when None) plus an optional extra float mask."""
     if beta is None:
         beta = torch.zeros(k.shape[:-1], dtype=dtype, device=k.device)
+    elif group > 1 and (beta.dim() < 2 or beta.shape[-2] not in (1, k.shape[-3])):
+        raise ValueError(
+            f"beta {tuple(beta.shape)} must be [..., H_kv={k.shape[-3]} or 1, t] under GQA"
+        )
     mask = attention_bias(beta, q.shape[-2], group=group, causal_offset=causal_offset, dtype=dtype)
     return mask if extra is None else mask + extra
 

@@ -86,6 +86,8 @@ def test_bad_shapes_raise_value_error():
     q, k, v, beta = _inputs()
     with pytest.raises(ValueError, match="H_q=6 must be a multiple of H_kv=4"):
         biased_attention(q, torch.zeros(2, 4, T, D), torch.zeros(2, 4, T, D))
+    with pytest.raises(ValueError, match=r"must be \[..., H_kv=3 or 1, t\] under GQA"):
+        biased_attention(q, k, v, beta[:, 0])
     with pytest.raises(ValueError, match="head dim"):
         biased_attention(q, k[..., :8], v)
     with pytest.raises(ValueError, match="sm_scale"):
