@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from kernels.biased_attention.reference import biased_attention
+
 __all__ = ["attend", "lstsq_values", "nnls", "nnls_gram"]
 
 
@@ -197,6 +199,9 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention with a logit bias: out = softmax(q k' * sm_scale + beta) v.
 
+    A thin adapter over :func:`kernels.biased_attention.reference.biased_attention` (fp32,
+    with the LSE) that folds the padding ``mask`` into beta.
+
     Args:
         q: [..., n, D]; k, v: [..., t, D]; beta: [..., t] fp32 or None;
         mask: [..., t] bool (False = padding, excluded). sm_scale defaults to 1/sqrt(D).
@@ -205,16 +210,10 @@ def attend(
         (out [..., n, D] fp32, lse [..., n] fp32) where lse = log sum_j exp(logit_j) is the
         log attention mass of this block (-inf if every entry is masked).
     """
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    logits = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if beta is not None:
-        logits = logits + beta.float().unsqueeze(-2)
     if mask is not None:
-        logits = logits.masked_fill(~mask.unsqueeze(-2), -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)
-    p = torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30))
-    p = torch.nan_to_num(p, nan=0.0)
-    return p @ v.float(), lse
+        base = beta.float() if beta is not None else torch.zeros(mask.shape, device=mask.device)
+        beta = base.masked_fill(~mask, -math.inf)
+    return biased_attention(q, k, v, beta, sm_scale=sm_scale, with_lse=True)
 
 
 # ---- private helpers -------------------------------------------------------------------

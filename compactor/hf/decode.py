@@ -21,6 +21,7 @@ import torch
 
 from compactor.hf.model import PrefillResult, _attn_modules, model_info
 from compactor.types import CompactedPrefix
+from kernels.biased_attention.reference import attention_bias, biased_attention
 
 _GQA_SDPA = "compactor_gqa_sdpa"
 
@@ -35,14 +36,14 @@ def _gqa_sdpa(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with GQA done inside the kernel (no repeat_kv copy of the cache per layer/step).
+    """Biased attention (SDPA, GQA inside the kernel: no repeat_kv copy of the cache).
 
-    query [B, H_q, q, D], key/value [B, H_kv, kv, D], float mask [B, 1|H_q, q, kv] ->
-    output [B, q, H_q, D] (the layout transformers' attention functions return).
+    query [B, H_q, q, D], key/value [B, H_kv, kv, D], float mask [B, 1|H_q, q, kv] (beta,
+    padding and causal tail, from :func:`prefix_mask`) -> output [B, q, H_q, D] (the layout
+    transformers' attention functions return). A layout adapter over
+    :func:`kernels.biased_attention.reference.biased_attention`.
     """
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-    )
+    out = biased_attention(query, key, value, sm_scale=scaling, bias=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -86,14 +87,11 @@ def prefix_mask(
     hkv, s = bias.shape
     if uniform is None:
         uniform = heads_share_bias(bias)
-    heads = 1 if uniform else num_q_heads
-    b = bias if heads == 1 else bias.repeat_interleave(num_q_heads // hkv, dim=0)
-    dev = bias.device
-    out = torch.zeros(1, heads, q_len, s + num_new + q_len, dtype=dtype, device=dev)
-    out[:, :, :, :s] = b[:heads, None, :].to(dtype)
-    causal = torch.full((q_len, q_len), float("-inf"), dtype=dtype, device=dev).triu(1)
-    out[:, :, :, s + num_new :] = causal
-    return out
+    # beta on the prefix slots, 0 on the appended tokens; the current ones sit at s + num_new
+    cols = torch.nn.functional.pad(bias[:1] if uniform else bias, (0, num_new + q_len))
+    group = 1 if uniform else num_q_heads // hkv
+    mask = attention_bias(cols, q_len, group=group, causal_offset=s + num_new, dtype=dtype)
+    return mask.unsqueeze(0)
 
 
 def heads_share_bias(bias: torch.Tensor) -> bool:

@@ -45,11 +45,17 @@ import torch
 __all__ = [
     "AttentionOutput",
     "check_indptr",
-    "check_paged",
+    "check_paged_call",
+    "check_pool",
     "check_queries",
     "check_ragged",
+    "check_ragged_call",
+    "check_rows",
+    "check_slot_table",
     "check_triton_device",
+    "decode_qo_indptr",
     "default_sm_scale",
+    "ragged_pool",
     "ragged_to_paged",
 ]
 
@@ -105,18 +111,7 @@ def check_ragged(
     num_kv_heads: int | None = None,
 ) -> None:
     """Validate a ragged KV set (see module legend); ValueError names the bad argument."""
-    if keys.dim() != 2:
-        raise ValueError(f"keys must be [N, D], got shape {tuple(keys.shape)}")
-    if values.shape != keys.shape:
-        raise ValueError(
-            f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}"
-        )
-    if values.dtype != keys.dtype:
-        raise ValueError(f"values dtype {values.dtype} must equal keys dtype {keys.dtype}")
-    if beta.dim() != 1 or beta.shape[0] != keys.shape[0]:
-        raise ValueError(f"beta must be [N]=[{keys.shape[0]}], got shape {tuple(beta.shape)}")
-    if beta.dtype != torch.float32:
-        raise ValueError(f"beta must be float32, got {beta.dtype}")
+    check_rows(keys, values, beta)
     if num_kv_heads is not None and (indptr.numel() - 1) % num_kv_heads != 0:
         raise ValueError(
             f"indptr has {indptr.numel() - 1} segments, not a multiple of H_kv={num_kv_heads}"
@@ -124,38 +119,42 @@ def check_ragged(
     check_indptr(indptr, "indptr", None, keys.shape[0])
 
 
-def check_paged(
+def check_rows(
+    keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor, head_dim: int | None = None
+) -> None:
+    """Validate ragged rows ``keys/values [N, D]``, ``beta [N]`` fp32 (no indptr, no sync)."""
+    if keys.dim() != 2 or (head_dim is not None and keys.shape[1] != head_dim):
+        want = "[N, D]" if head_dim is None else f"[N, D={head_dim}]"
+        raise ValueError(f"keys must be {want}, got shape {tuple(keys.shape)}")
+    _check_kv_pair(keys, values, beta, ("keys", "values", "beta"), "[N]")
+
+
+def check_pool(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> None:
-    """Validate a paged KV pool and its per-request slot table (see module legend)."""
+    """Validate a paged pool ``[S, H_kv, D]`` (against H_kv and D when given)."""
     if k_cache.dim() != 3:
         raise ValueError(f"k_cache must be [S, H_kv, D], got shape {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
+    heads = k_cache.shape[1] if num_kv_heads is None else num_kv_heads
+    want = (heads, k_cache.shape[2] if head_dim is None else head_dim)
+    if tuple(k_cache.shape[1:]) != want:
         raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} must equal k_cache {tuple(k_cache.shape)}"
+            f"k_cache must be [S, H_kv, D] with (H_kv, D)={want}, got {tuple(k_cache.shape)}"
         )
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache dtype {v_cache.dtype} must equal k_cache {k_cache.dtype}")
-    if beta_cache.shape != k_cache.shape[:2]:
-        raise ValueError(
-            f"beta_cache must be [S, H_kv]={tuple(k_cache.shape[:2])}, "
-            f"got {tuple(beta_cache.shape)}"
-        )
-    if beta_cache.dtype != torch.float32:
-        raise ValueError(f"beta_cache must be float32, got {beta_cache.dtype}")
+    _check_kv_pair(k_cache, v_cache, beta_cache, ("k_cache", "v_cache", "beta_cache"), "[S, H_kv]")
+
+
+def check_slot_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    """Validate a per-request slot table: ``kv_indices [nnz]`` int32 and ``kv_indptr [B+1]``."""
     if kv_indices.dim() != 1 or kv_indices.dtype != torch.int32:
         raise ValueError(
             f"kv_indices must be 1-D int32, got {kv_indices.dtype} {tuple(kv_indices.shape)}"
         )
     check_indptr(kv_indptr, "kv_indptr", None, kv_indices.numel())
-    if kv_indices.numel():
-        lo, hi = int(kv_indices.min()), int(kv_indices.max())
-        if lo < 0 or hi >= k_cache.shape[0]:
-            raise ValueError(f"kv_indices must lie in [0, S={k_cache.shape[0]}), got [{lo}, {hi}]")
 
 
 def check_queries(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str = "q") -> int:
@@ -167,6 +166,72 @@ def check_queries(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str =
     if num_kv_heads <= 0 or q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"H_q={q.shape[1]} must be a positive multiple of H_kv={num_kv_heads}")
     return q.shape[1] // num_kv_heads
+
+
+def decode_qo_indptr(q: torch.Tensor) -> torch.Tensor:
+    """``qo_indptr [B+1]`` int32 (host) of a decode batch ``q [B, H_q, D]``: one row each."""
+    return torch.arange(q.shape[0] + 1, dtype=torch.int32)
+
+
+def check_ragged_call(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    beta: torch.Tensor,
+    indptr: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+) -> tuple[torch.Tensor, int]:
+    """Validate a ragged extend call; return ``(qo_indptr [B+1], H_kv)``.
+
+    ``qo_indptr`` None means one request owning all n query rows.
+    """
+    check_ragged(keys, values, beta, indptr)
+    if qo_indptr is None:
+        qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    num_req = qo_indptr.numel() - 1
+    if num_req <= 0 or (indptr.numel() - 1) % num_req:
+        raise ValueError(f"indptr has {indptr.numel() - 1} segments, not a multiple of B={num_req}")
+    check_indptr(qo_indptr, "qo_indptr", None, q.shape[0])
+    num_kv_heads = (indptr.numel() - 1) // num_req
+    check_queries(q, num_kv_heads, keys.shape[1])
+    return qo_indptr, num_kv_heads
+
+
+def check_paged_call(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    beta_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    """Validate a paged extend call: the pool, its slot table (ids in ``[0, S)``),
+    ``qo_indptr [B+1]`` and the queries (see module legend)."""
+    check_pool(k_cache, v_cache, beta_cache)
+    check_slot_table(kv_indptr, kv_indices)
+    if kv_indices.numel():
+        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        if lo < 0 or hi >= k_cache.shape[0]:
+            raise ValueError(f"kv_indices must lie in [0, S={k_cache.shape[0]}), got [{lo}, {hi}]")
+    check_indptr(qo_indptr, "qo_indptr", kv_indptr.numel(), q.shape[0])
+    check_queries(q, k_cache.shape[1], k_cache.shape[2])
+
+
+def ragged_pool(
+    keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """View ragged ``keys/values [N, D]``, ``beta [N]`` as a pool ``[N, H_kv, D]``, ``[N, H_kv]``.
+
+    Zero-copy: every KV head aliases the same rows (head stride 0), so segment
+    ``b*H_kv + h`` of the ragged indptr, read through head h, is that segment's rows. This is
+    how the ragged layout is the paged one with an identity slot table.
+    """
+    return (
+        keys.unsqueeze(1).expand(-1, num_kv_heads, -1),
+        values.unsqueeze(1).expand(-1, num_kv_heads, -1),
+        beta.unsqueeze(1).expand(-1, num_kv_heads),
+    )
 
 
 def ragged_to_paged(
@@ -222,3 +287,18 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
         f"Triton kernels need CUDA tensors; got {device}. To run on CPU set "
         "TRITON_INTERPRET=1 before triton is first imported (slow but exact)."
     )
+
+
+def _check_kv_pair(
+    k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, names: tuple[str, str, str], rows: str
+) -> None:
+    """``v`` must match ``k`` in shape and dtype, ``beta`` be fp32 of k's row shape."""
+    kn, vn, bn = names
+    if v.shape != k.shape:
+        raise ValueError(f"{vn} shape {tuple(v.shape)} must equal {kn} shape {tuple(k.shape)}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"{vn} dtype {v.dtype} must equal {kn} dtype {k.dtype}")
+    if beta.shape != k.shape[:-1]:
+        raise ValueError(f"{bn} must be {rows}={list(k.shape[:-1])}, got shape {tuple(beta.shape)}")
+    if beta.dtype != torch.float32:
+        raise ValueError(f"{bn} must be float32, got {beta.dtype}")

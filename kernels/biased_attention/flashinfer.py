@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +38,9 @@ import torch
 from kernels.biased_attention._common import (
     AttentionOutput,
     check_indptr,
+    check_pool,
     check_queries,
+    check_slot_table,
     default_sm_scale,
 )
 
@@ -130,7 +133,7 @@ def _dtype_tag(dtype: torch.dtype) -> str:
 
 
 class _Base:
-    """Workspace, plan checks and output post-processing shared by decode and extend."""
+    """Workspace, plan checks, run() and output post-processing shared by decode and extend."""
 
     def __init__(self, workspace_bytes: int = 128 << 20, device: str | torch.device = "cuda"):
         if not torch.cuda.is_available():
@@ -151,9 +154,7 @@ class _Base:
         head_dim: int,
         sm_scale: float | None,
     ) -> torch.Tensor:
-        if kv_indices.dim() != 1 or kv_indices.dtype != torch.int32:
-            raise ValueError(f"kv_indices must be 1-D int32, got {kv_indices.dtype}")
-        check_indptr(kv_indptr, "kv_indptr", None, kv_indices.numel())
+        check_slot_table(kv_indptr, kv_indices)
         if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
             raise ValueError(f"H_q={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
         lens = kv_indptr.cpu().diff()
@@ -166,28 +167,38 @@ class _Base:
         self._sm_scale = default_sm_scale(head_dim, sm_scale)
         return torch.ones(lens.numel(), dtype=torch.int32, device=self.device)
 
-    def _run(
+    def _activate(
+        self,
+        uri: str,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        head_dim: int,
+        make: Callable[[tuple[Any, ...]], Any],
+    ) -> None:
+        """Make (first use: JIT-compile) the FlashInfer wrapper ``make(jit_args)`` for this
+        (dtype, head_dim) pair, cache it, and make it the one plan()/run() use."""
+        key = (q_dtype, kv_dtype, head_dim)
+        if key not in self._inner:
+            self._inner[key] = make(jit_args(uri, q_dtype, kv_dtype, head_dim))
+        self._active = self._inner[key]
+
+    def run(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         beta_cache: torch.Tensor,
     ) -> AttentionOutput:
+        """``q [n, H_q, D]`` (decode: n = B) as planned over ``k_cache/v_cache [S, H_kv, D]``,
+        ``beta_cache [S, H_kv]`` fp32. Returns ``out [n, H_q, D]`` (q dtype) and
+        ``lse [n, H_q]`` fp32 natural log."""
         if self._active is None or self._shape is None:
             raise RuntimeError("call plan() before run()")
         n, num_qo, num_kv, dim = self._shape
         if tuple(q.shape) != (n, num_qo, dim):
             raise ValueError(f"q must be [{n}, {num_qo}, {dim}] as planned, got {tuple(q.shape)}")
         check_queries(q, num_kv, dim)
-        if k_cache.dim() != 3 or tuple(k_cache.shape[1:]) != (num_kv, dim):
-            raise ValueError(f"k_cache must be [S, {num_kv}, {dim}], got {tuple(k_cache.shape)}")
-        if v_cache.shape != k_cache.shape:
-            raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache")
-        if beta_cache.shape != k_cache.shape[:2] or beta_cache.dtype != torch.float32:
-            raise ValueError(
-                f"beta_cache must be float32 [S, H_kv]={tuple(k_cache.shape[:2])}, got "
-                f"{beta_cache.dtype} {tuple(beta_cache.shape)}"
-            )
+        check_pool(k_cache, v_cache, beta_cache, num_kv, dim)
         beta_cache = beta_cache.contiguous()
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # NHD, page size 1
         out, lse2 = self._active.run(q, paged, beta_cache, self._sm_scale, return_lse=True)
@@ -230,22 +241,22 @@ class FlashInferBiasedPagedDecode(_Base):
             kv_indptr, kv_indices, num_qo_heads, num_kv_heads, head_dim, sm_scale
         )
         kv_dtype = kv_dtype or q_dtype
-        key = (q_dtype, kv_dtype, head_dim)
-        if key not in self._inner:
-            uri = (
-                f"compacted_bias_decode_{_dtype_tag(q_dtype)}_{_dtype_tag(kv_dtype)}_"
-                f"d{head_dim}_tc{int(self.use_tensor_cores)}"
-            )
-            self._inner[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        uri = (
+            f"compacted_bias_decode_{_dtype_tag(q_dtype)}_{_dtype_tag(kv_dtype)}_"
+            f"d{head_dim}_tc{int(self.use_tensor_cores)}"
+        )
+        self._activate(
+            uri, q_dtype, kv_dtype, head_dim,
+            lambda args: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 "NHD",
                 use_tensor_cores=self.use_tensor_cores,
                 # a custom variant needs a named backend (FlashInfer refuses "auto" with
                 # jit_args); the tensor-core decode runs FA2's prefill kernel
                 backend="fa2",
-                jit_args=jit_args(uri, q_dtype, kv_dtype, head_dim),
-            )
-        self._active = self._inner[key]
+                jit_args=args,
+            ),
+        )  # fmt: skip
         self._active.plan(
             kv_indptr.to(self.device),
             kv_indices.to(self.device),
@@ -258,16 +269,6 @@ class FlashInferBiasedPagedDecode(_Base):
             kv_data_type=kv_dtype,
         )
         self._shape = (kv_indptr.numel() - 1, num_qo_heads, num_kv_heads, head_dim)
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        beta_cache: torch.Tensor,
-    ) -> AttentionOutput:
-        """Returns ``out [B, H_q, D]`` (q dtype) and ``lse [B, H_q]`` fp32 natural log."""
-        return self._run(q, k_cache, v_cache, beta_cache)
 
 
 class FlashInferBiasedPagedExtend(_Base):
@@ -295,16 +296,13 @@ class FlashInferBiasedPagedExtend(_Base):
         )
         check_indptr(qo_indptr, "qo_indptr", kv_indptr.numel(), None)
         kv_dtype = kv_dtype or q_dtype
-        key = (q_dtype, kv_dtype, head_dim)
-        if key not in self._inner:
-            uri = f"compacted_bias_prefill_{_dtype_tag(q_dtype)}_{_dtype_tag(kv_dtype)}_d{head_dim}"
-            self._inner[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace,
-                "NHD",
-                backend="fa2",
-                jit_args=jit_args(uri, q_dtype, kv_dtype, head_dim),
-            )
-        self._active = self._inner[key]
+        uri = f"compacted_bias_prefill_{_dtype_tag(q_dtype)}_{_dtype_tag(kv_dtype)}_d{head_dim}"
+        self._activate(
+            uri, q_dtype, kv_dtype, head_dim,
+            lambda args: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend="fa2", jit_args=args
+            ),
+        )  # fmt: skip
         self._active.plan(
             qo_indptr.to(self.device),
             kv_indptr.to(self.device),
@@ -319,13 +317,3 @@ class FlashInferBiasedPagedExtend(_Base):
             kv_data_type=kv_dtype,
         )
         self._shape = (int(qo_indptr[-1]), num_qo_heads, num_kv_heads, head_dim)
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        beta_cache: torch.Tensor,
-    ) -> AttentionOutput:
-        """Returns ``out [n, H_q, D]`` (q dtype) and ``lse [n, H_q]`` fp32 natural log."""
-        return self._run(q, k_cache, v_cache, beta_cache)

@@ -1,52 +1,164 @@
-"""Torch reference (fp32, the truth) for attention with a per-key bias over ragged KV.
+"""Torch reference for attention with a per-key bias: the one implementation of the maths.
 
-``logit = q.k * sm_scale + beta`` (sm_scale defaults to 1/sqrt(D), beta natural-log,
--inf masks), softmax over the entries of the query's KV head, and the natural-log LSE
-of those logits. Straight per-segment loops: slow, obviously right, device-agnostic.
+``logit = q.k * sm_scale + beta`` (sm_scale defaults to 1/sqrt(D), beta natural-log, -inf
+masks), softmax over the keys a query sees, and the natural-log LSE of those logits.
+
+:func:`biased_attention` is the op on dense, batched, per-head tensors (GQA, causal tail,
+float mask, optional LSE); everything else in the project that computes biased attention in
+torch calls it: the solvers (``compactor.solvers.attend``), the plugin's CPU path
+(``sglang_ext.sdpa.biased_sdpa``), the HF decode path (``compactor.hf.decode``) and the
+ragged/paged loops below, which the Triton and FlashInfer kernels are tested against.
+:func:`attention_bias` builds the additive float mask (beta expanded to the query heads,
+causal tail) that the HF path also hands to transformers.
 
 Shape legend and layouts: see :mod:`kernels.biased_attention._common` (B requests, n query
 tokens, H_q/H_kv heads with G = H_q // H_kv, D head dim, ragged ``indptr [B*H_kv+1]``
 int32 over ``keys/values [N, D]`` and ``beta [N]``; paged ``k_cache/v_cache [S, H_kv, D]``,
-``beta_cache [S, H_kv]``, ``kv_indptr [B+1]``, ``kv_indices [nnz]``).
-
-All functions return :class:`AttentionOutput` with ``out`` in fp32 and ``lse`` fp32; they
-mutate nothing.
+``beta_cache [S, H_kv]``, ``kv_indptr [B+1]``, ``kv_indices [nnz]``); m query rows and t
+keys of one dense call. Nothing here mutates its inputs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal, overload
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from kernels.biased_attention._common import (
     AttentionOutput,
-    check_indptr,
-    check_paged,
+    check_paged_call,
     check_queries,
-    check_ragged,
+    check_ragged_call,
+    decode_qo_indptr,
     default_sm_scale,
+    ragged_pool,
 )
 
-__all__ = ["attend", "decode", "extend", "paged_decode", "paged_extend"]
+__all__ = [
+    "attention_bias",
+    "biased_attention",
+    "decode",
+    "extend",
+    "paged_decode",
+    "paged_extend",
+]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, sm_scale: float
-) -> AttentionOutput:
-    """Biased attention of ``q [m, D]`` over one KV set ``k, v [t, D]``, ``beta [t]``.
+@overload
+def biased_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = ...,
+    *,
+    sm_scale: float | None = ...,
+    causal_offset: int | None = ...,
+    bias: torch.Tensor | None = ...,
+    with_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
 
-    Returns ``out [m, D]`` fp32 and ``lse [m]`` fp32; t == 0 or all beta == -inf gives
-    out = 0 and lse = -inf.
+
+@overload
+def biased_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = ...,
+    *,
+    sm_scale: float | None = ...,
+    causal_offset: int | None = ...,
+    bias: torch.Tensor | None = ...,
+    with_lse: Literal[True],
+) -> AttentionOutput: ...
+
+
+def biased_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    causal_offset: int | None = None,
+    bias: torch.Tensor | None = None,
+    with_lse: bool = False,
+) -> torch.Tensor | AttentionOutput:
+    """``softmax(q k^T * sm_scale + beta [+ bias]) v`` over dense per-head tensors.
+
+    Args:
+        q: ``[..., H_q, m, D]`` (or ``[..., m, D]`` with no head dim); leading dims broadcast.
+        k, v: ``[..., H_kv, t, D]``; H_q = G * H_kv, query head i reads KV head i // G.
+        beta: ``[..., H_kv, t]`` per-key natural-log bias, broadcast like k's leading
+            dims (under GQA its head dim must be H_kv or 1); -inf masks a key; None is 0.
+        sm_scale: logit scale; None is 1/sqrt(D).
+        causal_offset: query row i sits at position ``causal_offset + i`` and sees keys
+            ``j <= causal_offset + i`` only (None: every key).
+        bias: extra float mask broadcastable to the logits ``[..., H_q, m, t]``, added as
+            is (e.g. transformers' 4-D attention mask); -inf masks.
+        with_lse: also return the log attention mass.
+
+    Returns:
+        ``with_lse=False``: ``out [..., H_q, m, D]`` in q's dtype, from torch's fused SDPA
+        in that dtype (the decoding paths: no fp32 logits are materialised; a row with
+        every key masked gets whatever the SDPA backend gives, NaN on some).
+        ``with_lse=True``: ``AttentionOutput(out [..., H_q, m, D], lse [..., H_q, m])``,
+        both fp32 and computed explicitly in fp32 (the truth the solvers and kernels are
+        checked against); a row that sees no finite logit gets out = 0, lse = -inf.
     """
-    logits = q.float() @ k.float().T * sm_scale + beta.float()[None, :]  # [m, t]
-    lse = (
-        torch.logsumexp(logits, dim=-1) if k.shape[0] else logits.new_full((q.shape[0],), -math.inf)
-    )
+    group = _gqa_group(q, k)
+    if sm_scale is not None:
+        default_sm_scale(q.shape[-1], sm_scale)  # validates
+    if not with_lse:
+        mask = bias
+        if beta is not None or causal_offset is not None:
+            mask = _key_bias(q, k, beta, group, causal_offset, q.dtype, bias)
+        return scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=group > 1
+        )
+    mask = None
+    if beta is not None or causal_offset is not None:
+        mask = _key_bias(q, k, beta, group, causal_offset, torch.float32, None)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    logits = q.float() @ k.float().transpose(-1, -2) * default_sm_scale(q.shape[-1], sm_scale)
+    if mask is not None:
+        logits = logits + mask
+    if bias is not None:
+        logits = logits + bias.float()
+    lse = torch.logsumexp(logits, dim=-1)  # -inf for t == 0
     finite = torch.isfinite(lse)
-    probs = torch.exp(logits - torch.where(finite, lse, 0.0)[:, None])
-    probs = torch.where(finite[:, None], probs, 0.0)
+    probs = torch.exp(logits - torch.where(finite, lse, 0.0).unsqueeze(-1))
+    probs = torch.where(finite.unsqueeze(-1), probs, 0.0)
     return AttentionOutput(probs @ v.float(), lse)
+
+
+def attention_bias(
+    beta: torch.Tensor,
+    q_len: int,
+    *,
+    group: int = 1,
+    causal_offset: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Additive float mask ``[..., H * G, q_len | 1, t]`` of a per-key ``beta [..., H, t]``.
+
+    Each head's row is repeated ``group`` times (H_kv -> H_q, GQA); with ``causal_offset``
+    query row i (position ``causal_offset + i``) gets -inf on keys ``j > causal_offset + i``
+    (else the query dim is 1, to broadcast). Cast to ``dtype`` (default: beta's) first.
+    Returns a new tensor; beta is unchanged.
+    """
+    b = beta if dtype is None else beta.to(dtype)
+    if group > 1 and b.dim() >= 2 and b.shape[-2] > 1:
+        b = b.repeat_interleave(group, dim=-2)
+    b = b.unsqueeze(-2)
+    if causal_offset is None:
+        return b
+    pos = torch.arange(causal_offset, causal_offset + q_len, device=b.device)[:, None]
+    future = torch.arange(b.shape[-1], device=b.device)[None, :] > pos  # [q_len, t]
+    return b.masked_fill(future, float("-inf"))
 
 
 def extend(
@@ -71,28 +183,14 @@ def extend(
     Returns:
         ``out [n, H_q, D]`` fp32, ``lse [n, H_q]`` fp32 (natural log).
     """
-    check_ragged(keys, values, beta, indptr)
-    if qo_indptr is None:
-        qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-    num_req = qo_indptr.numel() - 1
-    check_indptr(qo_indptr, "qo_indptr", None, q.shape[0])
-    if num_req <= 0 or (indptr.numel() - 1) % num_req != 0:
-        raise ValueError(f"indptr has {indptr.numel() - 1} segments, not a multiple of B={num_req}")
-    num_kv_heads = (indptr.numel() - 1) // num_req
-    group = check_queries(q, num_kv_heads, keys.shape[1])
-    scale = default_sm_scale(keys.shape[1], sm_scale)
-    seg, qo = indptr.cpu().tolist(), qo_indptr.cpu().tolist()
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    for b in range(num_req):
-        for h in range(num_kv_heads):
-            s, e = seg[b * num_kv_heads + h], seg[b * num_kv_heads + h + 1]
-            heads = slice(h * group, (h + 1) * group)
-            qs = q[qo[b] : qo[b + 1], heads].reshape(-1, q.shape[2])  # [n_b * G, D]
-            res = attend(qs, keys[s:e], values[s:e], beta[s:e], scale)
-            out[qo[b] : qo[b + 1], heads] = res.out.view(-1, group, q.shape[2])
-            lse[qo[b] : qo[b + 1], heads] = res.lse.view(-1, group)
-    return AttentionOutput(out, lse)
+    qo_indptr, num_kv_heads = check_ragged_call(q, keys, values, beta, indptr, qo_indptr)
+    seg = indptr.cpu().tolist()
+
+    def rows(b: int, h: int) -> slice:
+        return slice(seg[b * num_kv_heads + h], seg[b * num_kv_heads + h + 1])
+
+    pool = ragged_pool(keys, values, beta, num_kv_heads)
+    return _per_segment(q, qo_indptr, pool, rows, sm_scale)
 
 
 def decode(
@@ -108,8 +206,7 @@ def decode(
 
     Returns ``out [B, H_q, D]`` fp32 and ``lse [B, H_q]`` fp32.
     """
-    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return extend(q, keys, values, beta, indptr, qo_indptr, sm_scale=sm_scale)
+    return extend(q, keys, values, beta, indptr, decode_qo_indptr(q), sm_scale=sm_scale)
 
 
 def paged_extend(
@@ -133,24 +230,13 @@ def paged_extend(
     Returns:
         ``out [n, H_q, D]`` fp32, ``lse [n, H_q]`` fp32.
     """
-    check_paged(k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
-    num_req = kv_indptr.numel() - 1
-    check_indptr(qo_indptr, "qo_indptr", num_req + 1, q.shape[0])
-    num_kv_heads = k_cache.shape[1]
-    group = check_queries(q, num_kv_heads, k_cache.shape[2])
-    scale = default_sm_scale(k_cache.shape[2], sm_scale)
-    kv, qo = kv_indptr.cpu().tolist(), qo_indptr.cpu().tolist()
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    for b in range(num_req):
-        slots = kv_indices[kv[b] : kv[b + 1]].long()
-        for h in range(num_kv_heads):
-            heads = slice(h * group, (h + 1) * group)
-            qs = q[qo[b] : qo[b + 1], heads].reshape(-1, q.shape[2])
-            res = attend(qs, k_cache[slots, h], v_cache[slots, h], beta_cache[slots, h], scale)
-            out[qo[b] : qo[b + 1], heads] = res.out.view(-1, group, q.shape[2])
-            lse[qo[b] : qo[b + 1], heads] = res.lse.view(-1, group)
-    return AttentionOutput(out, lse)
+    check_paged_call(q, qo_indptr, k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
+    kv = kv_indptr.cpu().tolist()
+
+    def rows(b: int, h: int) -> torch.Tensor:
+        return kv_indices[kv[b] : kv[b + 1]].long()
+
+    return _per_segment(q, qo_indptr, (k_cache, v_cache, beta_cache), rows, sm_scale)
 
 
 def paged_decode(
@@ -164,7 +250,77 @@ def paged_decode(
     sm_scale: float | None = None,
 ) -> AttentionOutput:
     """Paged decode: ``q [B, H_q, D]``, one token per request. Returns fp32 out and lse."""
-    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_extend(
-        q, qo_indptr, k_cache, v_cache, beta_cache, kv_indptr, kv_indices, sm_scale=sm_scale
-    )
+        q, decode_qo_indptr(q), k_cache, v_cache, beta_cache, kv_indptr, kv_indices,
+        sm_scale=sm_scale,
+    )  # fmt: skip
+
+
+# ---- private helpers -------------------------------------------------------------------
+
+
+def _gqa_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """G = H_q // H_kv when q ``[..., H_q, m, D]`` and k ``[..., H_kv, t, D]`` differ in
+    heads (1 when they match or one side broadcasts); ValueError otherwise."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in head dim D")
+    if q.dim() < 3 or k.dim() < 3:
+        return 1
+    h_q, h_kv = q.shape[-3], k.shape[-3]
+    if h_q == h_kv or 1 in (h_q, h_kv):
+        return 1
+    if h_q % h_kv:
+        raise ValueError(f"H_q={h_q} must be a multiple of H_kv={h_kv}")
+    return h_q // h_kv
+
+
+def _key_bias(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    beta: torch.Tensor | None,
+    group: int,
+    causal_offset: int | None,
+    dtype: torch.dtype,
+    extra: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`attention_bias` of beta (zeros when None) plus an optional extra float mask."""
+    if beta is None:
+        beta = torch.zeros(k.shape[:-1], dtype=dtype, device=k.device)
+    elif group > 1 and (beta.dim() < 2 or beta.shape[-2] not in (1, k.shape[-3])):
+        raise ValueError(
+            f"beta {tuple(beta.shape)} must be [..., H_kv={k.shape[-3]} or 1, t] under GQA"
+        )
+    mask = attention_bias(beta, q.shape[-2], group=group, causal_offset=causal_offset, dtype=dtype)
+    return mask if extra is None else mask + extra
+
+
+def _per_segment(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: Callable[[int, int], slice | torch.Tensor],
+    sm_scale: float | None,
+) -> AttentionOutput:
+    """The G q heads of KV head h, query rows of request b, over pool rows ``rows(b, h)``.
+
+    ``pool`` is ``(k [S, H_kv, D], v, beta [S, H_kv])`` (a ragged set through
+    :func:`ragged_pool`). Returns fp32 ``out [n, H_q, D]``, ``lse [n, H_q]`` (-inf, 0 for
+    heads with no entries).
+    """
+    k_pool, v_pool, b_pool = pool
+    num_kv_heads, dim = k_pool.shape[1], k_pool.shape[2]
+    group = check_queries(q, num_kv_heads, dim)
+    scale = default_sm_scale(dim, sm_scale)
+    qo = qo_indptr.cpu().tolist()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+    for b in range(len(qo) - 1):
+        for h in range(num_kv_heads):
+            r, heads = rows(b, h), slice(h * group, (h + 1) * group)
+            qs = q[qo[b] : qo[b + 1], heads].reshape(-1, dim)  # [n_b * G, D]
+            res = biased_attention(
+                qs, k_pool[r, h], v_pool[r, h], b_pool[r, h], sm_scale=scale, with_lse=True
+            )
+            out[qo[b] : qo[b + 1], heads] = res.out.view(-1, group, dim)
+            lse[qo[b] : qo[b + 1], heads] = res.lse.view(-1, group)
+    return AttentionOutput(out, lse)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -101,3 +101,28 @@ def sdpa() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         return out.float(), lse.float()
 
     return run
+
+
+@pytest.fixture
+def per_head_check(
+    sdpa: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[..., None]:
+    """Assert a ragged decode result ``got`` (out [B, H_q, D], lse [B, H_q]) equals dense
+    attention per (request, KV head) segment, and out = 0, lse = -inf on empty segments."""
+
+    def check(got: Any, q: torch.Tensor, kv: RaggedKV, atol: float, rtol: float) -> None:
+        host, num_kv = kv.indptr.tolist(), kv.num_kv_heads
+        group = q.shape[1] // num_kv
+        for b in range(q.shape[0]):
+            for h in range(num_kv):
+                s, e = host[b * num_kv + h], host[b * num_kv + h + 1]
+                heads = slice(h * group, (h + 1) * group)
+                if s == e:
+                    assert torch.all(got.out[b, heads] == 0)
+                    assert torch.all(got.lse[b, heads] == -math.inf)
+                    continue
+                out, lse = sdpa(q[b, heads], kv.keys[s:e], kv.values[s:e], kv.beta[s:e])
+                torch.testing.assert_close(got.out[b, heads], out, atol=atol, rtol=rtol)
+                torch.testing.assert_close(got.lse[b, heads], lse, atol=atol, rtol=rtol)
+
+    return check

@@ -84,22 +84,11 @@ def test_beta_minus_inf_equals_removing_entries(make_ragged):
     torch.testing.assert_close(got.lse, want.lse, **TOL)
 
 
-def test_ragged_equals_per_head_loop(make_ragged, sdpa):
+def test_ragged_equals_per_head_loop(make_ragged, per_head_check):
     kv = make_ragged(COUNTS, H_KV, D, seed=6)
     q = _q(2, 5)
     got = tri.decode(q, kv.keys, kv.values, kv.beta, kv.indptr, num_splits=2)
-    host = kv.indptr.tolist()
-    for b in range(2):
-        for h in range(H_KV):
-            s, e = host[b * H_KV + h], host[b * H_KV + h + 1]
-            heads = slice(h * G, (h + 1) * G)
-            if s == e:
-                assert torch.all(got.out[b, heads] == 0)
-                assert torch.all(got.lse[b, heads] == -math.inf)
-                continue
-            out, lse = sdpa(q[b, heads], kv.keys[s:e], kv.values[s:e], kv.beta[s:e])
-            torch.testing.assert_close(got.out[b, heads], out, **TOL)
-            torch.testing.assert_close(got.lse[b, heads], lse, **TOL)
+    per_head_check(got, q, kv, **TOL)
 
 
 def test_lse_merge_of_two_halves_equals_whole(make_ragged):
@@ -145,8 +134,8 @@ def test_paged_matches_reference(make_ragged, decode):
 
 def test_plan_once_run_many(make_ragged):
     kv = make_ragged(COUNTS, H_KV, D, seed=10)
-    wrapper = tri.BiasedRaggedAttention()
-    plan = wrapper.plan(kv.indptr, H_Q, H_KV, D, num_splits=3, sm_scale=0.2)
+    wrapper = tri.BiasedPagedAttention()  # ragged: the identity slot table (kv_indices None)
+    plan = wrapper.plan(kv.indptr, None, H_Q, H_KV, D, num_splits=3, sm_scale=0.2)
     assert plan.num_splits == 3 and plan.chunk_size % plan.block_n == 0
     for seed in (11, 12):
         q = _q(2, seed)
@@ -157,15 +146,15 @@ def test_plan_once_run_many(make_ragged):
 def test_errors(make_ragged, monkeypatch):
     kv = make_ragged(COUNTS, H_KV, D)
     with pytest.raises(RuntimeError, match="plan"):
-        tri.BiasedRaggedAttention().run(_q(2, 0), kv.keys, kv.values, kv.beta)
-    wrapper = tri.BiasedRaggedAttention()
-    wrapper.plan(kv.indptr, H_Q, H_KV, D)
+        tri.BiasedPagedAttention().run(_q(2, 0), kv.keys, kv.values, kv.beta)
+    wrapper = tri.BiasedPagedAttention()
+    wrapper.plan(kv.indptr, None, H_Q, H_KV, D)
     with pytest.raises(ValueError, match=r"q must be \[n=2"):
         wrapper.run(_q(3, 0), kv.keys, kv.values, kv.beta)
     with pytest.raises(ValueError, match="not a multiple of H_kv=4"):
-        wrapper.plan(kv.indptr, 8, 4, D)
+        wrapper.plan(kv.indptr, None, 8, 4, D)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        wrapper.plan(kv.indptr, H_Q, H_KV, D, block_n=24)
+        wrapper.plan(kv.indptr, None, H_Q, H_KV, D, block_n=24)
     with pytest.raises(ValueError, match="kv_indices must lie in"):
         tri.paged_decode(
             _q(1, 0),

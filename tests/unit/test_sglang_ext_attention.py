@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from kernels.biased_attention.reference import attend
+from kernels.biased_attention.reference import biased_attention
 from sglang_ext.attention import CompactionTorchNativeBackend, biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
 
@@ -23,7 +23,9 @@ def _reference(q, k, v, beta, q_offset, scale):  # type: ignore[no-untyped-def]
         n = q_offset + i + 1
         for h in range(h_q):
             kh = h // group
-            out[h, i] = attend(q[h, i : i + 1], k[kh, :n], v[kh, :n], beta[:n, kh], scale).out[0]
+            qi, bi = q[h, i : i + 1], beta[:n, kh]
+            res = biased_attention(qi, k[kh, :n], v[kh, :n], bi, sm_scale=scale, with_lse=True)
+            out[h, i] = res.out[0]
     return out
 
 
