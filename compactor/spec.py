@@ -358,7 +358,6 @@ class CompactionSpec:
             if not isinstance(q, dict):
                 raise SpecError(f"queries must be an object, got {q!r}", "queries")
             _reject_unknown(q, {f.name for f in dataclasses.fields(QueryConfig)}, "queries.")
-            q = {k: tuple(v) if isinstance(v, list) else v for k, v in q.items()}
             try:
                 d["queries"] = QueryConfig(**q)
             except TypeError as exc:  # a value of the wrong shape for a field
