@@ -40,6 +40,18 @@ class UsageError(ValueError):
         return f"{self.flag}: {self}" if self.flag else str(self)
 
 
+_METAVARS = {
+    "str": "NAME",
+    "int": "N",
+    "opt_int": "N",
+    "tokens": "N",
+    "float": "X",
+    "ratio": "X",
+    "csv": "A,B,...",
+    "lines": "TEXT",
+}
+
+
 @dataclass(frozen=True)
 class _Added:
     """What one add_spec_args call added: the base spec, its knobs and their options."""
@@ -89,8 +101,9 @@ def add_spec_args(
         kind, meta, opt = _kind(f), f.metadata, options[path]
         default = _get(base, path)
         kw: dict[str, Any] = {"dest": _dest(prefix, path), "help": meta["help"]}
-        if "metavar" in meta:
-            kw["metavar"] = meta["metavar"]
+        kw["metavar"] = meta.get("metavar", _METAVARS.get(kind))
+        if kw["metavar"] is None:
+            del kw["metavar"]
         if kind in ("ratio", "tokens"):
             if budget is None:
                 budget = parser.add_mutually_exclusive_group(required=budget_required)
