@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from compactor import hf
     from compactor.eval.runner import parse_method_spec
     from compactor.models import resolve_model
-    from compactor.pipeline import compact_prefix
-    from compactor.queries import QueryConfig
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec, QueryConfig
     from harness.workload import document, needle_correct, prompt, questions
 
     torch.set_num_threads(1)
@@ -110,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             qcfg = QueryConfig(sources=sources, follow_up_answer_tokens=n_ans)
             t0 = time.perf_counter()
             name, params = parse_method_spec(method)
-            compacted, _ = compact_prefix(
-                model, tok, prefix, name, ratio=ratio, query_sources=qcfg, method_params=params,
-                follow_ups=follow, on_policy=policy == "on", progress=False,
+            spec = CompactionSpec(
+                method=name, method_params=params, ratio=ratio, queries=qcfg,
+                on_policy=policy == "on",
             )  # fmt: skip
+            compacted, _ = compact_prefix(model, tok, prefix, spec, follow, Hooks(progress=False))
             row = rows[(method, ratio, policy, n_ans)]
             row["seconds"] += time.perf_counter() - t0
             got = answers(hf.PrefixState.from_compacted(compacted), suffixes)

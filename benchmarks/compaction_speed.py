@@ -100,7 +100,8 @@ def main() -> int:
     from compactor.methods import get_method
     from compactor.models import resolve_model
     from compactor.niah import make_niah
-    from compactor.pipeline import compact_prefix
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec
 
     torch.set_num_threads(a.threads)
     model, tok = hf.load_model(resolve_model(a.model))
@@ -112,9 +113,8 @@ def main() -> int:
         ids = tok(make_niah(tok, T, seed=T).prefix, add_special_tokens=False).input_ids
         reuse: dict[Any, Any] = {}
         # one full compaction times prefill + queries (and fills `reuse` with them)
-        _, times = compact_prefix(
-            model, tok, ids, a.methods.split(",")[0], ratio=a.ratio, progress=False, reuse=reuse
-        )
+        spec = CompactionSpec(method=a.methods.split(",")[0], ratio=a.ratio)
+        _, times = compact_prefix(model, tok, ids, spec, hooks=Hooks(progress=False, reuse=reuse))
         ((pre, _plan, queries),) = reuse.values()
         for name in a.methods.split(","):
             st = stage_times(get_method(name), pre, queries, a.ratio, scale)

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json,
     )
     from compactor.models import resolve_model
-    from compactor.pipeline import compact_prefix
-    from compactor.queries import QueryConfig
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec, QueryConfig
 
     torch.set_num_threads(args.threads)
     model, tok = hf.load_model(resolve_model(args.model))
@@ -83,23 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         cases,
         methods,
         ratios,
-        query_config=qcfg,
+        spec=CompactionSpec(queries=qcfg, on_policy=args.on_policy),
         niah=True,
         answer_tokens=args.answer_tokens,
         progress=False,
-        on_policy=args.on_policy,
     )
     eval_s = time.perf_counter() - t0
     speed = None
     if not args.no_speed:
+        speed_spec = CompactionSpec(method=args.speed_method, ratio=args.speed_ratio, queries=qcfg)
         _, times = compact_prefix(
-            model,
-            tok,
-            cases[0].prefix_ids,
-            args.speed_method,
-            ratio=args.speed_ratio,
-            query_sources=qcfg,
-            progress=False,
+            model, tok, cases[0].prefix_ids, speed_spec, hooks=Hooks(progress=False)
         )
         speed = {
             "method": args.speed_method,

@@ -43,12 +43,17 @@ def main() -> int:
     from compactor.models import fingerprint, resolve_model
     from compactor.service.engine import ServiceConfig
     from compactor.service.server import CompactorServer, ServerConfig
+    from compactor.spec import CompactionSpec, QueryConfig
     from compactor.workers.job import CompactJob
     from compactor.workers.pool import PoolConfig
     from compactor.workers.worker import run_compaction
 
     model_dir = resolve_model(args.model)
     fp = fingerprint(model_dir)
+    # the service's default query sources of before (repeat-prefill only)
+    spec = CompactionSpec(
+        method=args.method, ratio=args.ratio, queries=QueryConfig(sources=("repeat-prefill",))
+    )
     prefixes = [
         [(i * 7919 + s * 104729) % 40000 + 100 for i in range(args.tokens)]
         for s in range(2 * args.repeats + args.workers)
@@ -57,7 +62,7 @@ def main() -> int:
     model, tok = hf.load_model(model_dir)
     inproc = []
     for ids in prefixes[: args.repeats]:
-        job = CompactJob(fp, tuple(ids), args.method, ratio=args.ratio)
+        job = CompactJob(fp, tuple(ids), spec)
         t0 = time.perf_counter()
         run_compaction(model, tok, fp, job)
         inproc.append(time.perf_counter() - t0)
@@ -76,7 +81,7 @@ def main() -> int:
     service, transfer = [], []
     with CompactorClient(ep) as c:
         for ids in prefixes[args.repeats : 2 * args.repeats]:
-            res = c.compact(ids, fp, args.method, ratio=args.ratio, timeout=1800)
+            res = c.compact(ids, fp, spec, timeout=1800)
             service.append(res.seconds)
             transfer.append(res.seconds - res.compute_seconds)
             print(
@@ -85,17 +90,14 @@ def main() -> int:
                 flush=True,
             )
         t0 = time.perf_counter()
-        c.compact(prefixes[args.repeats], fp, args.method, ratio=args.ratio, timeout=60)
+        c.compact(prefixes[args.repeats], fp, spec, timeout=60)
         cache_hit_s = time.perf_counter() - t0
 
     async def concurrent() -> float:
         async with AsyncCompactorClient(ep) as ac:
             t0 = time.perf_counter()
             await asyncio.gather(
-                *(
-                    ac.compact(ids, fp, args.method, ratio=args.ratio, timeout=1800)
-                    for ids in prefixes[2 * args.repeats :]
-                )
+                *(ac.compact(ids, fp, spec, timeout=1800) for ids in prefixes[2 * args.repeats :])
             )
             return time.perf_counter() - t0
 

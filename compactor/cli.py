@@ -1,4 +1,10 @@
-"""The `compactor` command line: `compactor <command> [...]`; `compactor -h` lists commands."""
+"""The `compactor` command line: `compactor <command> [...]`; `compactor -h` lists commands.
+
+A command's argument checks (the compaction spec, input files, the model name) raise
+:class:`~compactor.spec_args.UsageError` before any model is loaded: it is printed as one
+``compactor <command>: error: <why>`` line on stderr and the exit status is 2 (as argparse
+does for its own errors). Any other exception keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from collections.abc import Sequence
 
 from compactor import __version__
 from compactor.commands import COMMANDS
+from compactor.spec_args import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"compactor {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ CompactedPrefix, retry UNAVAILABLE with exponential backoff, and keep every atte
 backoff inside the call's deadline (`timeout` seconds).
 
     with CompactorClient("127.0.0.1:50051") as c:
-        result = c.compact(token_ids, fingerprint, method="am-omp-fast", ratio=0.1)
+        result = c.compact(token_ids, fingerprint, CompactionSpec(method="am-omp-fast", ratio=0.1))
         result.prefix, result.cache_hit
+
+A spec whose ratio and tokens are both None asks for the server's auto budget. The server
+validates the spec (INVALID_ARGUMENT naming the field); the client sends it as is.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from typing import Any
 import grpc
 
 from compactor.service.auth import TOKEN_HEADER
-from compactor.service.convert import Assembler, request_from_job
+from compactor.service.convert import Assembler, compact_request
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.spec import CompactionSpec
 from compactor.types import CompactedPrefix
-from compactor.workers.job import DEFAULT_QUERY_SOURCES, CompactJob
 
 __all__ = ["AsyncCompactorClient", "CompactResult", "CompactorClient", "RetryPolicy", "TlsFiles"]
 
@@ -94,36 +97,6 @@ class CompactResult:
             "worker": self.worker,
             "attempts": self.attempts,
         }
-
-
-def build_request(
-    token_ids: Sequence[int],
-    model_fingerprint: str,
-    method: str,
-    ratio: float | None = None,
-    tokens: int | None = None,
-    method_params: dict[str, Any] | None = None,
-    query_sources: Sequence[str] = DEFAULT_QUERY_SOURCES,
-    follow_ups: Sequence[Sequence[int]] = (),
-    request_id: str | None = None,
-    on_policy: bool = False,
-    follow_up_answer_tokens: int = 0,
-) -> pb.CompactRequest:
-    """A CompactRequest; neither ratio nor tokens = budget 'auto'."""
-    job = CompactJob(
-        model_fingerprint=model_fingerprint,
-        token_ids=tuple(int(t) for t in token_ids),
-        method=method,
-        method_params=dict(method_params or {}),
-        ratio=ratio,
-        tokens=tokens,
-        query_sources=tuple(query_sources),
-        follow_ups=tuple(tuple(int(t) for t in f) for f in follow_ups),
-        on_policy=on_policy,
-        follow_up_answer_tokens=follow_up_answer_tokens,
-        request_id=request_id or uuid.uuid4().hex,
-    )
-    return request_from_job(job, auto=ratio is None and tokens is None)
 
 
 class _Base:
@@ -209,15 +182,17 @@ class CompactorClient(_Base):
         self,
         token_ids: Sequence[int],
         model_fingerprint: str,
-        method: str,
+        spec: CompactionSpec,
+        follow_ups: Sequence[Sequence[int]] = (),
         *,
         timeout: float | None = None,
-        **kwargs: Any,
+        request_id: str | None = None,
     ) -> CompactResult:
-        """Compact (see :func:`build_request` for kwargs); raises grpc.RpcError or ChecksumError."""
-        return self.compact_request(
-            build_request(token_ids, model_fingerprint, method, **kwargs), timeout=timeout
+        """Compact `token_ids` as `spec` says; raises grpc.RpcError or ChecksumError."""
+        req = compact_request(
+            token_ids, model_fingerprint, spec, follow_ups, request_id or uuid.uuid4().hex
         )
+        return self.compact_request(req, timeout=timeout)
 
     def compact_request(
         self, req: pb.CompactRequest, timeout: float | None = None
@@ -275,14 +250,17 @@ class AsyncCompactorClient(_Base):
         self,
         token_ids: Sequence[int],
         model_fingerprint: str,
-        method: str,
+        spec: CompactionSpec,
+        follow_ups: Sequence[Sequence[int]] = (),
         *,
         timeout: float | None = None,
-        **kwargs: Any,
+        request_id: str | None = None,
     ) -> CompactResult:
-        return await self.compact_request(
-            build_request(token_ids, model_fingerprint, method, **kwargs), timeout=timeout
+        """Compact `token_ids` as `spec` says; raises grpc.RpcError or ChecksumError."""
+        req = compact_request(
+            token_ids, model_fingerprint, spec, follow_ups, request_id or uuid.uuid4().hex
         )
+        return await self.compact_request(req, timeout=timeout)
 
     async def compact_request(
         self, req: pb.CompactRequest, timeout: float | None = None

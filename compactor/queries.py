@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from compactor import hf
+from compactor.spec import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig  # re-exported
 
 __all__ = [
     "QUERY_SOURCES",
@@ -46,59 +47,7 @@ __all__ = [
     "reservoir",
 ]
 
-QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
 REPEAT_INSTRUCTION = " Repeat the previous context. "
-SELF_STUDY_PROMPTS = (
-    "Summarize the text above in a few sentences.",
-    "Ask and answer three questions about the specific facts and numbers in the text above.",
-    "Quote the most important sentence of the text above word for word, then continue it.",
-    "Structure the key information in the text above as a list of short bullet points.",
-)
-
-
-@dataclass(frozen=True)
-class QueryConfig:
-    """Which sources to use and how many queries to keep.
-
-    Attributes:
-        sources: names from ``QUERY_SOURCES``.
-        max_queries_per_head: reservoir cap on n for each source, then on the total.
-        self_study_tokens: tokens generated per self-study prompt.
-        self_study_prompts: the prompts (one generation each).
-        temperature: 0 = greedy self-study answers, else sampling with `seed`.
-        random_count: n for the ``random`` source.
-        follow_up_answer_tokens: greedy answer tokens generated (on the full prefix) after
-            each follow-up and kept in its continuation; 0 = the follow-ups alone.
-        seed: seeds the reservoirs, random queries and sampling.
-    """
-
-    sources: tuple[str, ...] = ("repeat-prefill", "self-study")
-    max_queries_per_head: int = 2048
-    self_study_tokens: int = 24
-    self_study_prompts: tuple[str, ...] = SELF_STUDY_PROMPTS
-    temperature: float = 0.0
-    random_count: int = 256
-    follow_up_answer_tokens: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.sources:
-            raise ValueError("QueryConfig.sources is empty")
-        for s in self.sources:
-            if s not in QUERY_SOURCES:
-                raise ValueError(
-                    f"unknown query source {s!r}; choose from {', '.join(QUERY_SOURCES)}"
-                )
-        for name in ("max_queries_per_head", "self_study_tokens", "random_count"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"QueryConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"QueryConfig.temperature must be >= 0, got {self.temperature}")
-        if self.follow_up_answer_tokens < 0:
-            raise ValueError(
-                "QueryConfig.follow_up_answer_tokens must be >= 0, got "
-                f"{self.follow_up_answer_tokens}"
-            )
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,15 @@ from typing import Any
 from compactor import hf
 from compactor.budgets import SensitivityCurves, sensitivity_curve
 from compactor.eval.harness import EvalCase, build_reference
-from compactor.queries import QueryConfig, collect_queries, plan_queries
+from compactor.queries import collect_queries, plan_queries
+from compactor.spec import CompactionSpec
 
-__all__ = ["DEFAULT_FRACTIONS", "check_fractions", "measure_sensitivity", "sensitivity_case"]
+__all__ = [
+    "DEFAULT_FRACTIONS",
+    "check_fractions",
+    "measure_sensitivity",
+    "sensitivity_case",
+]
 
 DEFAULT_FRACTIONS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
 
@@ -54,47 +60,48 @@ def measure_sensitivity(
     model: Any,
     tokenizer: Any,
     case: EvalCase,
-    method: str = "am-highest",
+    spec: CompactionSpec,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     *,
-    method_params: dict[str, Any] | None = None,
-    fit_sources: Sequence[str] = ("repeat-prefill",),
-    max_queries: int = 2048,
     answer_tokens: int = 16,
-    keep_sink_tokens: int = 4,
     progress: bool = True,
     model_fingerprint: str | None = None,
 ) -> SensitivityCurves:
-    """Curves errors [L][H_kv][F] of `method` on `case` (see the module docstring).
+    """Curves errors [L][H_kv][F] of `spec`'s method on `case` (see the module docstring).
 
     Args:
         case: the document (prefix_ids [T]) and the questions whose answers give held-out
             queries; ``tokenizer`` may be None when the case is given as token ids.
+        spec: the method and its parameters, the fit queries (``spec.queries``: sources,
+            ``max_queries_per_head`` also caps the held-out queries) and
+            ``keep_sink_tokens`` s (the first s tokens are left out as the pipeline keeps
+            them); its budget, chunking, policy and head budgets are not used.
         fractions: [F] increasing kept fractions of the T - s non-sink tokens, in (0, 1].
-        fit_sources: reference-query sources the method is fitted to (compactor.queries).
-        keep_sink_tokens: s; the first s tokens are left out as the pipeline keeps them.
     Raises:
-        ValueError: unknown method or parameters, a method that needs per-layer context
-            (GVote, CompressKV), bad fractions, bad query sources, a prefix too short.
+        ValueError: a bad spec (unknown method or parameters, bad query sources), a method
+            that needs per-layer context (GVote, CompressKV), bad fractions, a prefix too
+            short.
     """
     from compactor.methods import get_method
     from compactor.methods.context import wants_context
     from compactor.pipeline import resolve_fingerprint
 
     t0 = time.perf_counter()
-    meth = get_method(method, **(method_params or {}))
+    spec.validate()
+    meth = get_method(spec.method, **spec.method_params)
     if wants_context(meth):
         raise ValueError(
             f"method {meth.name!r} needs per-layer context; sensitivity curves support "
             "methods that compact from (keys, values, queries) alone"
         )
     fr = check_fractions(fractions)
-    qcfg = QueryConfig(sources=tuple(fit_sources), max_queries_per_head=max_queries)
+    qcfg = spec.queries
+    max_queries = qcfg.max_queries_per_head
     fp = model_fingerprint or resolve_fingerprint(model)
     info = hf.model_info(model)
     ids = list(case.prefix_ids)
     T = len(ids)
-    s = min(max(0, keep_sink_tokens), T - 1)
+    s = spec.sink_tokens(T)
     if T - s < 2:
         raise ValueError(f"prefix too short: T={T} with {s} sink tokens")
 

@@ -1,13 +1,18 @@
 """Where compactions run: the `Compactor` protocol, its two implementations, and the runner.
 
-- `InProcessCompactor` (`inproc://`): runs `compactor.pipeline.compact_prefix` in one
-  spawned worker process on this machine (model loaded once, one torch thread). Not a thread
+- `InProcessCompactor` (`inproc://`): runs the service's own job path (`compactor.Worker`,
+  `compactor.CompactJob`) in one spawned worker process on this machine (model loaded once,
+  one torch thread). Not a thread
   of the scheduler process: SGLang's scheduler loop holds the GIL between steps, and the
   Python-heavy fit ran >15x slower beside it (a 1.9k-token prefix: 27 s alone, >400 s).
 - `GrpcCompactor` (`host:port`, `grpc://`, `grpcs://`): asks the compaction service through
   `compactor.client` (imported lazily; a missing client counts as a failed compaction).
 - `CompactionRunner`: owns a background thread with an asyncio loop. The scheduler calls
   `submit()` (returns at once) and `drain()` at a safe point; it never waits on a compaction.
+
+Both compactors send `config.spec.for_follow_ups(follow_ups)`: the configured spec, less the
+``follow-up`` source when a prefix arrives without follow-ups. Only the public surface of
+`compactor` (its lazy top-level names) is used here.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import multiprocessing
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from compactor.types import CompactedPrefix
+from compactor import CompactedPrefix, CompactionSpec
 from sglang_ext.config import CompactionConfig
 
 __all__ = [
@@ -76,8 +82,9 @@ class InProcessCompactor:
         ids = [int(t) for t in token_ids]
         fus = [[int(t) for t in f] for f in follow_ups]
         loop = asyncio.get_running_loop()
+        spec = self.config.spec.for_follow_ups(fus)
         return await loop.run_in_executor(
-            self._executor, _worker_compact, self.config, self.fingerprint, ids, fus
+            self._executor, _worker_compact, spec, self.fingerprint, ids, fus
         )
 
     def close(self) -> None:
@@ -85,51 +92,34 @@ class InProcessCompactor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-# (model, tokenizer, fingerprint of the loaded checkpoint), set once per worker process
-_WORKER_MODEL: tuple[Any, Any, str] | None = None
+# The model replica of this worker process (compactor.Worker), set once by _worker_init
+_WORKER: Any = None
 
 
 def _worker_init(model_path: str) -> None:
     """Runs once in the worker process: one torch thread, the model loaded once."""
-    global _WORKER_MODEL
-    import torch
+    global _WORKER
+    from compactor import Worker
 
-    from compactor.hf import load_model
-    from compactor.models import fingerprint
-
-    torch.set_num_threads(1)
-    _WORKER_MODEL = (*load_model(model_path), fingerprint(model_path))
-
-
-def _query_sources(config: CompactionConfig, follow_ups: Sequence[Sequence[int]]) -> list[str]:
-    """The configured sources, less ``follow-up`` when no request sent a suffix (never empty)."""
-    sources = [s for s in config.query_sources if s != "follow-up" or follow_ups]
-    return sources or ["repeat-prefill"]
+    _WORKER = Worker(model_path, torch_threads=1)
 
 
 def _worker_compact(
-    config: CompactionConfig, fingerprint: str, token_ids: list[int], follow_ups: list[list[int]]
+    spec: CompactionSpec, fingerprint: str, token_ids: list[int], follow_ups: list[list[int]]
 ) -> CompactedPrefix:
-    """One compaction in the worker process, through the service's own code path
-    (`compactor.workers.worker.run_compaction`); returns a picklable CompactedPrefix."""
-    from compactor.workers.job import CompactJob
-    from compactor.workers.worker import run_compaction
+    """One compaction in the worker process, through the service's own job path
+    (`compactor.Worker` -> `compactor.run_compaction`); returns a picklable CompactedPrefix."""
+    from compactor import CompactJob
 
-    if _WORKER_MODEL is None:
+    if _WORKER is None:
         raise RuntimeError("compaction worker used before its initializer ran")
-    model, tokenizer, worker_fingerprint = _WORKER_MODEL
     job = CompactJob(
         model_fingerprint=fingerprint,
         token_ids=tuple(token_ids),
-        method=config.method,
-        ratio=config.ratio if config.tokens is None else None,
-        tokens=config.tokens,
-        query_sources=tuple(_query_sources(config, follow_ups)),
+        spec=spec,
         follow_ups=tuple(tuple(f) for f in follow_ups),
-        on_policy=config.on_policy,
-        follow_up_answer_tokens=config.follow_up_answer_tokens,
     )
-    return run_compaction(model, tokenizer, worker_fingerprint, job).prefix
+    return _WORKER.compact(uuid.uuid4().hex, job).prefix
 
 
 class GrpcCompactor:
@@ -166,16 +156,13 @@ class GrpcCompactor:
     ) -> CompactedPrefix:
         if self._client is None:
             self._client = self._make_client()
+        fus = [[int(t) for t in f] for f in follow_ups]
         result = await self._client.compact(
             [int(t) for t in token_ids],
             self.fingerprint,
-            self.config.method,
+            self.config.spec.for_follow_ups(fus),
+            fus,
             timeout=self.config.timeout,
-            query_sources=_query_sources(self.config, follow_ups),
-            follow_ups=[[int(t) for t in f] for f in follow_ups],
-            on_policy=self.config.on_policy,
-            follow_up_answer_tokens=self.config.follow_up_answer_tokens,
-            **self.config.budget(),
         )
         prefix = getattr(result, "prefix", result)
         if not isinstance(prefix, CompactedPrefix):

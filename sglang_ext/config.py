@@ -15,10 +15,15 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from compactor.spec import CompactionSpec, QueryConfig
+from compactor.spec_args import add_spec_args, spec_from_args, usage_error
+
 __all__ = [
     "ATTENTION_BACKEND",
     "CONFIG_ATTR",
+    "PLUGIN_SPEC",
     "RADIX_CACHE_BACKEND",
+    "SPEC_PREFIX",
     "TRITON_ATTENTION_BACKEND",
     "CompactionConfig",
     "add_cli_args",
@@ -30,11 +35,19 @@ RADIX_CACHE_BACKEND = "compaction"
 ATTENTION_BACKEND = "compaction"
 TRITON_ATTENTION_BACKEND = "compaction-triton"
 CONFIG_ATTR = "_compaction_config"
-# The sharing requests' own questions are the best reference queries measured so far: on the
-# plugin workload (1.9k-token document, am-highest, ratio 0.1, transformers decoding) fitting on
-# them alone kept 3/3 needles, adding repeat-prefill queries kept 1/3. A prefix that arrives
-# with no follow-ups falls back to repeat-prefill (see compactors.py).
-_DEFAULT_QUERY_SOURCES = ("follow-up",)
+# The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
+SPEC_PREFIX = "compaction-"
+# The plugin's defaults. The sharing requests' own questions are the best reference queries
+# measured so far: on the plugin workload (1.9k-token document, am-highest, ratio 0.1,
+# transformers decoding) fitting on them alone kept 3/3 needles, adding repeat-prefill
+# queries kept 1/3. A prefix that arrives with no follow-ups falls back to repeat-prefill
+# (CompactionSpec.for_follow_ups).
+PLUGIN_SPEC = CompactionSpec(
+    method="am-highest",
+    ratio=0.1,
+    queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
+    on_policy=True,
+)
 
 
 @dataclass(frozen=True)
@@ -42,19 +55,15 @@ class CompactionConfig:
     """What the plugin needs in the scheduler; picklable.
 
     Attributes:
-        endpoint: `inproc://` (compact in this server's scheduler process) or `host:port`
+        endpoint: `inproc://` (compact in a worker process of this server) or `host:port`
             (the gRPC compaction service); `grpc://host:port` and `grpcs://host:port` work too.
-        method: registered compaction method name.
-        ratio / tokens: per-KV-head budget, a fraction of T or a token count (tokens wins).
+        spec: what every compaction computes (method, budget, queries, ...); checked when
+            SGLang parses its arguments (:func:`config_from_namespace`).
         min_prefix_tokens: a tree path shorter than this is never compacted.
         min_hits: how many requests must have shared a path before it is compacted.
         timeout: seconds one compaction may take before it counts as failed.
-        query_sources: reference-query sources sent to the compactor.
         max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
         follow_up_tokens: each suffix is cut to this many tokens.
-        follow_up_answer_tokens: the compactor appends the model's own greedy answer (this
-            many tokens) to each follow-up before drawing queries from it; 0 = off.
-        on_policy: fit layer l to queries drawn with layers < l already compacted.
         boundary_margin: a compacted path stops this many tokens before the branch point
             it was found at (later requests may diverge a little earlier).
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
@@ -63,17 +72,12 @@ class CompactionConfig:
     """
 
     endpoint: str
-    method: str = "am-highest"
-    ratio: float = 0.1
-    tokens: int | None = None
+    spec: CompactionSpec = PLUGIN_SPEC
     min_prefix_tokens: int = 256
     min_hits: int = 2
     timeout: float = 120.0
-    query_sources: tuple[str, ...] = _DEFAULT_QUERY_SOURCES
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
-    follow_up_answer_tokens: int = 32
-    on_policy: bool = True
     boundary_margin: int = 32
     max_retries: int = 2
     retry_backoff_s: float = 30.0
@@ -87,10 +91,8 @@ class CompactionConfig:
     def __post_init__(self) -> None:
         if not self.endpoint.strip():
             raise ValueError(f"compaction endpoint must be non-empty, got {self.endpoint!r}")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"--compaction-ratio must be in (0, 1], got {self.ratio}")
-        if self.tokens is not None and self.tokens < 1:
-            raise ValueError(f"--compaction-tokens must be >= 1, got {self.tokens}")
+        if not isinstance(self.spec, CompactionSpec):
+            raise ValueError(f"spec must be a CompactionSpec, got {type(self.spec).__name__}")
         if self.min_prefix_tokens < 2:
             raise ValueError(
                 f"--compaction-min-prefix-tokens must be >= 2, got {self.min_prefix_tokens}"
@@ -108,13 +110,6 @@ class CompactionConfig:
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
                 f"{self.max_retries} and {self.retry_backoff_s}"
             )
-        from compactor.workers.job import MAX_FOLLOW_UP_ANSWER_TOKENS as max_answer
-
-        if not 0 <= self.follow_up_answer_tokens <= max_answer:
-            raise ValueError(
-                f"--compaction-follow-up-answer-tokens must be in [0, {max_answer}], got "
-                f"{self.follow_up_answer_tokens}"
-            )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
                 "follow-up limits must be max_follow_ups >= 0 and follow_up_tokens >= 1, got "
@@ -125,18 +120,17 @@ class CompactionConfig:
     def in_process(self) -> bool:
         return self.endpoint.startswith("inproc://")
 
-    def budget(self) -> dict[str, Any]:
-        """`{"tokens": n}` or `{"ratio": r}`: the keyword the compactor takes."""
-        return {"tokens": self.tokens} if self.tokens is not None else {"ratio": self.ratio}
-
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["spec"] = self.spec.to_dict()
         d["token"] = "***" if self.token else None
         return d
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`)."""
+    """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`): the endpoint,
+    one flag per spec knob (``compactor.spec_args``, defaults PLUGIN_SPEC), the serving
+    limits and the channel options."""
     g = parser.add_argument_group("compaction (sglang_ext plugin)")
     g.add_argument(
         "--compaction-endpoint",
@@ -145,37 +139,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "inside this server. Setting it enables compacted shared prefixes; without it "
         "SGLang runs stock.",
     )
-    g.add_argument("--compaction-method", default="am-highest", help="Compaction method.")
-    g.add_argument("--compaction-ratio", type=float, default=0.1, help="Kept fraction per KV head.")
-    g.add_argument(
-        "--compaction-tokens",
-        type=int,
-        default=None,
-        help="Kept tokens per KV head (overrides --compaction-ratio).",
-    )
+    add_spec_args(g, prefix=SPEC_PREFIX, defaults=PLUGIN_SPEC)
     g.add_argument("--compaction-min-prefix-tokens", type=int, default=256)
     g.add_argument("--compaction-min-hits", type=int, default=2)
     g.add_argument("--compaction-timeout", type=float, default=120.0)
     g.add_argument(
-        "--compaction-query-sources",
-        default=",".join(_DEFAULT_QUERY_SOURCES),
-        help="Comma-separated reference-query sources (default: the sharing requests' "
-        "questions; repeat-prefill when a prefix has none).",
-    )
-    g.add_argument("--compaction-max-follow-ups", type=int, default=8)
-    g.add_argument(
-        "--compaction-follow-up-answer-tokens",
+        "--compaction-max-follow-ups",
         type=int,
-        default=32,
-        help="The compactor appends the model's own greedy answer (this many tokens) to "
-        "each follow-up question before fitting to it; 0 = the questions alone.",
+        default=8,
+        help="Sharing requests' suffixes sent as follow-up queries (the follow-up source; "
+        "a prefix with none falls back to repeat-prefill).",
     )
     g.add_argument(
-        "--compaction-on-policy",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Fit each layer with the layers before it already compacted (about the same "
-        "cost as off-policy).",
+        "--compaction-follow-up-tokens",
+        type=int,
+        default=128,
+        help="Each follow-up suffix is cut to this many tokens.",
     )
     g.add_argument(
         "--compaction-boundary-margin",
@@ -204,23 +183,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
-    """The config the parsed flags describe, or None without `--compaction-endpoint`."""
+    """The config the parsed flags describe, or None without `--compaction-endpoint`.
+
+    Raises ValueError ``"--compaction-<flag>: <why>"`` for a bad spec: the checks of
+    ``CompactionSpec.validate`` (the method is built) and the service's policy
+    (``CompactJob.check_spec``: head budgets uniform/auto, bounded follow-up answers).
+    """
     endpoint = getattr(ns, "compaction_endpoint", None)
     if not endpoint:
         return None
-    sources = tuple(s.strip() for s in ns.compaction_query_sources.split(",") if s.strip())
+    from compactor import CompactJob
+
+    try:
+        spec = spec_from_args(ns, SPEC_PREFIX)
+        CompactJob.check_spec(spec)
+    except ValueError as exc:
+        raise ValueError(usage_error(exc, ns, SPEC_PREFIX).with_flag()) from None
     return CompactionConfig(
         endpoint=endpoint,
-        method=ns.compaction_method,
-        ratio=ns.compaction_ratio,
-        tokens=ns.compaction_tokens,
+        spec=spec,
         min_prefix_tokens=ns.compaction_min_prefix_tokens,
         min_hits=ns.compaction_min_hits,
         timeout=ns.compaction_timeout,
-        query_sources=sources,
         max_follow_ups=ns.compaction_max_follow_ups,
-        follow_up_answer_tokens=ns.compaction_follow_up_answer_tokens,
-        on_policy=ns.compaction_on_policy,
+        follow_up_tokens=ns.compaction_follow_up_tokens,
         boundary_margin=ns.compaction_boundary_margin,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,

@@ -71,7 +71,7 @@ def create_compaction_cache(ctx: Any) -> Any:
         ValueError: the backend was selected without `--compaction-endpoint`, or with a
             model/cache layout the plugin does not serve (hybrid SWA/SSM, paging).
     """
-    from compactor.models import fingerprint
+    from compactor import fingerprint
     from sglang_ext.compactors import CompactionRunner, make_compactor
     from sglang_ext.metrics import PrometheusExporter
     from sglang_ext.radix_cache import CompactionRadixCache

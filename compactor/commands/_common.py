@@ -1,9 +1,28 @@
-"""Arguments and helpers shared by `compactor compact` and `compactor eval`."""
+"""Arguments and helpers shared by the `compactor` subcommands.
+
+Argument problems found before any model is loaded (a bad spec knob, a missing input file,
+an unknown model) raise :class:`~compactor.spec_args.UsageError`: `compactor.cli` prints it
+as one ``compactor <command>: error: ...`` line and exits 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+from compactor.spec_args import UsageError
+
+__all__ = [
+    "UsageError",
+    "add_model_args",
+    "add_progress_arg",
+    "encode",
+    "head_budget_error",
+    "load",
+    "parse_floats",
+    "require_file",
+]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -20,50 +39,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_query_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--query-sources",
-        default="repeat-prefill,self-study",
-        help="comma-separated reference-query sources (context-prefill, repeat-prefill, self-study, random, follow-up)",
-    )
-    p.add_argument(
-        "--max-queries", type=int, default=2048, help="reservoir cap of queries per KV head"
-    )
-    p.add_argument(
-        "--self-study-tokens", type=int, default=24, help="tokens generated per self-study prompt"
-    )
-    p.add_argument(
-        "--keep-sink-tokens", type=int, default=4, help="first tokens kept uncompacted (beta 0)"
-    )
-    p.add_argument(
-        "--chunk-size", type=int, default=None, help="compact the KV in chunks of this many tokens"
-    )
-    p.add_argument(
-        "--on-policy", action="store_true", help="draw layer l's queries with layers < l compacted"
-    )
-    p.add_argument(
-        "--follow-up-answer-tokens",
-        type=int,
-        default=0,
-        help="append the model's greedy answer (this many tokens) to each follow-up query text",
-    )
+def add_progress_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def add_head_budget_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--head-budgets",
-        default="uniform",
-        metavar="uniform|auto|PATH",
-        help=(
-            "per-head budgets: uniform (default); auto = the model's sensitivity curves "
-            "(made by `compactor sensitivity`); or a curves JSON path. Same total either way"
-        ),
-    )
+def require_file(path: str | Path | None, flag: str) -> Path:
+    """`path` as a Path; UsageError naming `flag` when it is not a readable file."""
+    if path is None or not Path(path).is_file():
+        raise UsageError(f"{flag}: no such file: {path}", flag)
+    return Path(path)
 
 
 def head_budget_error(spec: str, model: Any, methods: list[str]) -> str | None:
-    """Why `spec` cannot be used with `model` and each method name (None when it can)."""
+    """Why head budgets `spec` cannot be used with `model` and each method name (None when
+    they can)."""
     from compactor.pipeline import head_budget_curves
 
     for name in methods:
@@ -74,37 +63,32 @@ def head_budget_error(spec: str, model: Any, methods: list[str]) -> str | None:
     return None
 
 
-def query_config(args: argparse.Namespace) -> Any:
-    from compactor.queries import QueryConfig
-
-    sources = tuple(s.strip() for s in args.query_sources.split(",") if s.strip())
-    return QueryConfig(
-        sources=sources,
-        max_queries_per_head=args.max_queries,
-        self_study_tokens=args.self_study_tokens,
-        follow_up_answer_tokens=args.follow_up_answer_tokens,
-    )
-
-
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) for --model; sets the torch thread count to --threads."""
+    """(model, tokenizer) for --model; sets the torch thread count to --threads.
+
+    Raises UsageError for --threads < 1 or a model that is neither known nor a directory.
+    """
     import torch
 
     from compactor.hf import load_model
-    from compactor.models import resolve_model
+    from compactor.models import ModelNotAvailableError, resolve_model
 
     if args.threads is not None:
         if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            raise UsageError(f"--threads must be >= 1, got {args.threads}", "--threads")
         torch.set_num_threads(args.threads)
-    return load_model(resolve_model(args.model))
+    try:
+        model_dir = resolve_model(args.model)
+    except (ValueError, ModelNotAvailableError) as exc:
+        raise UsageError(str(exc), "--model") from None
+    return load_model(model_dir)
 
 
 def parse_floats(text: str, what: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+        raise UsageError(f"{what} must be comma-separated numbers, got {text!r}", what) from None
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from compactor.commands._common import (
-    add_head_budget_args,
+    UsageError,
     add_model_args,
-    add_query_args,
+    add_progress_arg,
     encode,
     head_budget_error,
     load,
-    query_config,
+    require_file,
 )
+from compactor.spec_args import add_spec_args, spec_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,66 +23,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     p.add_argument("--input", required=True, help="text file holding the prefix")
-    p.add_argument("--method", default="am-omp-fast", help="registered method name")
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--ratio", type=float, help="kept fraction per KV head, e.g. 0.1")
-    budget.add_argument("--tokens", type=int, help="kept entries per KV head")
-    p.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="method hyper-parameter (repeatable)",
-    )
     p.add_argument(
         "--follow-ups",
         default=None,
         help="file with one follow-up question per line (follow-up source)",
     )
     p.add_argument("--output", required=True, help="output .safetensors path")
-    add_head_budget_args(p)
-    add_query_args(p)
+    add_spec_args(p, budget_required=True)
+    add_progress_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from compactor.pipeline import compact_prefix
+    from compactor.pipeline import Hooks, compact_prefix
 
-    params = {}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--param must be KEY=JSON, got {item!r}")
-        params[key] = json.loads(value)
-    model, tok = load(args)
-    err = head_budget_error(args.head_budgets, model, [args.method])
-    if err:
-        print(f"compactor compact: error: {err}", file=sys.stderr)
-        return 2
-    ids = encode(tok, Path(args.input).read_text(encoding="utf-8"))
-    follow = None
+    spec = spec_from_args(args)  # every argument is checked before the model loads
+    text = require_file(args.input, "--input").read_text(encoding="utf-8")
+    lines = None
     if args.follow_ups:
-        lines = [
-            ln
-            for ln in Path(args.follow_ups).read_text(encoding="utf-8").splitlines()
-            if ln.strip()
-        ]
-        follow = [encode(tok, "\n\n" + ln) for ln in lines]
+        follow_text = require_file(args.follow_ups, "--follow-ups").read_text(encoding="utf-8")
+        lines = [ln for ln in follow_text.splitlines() if ln.strip()]
+    model, tok = load(args)
+    err = head_budget_error(spec.head_budgets, model, [spec.method])
+    if err:
+        raise UsageError(err, "--head-budgets")
+    ids = encode(tok, text)
+    follow = [encode(tok, "\n\n" + ln) for ln in lines] if lines is not None else None
     prefix, times = compact_prefix(
-        model,
-        tok,
-        ids,
-        args.method,
-        ratio=args.ratio,
-        tokens=args.tokens,
-        query_sources=query_config(args),
-        follow_ups=follow,
-        chunk_size=args.chunk_size,
-        on_policy=args.on_policy,
-        progress=not args.no_progress,
-        keep_sink_tokens=args.keep_sink_tokens,
-        method_params=params,
-        head_budgets=args.head_budgets,
+        model, tok, ids, spec, follow, Hooks(progress=not args.no_progress)
     )
     prefix.save(args.output)
     summary = {

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from compactor.commands._common import (
-    add_head_budget_args,
+    UsageError,
     add_model_args,
-    add_query_args,
+    add_progress_arg,
     encode,
     head_budget_error,
     load,
     parse_floats,
-    query_config,
+    require_file,
 )
+from compactor.spec import CompactionSpec
+from compactor.spec_args import add_spec_args, spec_from_args
 
 DEFAULT_QUESTIONS = (
     "\n\nQuestion: What is the text above about?\nAnswer:",
@@ -49,8 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--plot", default=None, help="output PNG path")
-    add_head_budget_args(p)
-    add_query_args(p)
+    # every spec knob but the swept ones (--methods, --ratios)
+    add_spec_args(p, exclude=("method", "method_params", "ratio", "tokens"))
+    add_progress_arg(p)
     p.set_defaults(func=run)
 
 
@@ -59,39 +61,49 @@ def run(args: argparse.Namespace) -> int:
     from compactor.eval.runner import (
         format_table,
         make_niah_cases,
-        parse_method_spec,
+        method_spec,
         plot_records,
         run_eval,
         write_json,
     )
 
+    base = spec_from_args(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     ratios = parse_floats(args.ratios, "--ratios")
     if not methods:
-        raise ValueError(f"--methods is empty: {args.methods!r}")
-    model, tok = load(args)
+        raise UsageError(f"--methods is empty: {args.methods!r}", "--methods")
+    if not ratios:
+        raise UsageError(f"--ratios is empty: {args.ratios!r}", "--ratios")
+    swept: list[tuple[str, CompactionSpec]] = []  # (entry of --methods, its spec)
     for m in methods:
         if m == "full":
             continue
-        name, params = parse_method_spec(m)
-        spec = str(params.get("head_budgets", args.head_budgets))
-        err = head_budget_error(spec, model, [name])
+        try:
+            for ratio in ratios:
+                spec = method_spec(base, m, ratio)
+                spec.validate()
+        except ValueError as exc:
+            raise UsageError(f"{m}: {exc}", "--methods") from None
+        swept.append((m, spec))
+    if args.niah is not None and args.niah < 1:
+        raise UsageError(f"--niah must be >= 1, got {args.niah}", "--niah")
+    text = require_file(args.input, "--input").read_text(encoding="utf-8") if args.input else ""
+    questions = require_file(args.questions, "--questions") if args.questions else None
+    model, tok = load(args)
+    for m, spec in swept:
+        err = head_budget_error(spec.head_budgets, model, [spec.method])
         if err:
-            print(f"compactor eval: error: {m}: {err}", file=sys.stderr)
-            return 2
+            raise UsageError(f"{m}: {err}", "--head-budgets")
     if args.niah is not None:
-        if args.niah < 1:
-            raise ValueError(f"--niah must be >= 1, got {args.niah}")
         cases = make_niah_cases(tok, args.niah, args.niah_tokens)
     else:
         qs: tuple[str, ...] = DEFAULT_QUESTIONS
-        if args.questions:
+        if questions is not None:
             qs = tuple(
                 "\n\n" + ln
-                for ln in Path(args.questions).read_text(encoding="utf-8").splitlines()
+                for ln in questions.read_text(encoding="utf-8").splitlines()
                 if ln.strip()
             )
-        text = Path(args.input).read_text(encoding="utf-8")
         cases = [EvalCase(Path(args.input).name, encode(tok, text), [encode(tok, q) for q in qs])]
     records = run_eval(
         model,
@@ -99,20 +111,17 @@ def run(args: argparse.Namespace) -> int:
         cases,
         methods,
         ratios,
-        query_config=query_config(args),
+        spec=base,
         niah=args.niah is not None,
         answer_tokens=args.answer_tokens,
-        keep_sink_tokens=args.keep_sink_tokens,
-        chunk_size=args.chunk_size,
-        on_policy=args.on_policy,
         progress=not args.no_progress,
-        head_budgets=args.head_budgets,
     )
     meta = {
         "model": args.model,
         "cases": [c.name for c in cases],
-        "query_sources": args.query_sources,
-        "head_budgets": args.head_budgets,
+        "query_sources": ",".join(base.queries.sources),
+        "head_budgets": base.head_budgets,
+        "spec": base.to_dict(),
     }
     write_json(records, args.json, meta)
     print(format_table(records))

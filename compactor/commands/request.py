@@ -7,6 +7,14 @@ import json
 import re
 from pathlib import Path
 
+from compactor.commands._common import require_file
+from compactor.spec import CompactionSpec, QueryConfig
+from compactor.spec_args import add_spec_args, spec_from_args, usage_error
+
+# The request's defaults: the spec's, with repeat-prefill queries only and budget auto
+# (neither --ratio nor --tokens: the server's auto ratio).
+REQUEST_SPEC = CompactionSpec(queries=QueryConfig(sources=("repeat-prefill",)))
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,13 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", required=True, help="HOST:PORT")
     p.add_argument("--model", required=True)
     p.add_argument("--input", required=True, type=Path)
-    p.add_argument("--method", default="am-omp-fast")
-    p.add_argument("--params", default="", help="method hyper-parameters as a JSON object")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--ratio", type=float)
-    budget.add_argument("--tokens", type=int)
-    p.add_argument("--queries", default="repeat-prefill", help="comma-separated query sources")
-    p.add_argument("--on-policy", action="store_true", help="fit layer l with layers < l compacted")
+    add_spec_args(p, defaults=REQUEST_SPEC)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--output", type=Path, help="save the CompactedPrefix (safetensors)")
     p.add_argument("--tls-ca", type=Path)
@@ -44,24 +46,20 @@ def _request(args: argparse.Namespace) -> int:
 
     from compactor.client import CompactorClient, TlsFiles
     from compactor.service.convert import ChecksumError
+    from compactor.workers.job import CompactJob
 
+    spec = spec_from_args(args)
+    try:  # what the server would refuse (head budgets other than uniform/auto, ...)
+        CompactJob.check_spec(spec)
+    except ValueError as exc:
+        raise usage_error(exc, args) from None
+    require_file(args.input, "--input")
     fp, token_ids = _resolve(args.model, args.input)
-    params = json.loads(args.params) if args.params else {}
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
     tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     try:
         with CompactorClient(args.endpoint, tls=tls, auth_token=token) as client:
-            res = client.compact(
-                token_ids,
-                fp,
-                args.method,
-                ratio=args.ratio,
-                tokens=args.tokens,
-                method_params=params,
-                query_sources=[s for s in args.queries.split(",") if s],
-                on_policy=args.on_policy,
-                timeout=args.timeout,
-            )
+            res = client.compact(token_ids, fp, spec, timeout=args.timeout)
     except grpc.RpcError as err:
         raise SystemExit(f"compactor request: {err.code().name}: {err.details()}") from None
     except ChecksumError as exc:

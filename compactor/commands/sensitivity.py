@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from compactor.commands._common import add_model_args, parse_floats
+from compactor.commands._common import add_model_args, add_progress_arg, parse_floats
+from compactor.spec import CompactionSpec, QueryConfig
+from compactor.spec_args import add_spec_args, spec_from_args
+
+# What is measured by default: am-highest fitted to repeat-prefill queries (the budget,
+# chunking, policy and head budgets of the spec are not used).
+SENSITIVITY_SPEC = CompactionSpec(
+    method="am-highest", queries=QueryConfig(sources=("repeat-prefill",))
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,10 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_model_args(p)
-    p.add_argument(
-        "--method",
-        default="am-highest",
-        help="method to measure (name or name:key=value, default am-highest)",
+    add_spec_args(
+        p,
+        defaults=SENSITIVITY_SPEC,
+        fields=(
+            "method",
+            "method_params",
+            "queries.sources",
+            "queries.max_queries_per_head",
+            "keep_sink_tokens",
+        ),
+        flags={"queries.sources": "--fit-sources"},
     )
     p.add_argument(
         "--fractions",
@@ -35,19 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="document length (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="document seed")
     p.add_argument(
-        "--fit-sources", default="repeat-prefill", help="comma-separated fit query sources"
-    )
-    p.add_argument(
-        "--max-queries", type=int, default=2048, help="cap on fit / held-out queries per KV head"
-    )
-    p.add_argument(
         "--answer-tokens", type=int, default=16, help="greedy answer tokens per question"
     )
-    p.add_argument(
-        "--keep-sink-tokens", type=int, default=4, help="first tokens left out (kept verbatim)"
-    )
     p.add_argument("--out", default=None, help="JSON path (default: in the model directory)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_arg(p)
     p.set_defaults(func=run)
 
 
@@ -58,16 +64,12 @@ def run(args: argparse.Namespace) -> int:
 
     from compactor import hf
     from compactor.budgets import save_sensitivity_json, sensitivity_path
-    from compactor.eval.runner import parse_method_spec
-    from compactor.methods import get_method
     from compactor.models import ModelNotAvailableError, resolve_model
     from compactor.sensitivity import check_fractions, measure_sensitivity, sensitivity_case
 
     try:
-        name, params = parse_method_spec(args.method)
-        get_method(name, **params)  # unknown method / parameter: fail before loading
+        spec = spec_from_args(args)  # unknown method / parameter: fail before loading
         fractions = check_fractions(parse_floats(args.fractions, "--fractions"))
-        sources = tuple(x.strip() for x in args.fit_sources.split(",") if x.strip())
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
@@ -78,13 +80,9 @@ def run(args: argparse.Namespace) -> int:
             model,
             tok,
             case,
-            name,
+            spec,
             fractions,
-            method_params=params,
-            fit_sources=sources,
-            max_queries=args.max_queries,
             answer_tokens=args.answer_tokens,
-            keep_sink_tokens=args.keep_sink_tokens,
             progress=not args.no_progress,
         )
     except (ValueError, ModelNotAvailableError) as exc:

@@ -6,7 +6,7 @@ entries summed over layers and heads), kept_per_head (mean t_h), head_budgets ("
 mass_rel_err, logppl, logppl_full, logppl_gap, agreement, niah_accuracy, seconds (mean
 compaction wall time per case, from compact_prefix's StageTimes) and stage times. The
 prefill and reference queries of a case are computed once and reused by every (method,
-ratio) (``compact_prefix(reuse=...)``). The reused stages would report ~0 s, so a
+ratio) (``Hooks(reuse=...)``). The reused stages would report ~0 s, so a
 case would count selection + fit only; ``seconds`` therefore adds the case's first prefill
 and query times to each record's own selection + fit time (``stage_seconds`` splits it). The
 ``full`` method is the uncompacted cache (errors 0).
@@ -21,12 +21,13 @@ from typing import Any
 
 from compactor import hf
 from compactor.eval.harness import EvalCase, build_reference, evaluate_prefix, summarize
-from compactor.queries import QueryConfig
+from compactor.spec import CompactionSpec
 
 __all__ = [
     "TABLE_COLUMNS",
     "format_table",
     "make_niah_cases",
+    "method_spec",
     "plot_records",
     "run_eval",
     "write_json",
@@ -99,41 +100,49 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+def method_spec(base: CompactionSpec, method: str, ratio: float) -> CompactionSpec:
+    """`base` for one method entry of a sweep (``name`` or ``name:key=value:...``, see
+    :func:`parse_method_spec`) at `ratio`; a ``head_budgets=`` value overrides the base's."""
+    name, params = parse_method_spec(method)
+    head_budgets = str(params.pop("head_budgets", base.head_budgets))
+    return base.replace(
+        method=name, method_params=params, ratio=ratio, tokens=None, head_budgets=head_budgets
+    )
+
+
 def run_eval(
     model: Any,
     tokenizer: Any,
     cases: Sequence[EvalCase],
     methods: Sequence[str],
     ratios: Sequence[float],
-    query_config: QueryConfig | None = None,
+    spec: CompactionSpec | None = None,
     niah: bool = False,
     answer_tokens: int = 16,
-    keep_sink_tokens: int = 4,
-    chunk_size: int | None = None,
-    on_policy: bool = False,
     progress: bool = True,
     model_fingerprint: str | None = None,
-    head_budgets: str | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate every (method, ratio) on every case; `full` adds the uncompacted baseline.
 
-    `head_budgets` (None/"uniform", "auto", a curves path: see ``compact_prefix``) applies to
-    every method; a method spec's own ``head_budgets=...`` parameter overrides it, so one
-    sweep can hold ``am-omp`` and ``am-omp:head_budgets=auto`` side by side.
+    `spec` (default ``CompactionSpec()``) holds every knob but the swept ones: each method
+    entry and ratio replace its method, parameters and budget (:func:`method_spec`); a
+    method entry's own ``head_budgets=...`` overrides ``spec.head_budgets``, so one sweep
+    can hold ``am-omp`` and ``am-omp:head_budgets=auto`` side by side.
     """
-    from compactor.pipeline import compact_prefix
+    from compactor.pipeline import Hooks, compact_prefix
 
     if not cases:
         raise ValueError("run_eval: no cases")
     for r in ratios:
         if not 0 < r <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {r}")
-    qcfg = query_config or QueryConfig()
+    base = spec if spec is not None else CompactionSpec()
     refs = [build_reference(model, tokenizer, c, answer_tokens) for c in cases]
     info = hf.model_info(model)
     records: list[dict[str, Any]] = []
-    reuse: dict[Any, Any] = {}  # prefill + queries per case, shared by all methods/ratios
-    base: dict[int, tuple[float, float]] = {}  # first (prefill, queries) seconds per case
+    # prefill + queries per case, shared by all methods/ratios
+    hooks = Hooks(progress=progress, reuse={}, model_fingerprint=model_fingerprint)
+    base_times: dict[int, tuple[float, float]] = {}  # first (prefill, queries) s per case
     if "full" in methods:
         rows = [evaluate_prefix(model, tokenizer, ref, None, niah) for ref in refs]
         T = sum(len(c.prefix_ids) for c in cases) / len(cases)
@@ -147,32 +156,18 @@ def run_eval(
         rec.update({"seconds": 0.0, "stage_seconds": {}})
         records.append(rec)
     for method in [m for m in methods if m != "full"]:
-        name, params = parse_method_spec(method)
-        hb = params.pop("head_budgets", head_budgets)
         for ratio in ratios:
+            run_spec = method_spec(base, method, ratio)
             rows, kept, secs, stages, chosen = [], [], [], [], []
             for ci, ref in enumerate(refs):
                 prefix, times = compact_prefix(
-                    model,
-                    tokenizer,
-                    ref.case.prefix_ids,
-                    name,
-                    ratio=ratio,
-                    method_params=params,
-                    query_sources=qcfg,
-                    chunk_size=chunk_size,
-                    on_policy=on_policy,
-                    progress=progress,
-                    keep_sink_tokens=keep_sink_tokens,
-                    model_fingerprint=model_fingerprint,
-                    reuse=reuse,
-                    head_budgets=None if hb is None else str(hb),
+                    model, tokenizer, ref.case.prefix_ids, run_spec, hooks=hooks
                 )
                 rows.append(evaluate_prefix(model, tokenizer, ref, prefix, niah))
                 kept.append(prefix.kept_tokens())
                 if prefix.params.get("chosen_ratio") is not None:  # methods that pick a budget
                     chosen.append(float(prefix.params["chosen_ratio"]))
-                first = base.setdefault(ci, (times.prefill, times.queries))
+                first = base_times.setdefault(ci, (times.prefill, times.queries))
                 st = {"prefill": first[0], "queries": first[1], "compaction": times.compaction}
                 st["total"] = sum(st.values())
                 secs.append(st["total"])

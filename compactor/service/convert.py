@@ -1,5 +1,8 @@
 """The one place where protobuf messages and domain types meet.
 
+Wire format of a request: the CompactionSpec as one JSON object (``spec_json``, see
+:meth:`CompactionSpec.to_dict`) next to the model fingerprint, the prefix and its follow-ups.
+
 Wire format of a result: a Header (metadata JSON + tensor table), the payload (every tensor
 of :meth:`CompactedPrefix.tensors`, raw bytes, concatenated in table order) in
 TensorChunks, and a Trailer whose sha256 covers metadata JSON + payload.
@@ -9,20 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.spec import CompactionSpec
 from compactor.types import CompactedPrefix
 from compactor.workers.errors import InvalidRequest
-from compactor.workers.job import DEFAULT_QUERY_SOURCES, CompactJob
+from compactor.workers.job import CompactJob
 
 __all__ = [
     "Assembler",
     "ChecksumError",
     "EncodedPrefix",
+    "compact_request",
     "encode_prefix",
     "job_from_request",
     "request_from_job",
@@ -44,58 +49,48 @@ class ChecksumError(ValueError):
 
 # ---- requests --------------------------------------------------------------------------
 def job_from_request(req: pb.CompactRequest, auto_ratio: float) -> CompactJob:
-    """Decode a CompactRequest (budget 'auto' or unset -> `auto_ratio`); InvalidRequest if malformed."""
+    """Decode a CompactRequest (budget 'auto' -> `auto_ratio`); InvalidRequest if malformed.
+
+    The spec's values are checked by :meth:`CompactJob.validate` (the service's policy).
+    """
+    if not req.spec_json:
+        raise InvalidRequest("spec_json is required (a CompactionSpec as a JSON object)")
     try:
-        params = json.loads(req.method_params_json) if req.method_params_json else {}
+        spec = CompactionSpec.from_dict(json.loads(req.spec_json))
     except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"method_params_json is not valid JSON: {exc}") from None
-    if not isinstance(params, dict):
-        raise InvalidRequest("method_params_json must be a JSON object")
-    kind = req.budget.WhichOneof("kind") if req.HasField("budget") else None
-    ratio: float | None = auto_ratio
-    tokens: int | None = None
-    if kind == "ratio":
-        ratio = float(req.budget.ratio)
-    elif kind == "tokens":
-        ratio, tokens = None, int(req.budget.tokens)
-    if not req.method:
-        raise InvalidRequest("method is required")
+        raise InvalidRequest(f"spec_json is not valid JSON: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"spec_json: {exc}") from None
     return CompactJob(
         model_fingerprint=req.model_fingerprint,
         token_ids=tuple(req.token_ids),
-        method=req.method,
-        method_params=params,
-        ratio=ratio,
-        tokens=tokens,
-        query_sources=tuple(req.queries.sources) or DEFAULT_QUERY_SOURCES,
-        follow_ups=tuple(tuple(f.token_ids) for f in req.queries.follow_ups),
-        on_policy=req.queries.on_policy,
-        follow_up_answer_tokens=int(req.queries.follow_up_answer_tokens),
+        spec=spec.resolve_auto(auto_ratio),
+        follow_ups=tuple(tuple(f.token_ids) for f in req.follow_ups),
         request_id=req.request_id,
     )
 
 
-def request_from_job(job: CompactJob, auto: bool = False) -> pb.CompactRequest:
-    """Inverse of :func:`job_from_request` (`auto`: send budget 'auto' instead)."""
-    if auto:
-        budget = pb.Budget(auto=pb.Budget.Auto())
-    elif job.tokens is not None:
-        budget = pb.Budget(tokens=job.tokens)
-    else:
-        budget = pb.Budget(ratio=float(job.ratio or 0.0))
+def compact_request(
+    token_ids: Sequence[int],
+    model_fingerprint: str,
+    spec: CompactionSpec,
+    follow_ups: Sequence[Sequence[int]] = (),
+    request_id: str = "",
+) -> pb.CompactRequest:
+    """The CompactRequest for a spec (its ratio and tokens both None = budget 'auto')."""
     return pb.CompactRequest(
-        model_fingerprint=job.model_fingerprint,
-        token_ids=list(job.token_ids),
-        method=job.method,
-        method_params_json=json.dumps(job.method_params) if job.method_params else "",
-        budget=budget,
-        queries=pb.QuerySources(
-            sources=list(job.query_sources),
-            follow_ups=[pb.TokenSequence(token_ids=list(f)) for f in job.follow_ups],
-            on_policy=job.on_policy,
-            follow_up_answer_tokens=job.follow_up_answer_tokens,
-        ),
-        request_id=job.request_id,
+        model_fingerprint=model_fingerprint,
+        token_ids=[int(t) for t in token_ids],
+        spec_json=json.dumps(spec.to_dict(), sort_keys=True),
+        follow_ups=[pb.TokenSequence(token_ids=[int(t) for t in f]) for f in follow_ups],
+        request_id=request_id,
+    )
+
+
+def request_from_job(job: CompactJob) -> pb.CompactRequest:
+    """Inverse of :func:`job_from_request`."""
+    return compact_request(
+        job.token_ids, job.model_fingerprint, job.spec, job.follow_ups, job.request_id
     )
 
 

@@ -155,7 +155,7 @@ class CompactionService:
             "compacted %s: T=%d method=%s %d bytes in %.2f s on %s",
             job.request_id or key[:12],
             len(job.token_ids),
-            job.method,
+            job.spec.method,
             len(payload),
             result.compute_seconds,
             result.worker,

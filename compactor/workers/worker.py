@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from compactor.methods import get_method
 from compactor.workers.errors import Cancelled, InvalidRequest, ModelMismatch
 from compactor.workers.job import CompactJob, JobResult
 
@@ -60,34 +59,26 @@ def run_compaction(
     head_budgets "auto" and the model has no usable sensitivity curves for the method;
     ValueError from the pipeline.
     """
-    from compactor.pipeline import compact_prefix, head_budget_curves
+    from compactor.pipeline import Hooks, compact_prefix, head_budget_curves
 
     if job.model_fingerprint != fingerprint:
         raise ModelMismatch(
             f"request is for model {job.model_fingerprint!r}; this worker has {fingerprint!r}"
         )
     t0 = time.perf_counter()
-    params, head_budgets = job.split_params()
     try:  # a missing / mismatched curves file is the request's problem, not INTERNAL
-        head_budget_curves(model, job.method, head_budgets, fingerprint)
+        head_budget_curves(model, job.spec.method, job.spec.head_budgets, fingerprint)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    method = get_method(job.method, **params)
     torch.manual_seed(0)
-    prefix, times = compact_prefix(
-        model,
-        tokenizer,
-        list(job.token_ids),
-        method,
-        ratio=job.ratio,
-        tokens=job.tokens,
-        query_sources=job.query_config(),
-        follow_ups=[list(f) for f in job.follow_ups] or None,
-        on_policy=job.on_policy,
+    hooks = Hooks(
         progress=False,
-        model_fingerprint=fingerprint,
-        head_budgets=head_budgets,
         before_layer=_cancellation_point(should_stop, layer_delay_s),
+        model_fingerprint=fingerprint,
+    )
+    follow_ups = [list(f) for f in job.follow_ups] or None
+    prefix, times = compact_prefix(
+        model, tokenizer, list(job.token_ids), job.spec, follow_ups, hooks
     )
     return JobResult(
         prefix=prefix,

@@ -16,7 +16,8 @@ import torch
 from compactor import hf
 from compactor.cli import main as cli_main
 from compactor.niah import make_niah
-from compactor.pipeline import compact_prefix
+from compactor.pipeline import Hooks, compact_prefix
+from compactor.spec import CompactionSpec, QueryConfig
 
 RATIO = 0.25
 
@@ -39,16 +40,13 @@ def calibration(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def _compact(model: Any, ids: list[int], method: str, **params: Any) -> Any:
-    prefix, _ = compact_prefix(
-        model,
-        None,
-        ids,
-        method,
-        ratio=RATIO,
-        query_sources=("repeat-prefill",),
-        progress=False,
+    spec = CompactionSpec(
+        method=method,
         method_params=params,
+        ratio=RATIO,
+        queries=QueryConfig(sources=("repeat-prefill",)),
     )
+    prefix, _ = compact_prefix(model, None, ids, spec, hooks=Hooks(progress=False))
     return prefix
 
 

@@ -18,12 +18,15 @@ import pytest
 
 from compactor.service.engine import ServiceConfig
 from compactor.service.server import CompactorServer, ServerConfig
+from compactor.spec import CompactionSpec, QueryConfig
 from compactor.workers.pool import PoolConfig
 
 T = TypeVar("T")
 
 PREFIX = [(i * 7919) % 40000 + 100 for i in range(64)]  # 64 tokens, deterministic
-FAST = {"method": "am-highest", "ratio": 0.25, "query_sources": ("repeat-prefill",)}
+FAST = CompactionSpec(
+    method="am-highest", ratio=0.25, queries=QueryConfig(sources=("repeat-prefill",))
+)
 
 
 class LoopThread:
@@ -98,13 +101,7 @@ def reference(prepared_model: Path, model_fp: str) -> Any:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            job = CompactJob(
-                model_fingerprint=model_fp,
-                token_ids=tuple(ids),
-                method=FAST["method"],
-                ratio=FAST["ratio"],
-                query_sources=FAST["query_sources"],
-            )
+            job = CompactJob(model_fingerprint=model_fp, token_ids=tuple(ids), spec=FAST)
             return run_compaction(model, tok, model_fp, job).prefix
         finally:
             torch.set_num_threads(threads)

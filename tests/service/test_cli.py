@@ -1,8 +1,12 @@
-"""`compactor serve` argument handling that needs no model or server."""
+"""CLI argument handling that needs no model or server: `compactor serve`, and argument
+errors of the spec-taking commands (one line, exit 2, before any model is loaded)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +27,117 @@ def test_serve_and_request_are_registered() -> None:
     with pytest.raises(SystemExit) as info:
         main(["request", "--help"])
     assert info.value.code == 0
+
+
+def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make loading a model fail loudly: argument errors must come before it."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    import compactor.commands.compact as compact_cmd
+    import compactor.commands.eval as eval_cmd
+    import compactor.hf
+
+    monkeypatch.setattr(compactor.hf, "load_model", refuse)
+    monkeypatch.setattr(compact_cmd, "load", refuse)
+    monkeypatch.setattr(eval_cmd, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--method", "nosuch", "--ratio", "0.1"], "unknown method 'nosuch'; available: "),
+        (["--ratio", "1.5"], "ratio must be in (0, 1], got 1.5"),
+        (["--ratio", "0.1", "--input", "MISSING"], "--input: no such file: "),
+        (["--ratio", "0.1", "--param", "bogus=1"], "method 'am-omp-fast' has no parameter(s)"),
+        (["--ratio", "0.1", "--query-sources", "nope"], "unknown query source 'nope'"),
+    ],
+)
+def test_compact_argument_errors_exit_2_before_loading(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    _no_model(monkeypatch)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    args = ["compact", "--model", "smollm2-135m", "--input", str(doc)]
+    args += ["--output", str(tmp_path / "p.safetensors"), *argv]
+    args = [str(tmp_path / "missing.txt") if a == "MISSING" else a for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compactor compact: error: ") and message in err
+    assert err.count("\n") == 1 and err.endswith("\n")  # one line, no traceback
+
+
+def test_eval_bad_method_exits_2_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    _no_model(monkeypatch)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    args = ["eval", "--model", "smollm2-135m", "--input", str(doc), "--json", "x.json"]
+    assert main([*args, "--methods", "full,am-omp:bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compactor eval: error: am-omp:bogus=1: method 'am-omp' has no")
+
+
+def test_unexpected_errors_keep_their_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import compactor.commands.compact as compact_cmd
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(compact_cmd, "load", boom)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    args = ["compact", "--model", "m", "--input", str(doc), "--output", "o", "--ratio", "0.1"]
+    with pytest.raises(RuntimeError, match="boom"):
+        main(args)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    from compactor.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["compact", "request"])
+def test_cli_flags_cover_every_spec_knob(command: str) -> None:
+    """The spec's flags are generated: the CLI and the plugin cannot drift from the spec."""
+    from compactor.spec_args import spec_flags
+
+    options = _subparser(command)._option_string_actions
+    for path, flag in spec_flags().items():
+        assert flag in options, (command, path, flag)
+    assert "--no-on-policy" in options
+
+
+def test_plugin_flags_cover_every_spec_knob() -> None:
+    from compactor.spec import spec_fields
+    from compactor.spec_args import spec_flags
+    from sglang_ext.config import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = spec_flags("compaction-")
+    assert set(flags) == {path for path, _ in spec_fields()}
+    for flag in flags.values():
+        assert flag in parser._option_string_actions, flag
+    # the plugin's flag names of before are kept
+    for flag in ("--compaction-method", "--compaction-ratio", "--compaction-tokens",
+                 "--compaction-query-sources", "--compaction-follow-up-answer-tokens",
+                 "--compaction-on-policy", "--no-compaction-on-policy"):  # fmt: skip
+        assert flag in parser._option_string_actions, flag
+
+
+def test_cli_spec_defaults_are_the_spec_defaults() -> None:
+    from compactor.spec import CompactionSpec
+    from compactor.spec_args import spec_from_args
+
+    ns = _subparser("compact").parse_args(
+        ["--model", "m", "--input", "i", "--output", "o", "--ratio", "0.2"]
+    )
+    assert spec_from_args(ns) == CompactionSpec(ratio=0.2)

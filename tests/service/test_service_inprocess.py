@@ -12,8 +12,10 @@ import grpc
 import pytest
 
 from compactor.client import AsyncCompactorClient, CompactorClient
+from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from tests.service.conftest import FAST, PREFIX, assert_same_prefix, running_server
 
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 DELAY = 0.05  # test-only per-layer sleep: a 64-token compaction takes ~3 s
 
 
@@ -45,22 +47,8 @@ def test_round_trip_is_bit_exact_then_cached(
         info = c.model_info()
         assert info.model_fingerprint == model_fp and info.num_kv_heads == 3
         assert "am-omp-fast" in c.list_methods()
-        first = c.compact(
-            PREFIX,
-            model_fp,
-            FAST["method"],
-            ratio=FAST["ratio"],
-            query_sources=FAST["query_sources"],
-            timeout=120,
-        )
-        second = c.compact(
-            PREFIX,
-            model_fp,
-            FAST["method"],
-            ratio=FAST["ratio"],
-            query_sources=FAST["query_sources"],
-            timeout=120,
-        )
+        first = c.compact(PREFIX, model_fp, FAST, timeout=120)
+        second = c.compact(PREFIX, model_fp, FAST, timeout=120)
     assert_same_prefix(first.prefix, reference_prefix)
     assert_same_prefix(second.prefix, reference_prefix)
     assert not first.cache_hit and second.cache_hit
@@ -72,18 +60,26 @@ def test_status_codes_from_real_bad_requests(server: Any, model_fp: str) -> None
     ep = f"127.0.0.1:{server.port}"
     with CompactorClient(ep) as c:
 
-        def call(**kw: Any) -> Any:
-            args = {"method": "am-highest", "ratio": 0.25, "timeout": 60, **kw}
-            fp = args.pop("fp", model_fp)
-            ids = args.pop("ids", _prefix(1))
-            method = args.pop("method")
-            return c.compact(ids, fp, method, **args)
+        def call(fp: str = model_fp, ids: Any = None, timeout: float = 60, **kw: Any) -> Any:
+            spec = FAST.replace(**kw)
+            return c.compact(_prefix(1) if ids is None else ids, fp, spec, timeout=timeout)
+
+        def raw(spec_json: str) -> Any:
+            req = pb.CompactRequest(
+                model_fingerprint=model_fp, token_ids=_prefix(1), spec_json=spec_json
+            )
+            return c.compact_request(req, timeout=60)
 
         assert _code(lambda: call(method="no-such-method")) == grpc.StatusCode.INVALID_ARGUMENT
         assert _code(lambda: call(method_params={"bogus": 1})) == grpc.StatusCode.INVALID_ARGUMENT
         assert _code(lambda: call(ratio=1.5)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert _code(lambda: call(query_sources=["nope"])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert _code(lambda: raw('{"queries": {"sources": ["nope"]}}')) == INVALID
+        assert _code(lambda: raw('{"method": "am-highest", "bogus": 1}')) == INVALID
+        assert _code(lambda: call(head_budgets="/etc/passwd")) == INVALID
         assert _code(lambda: call(ids=_prefix(1, 5000))) == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            call(ratio=1.5)
+        assert info.value.details() == "ratio must be in (0, 1], got 1.5"
         assert _code(lambda: call(fp="0" * 32)) == grpc.StatusCode.FAILED_PRECONDITION
         # passes the method's own validation, then fails inside the worker
         assert (
@@ -94,7 +90,7 @@ def test_status_codes_from_real_bad_requests(server: Any, model_fp: str) -> None
         assert _code(lambda: call(ids=_prefix(2), timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.perf_counter() - t0 < 5
     _wait_idle(server)
-    assert _metric(server, "compactor_requests_total", status="INVALID_ARGUMENT") >= 5
+    assert _metric(server, "compactor_requests_total", status="INVALID_ARGUMENT") >= 8
     assert _metric(server, "compactor_requests_total", status="INTERNAL") >= 1
 
 
@@ -104,10 +100,7 @@ def test_queue_full_is_resource_exhausted(prepared_model: Path, model_fp: str) -
 
         async def main() -> list[Any]:
             async with AsyncCompactorClient(ep) as c:
-                calls = [
-                    c.compact(_prefix(10 + i), model_fp, "am-highest", ratio=0.25, timeout=1.5)
-                    for i in range(3)
-                ]
+                calls = [c.compact(_prefix(10 + i), model_fp, FAST, timeout=1.5) for i in range(3)]
                 return await asyncio.gather(*calls, return_exceptions=True)
 
         results = asyncio.run(main())
@@ -123,10 +116,7 @@ def test_32_identical_requests_share_one_compaction(server: Any, model_fp: str) 
     async def main() -> list[Any]:
         async with AsyncCompactorClient(f"127.0.0.1:{server.port}") as c:
             return await asyncio.gather(
-                *(
-                    c.compact(ids, model_fp, "am-highest", ratio=0.25, timeout=120)
-                    for _ in range(32)
-                )
+                *(c.compact(ids, model_fp, FAST, timeout=120) for _ in range(32))
             )
 
     results = asyncio.run(main())
@@ -140,11 +130,11 @@ def test_cancellation_frees_the_worker(server: Any, model_fp: str) -> None:
     pool = server.service.pool
     cancelled = _metric(server, "compactor_requests_total", status="CANCELLED")
     ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    from compactor.client import build_request
+    from compactor.service.convert import compact_request
     from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
 
     stub = pb_grpc.CompactorStub(ch)
-    call = stub.Compact(build_request(_prefix(4), model_fp, "am-highest", ratio=0.25), timeout=60)
+    call = stub.Compact(compact_request(_prefix(4), model_fp, FAST), timeout=60)
     _wait(lambda: pool.busy == 1, 10)
     time.sleep(0.3)
     t0 = time.perf_counter()

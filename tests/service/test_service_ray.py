@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from compactor.client import AsyncCompactorClient, CompactorClient, build_request
+from compactor.client import AsyncCompactorClient, CompactorClient
+from compactor.service.convert import compact_request
 from tests.service.conftest import FAST, PREFIX, assert_same_prefix, make_prefix, running_server
 
 ray = pytest.importorskip("ray")
@@ -41,14 +42,7 @@ def _wait(pred: Any, timeout: float) -> None:
 
 def test_round_trip_is_bit_exact(server: Any, model_fp: str, reference_prefix: Any) -> None:
     with CompactorClient(f"127.0.0.1:{server.port}") as c:
-        res = c.compact(
-            PREFIX,
-            model_fp,
-            FAST["method"],
-            ratio=FAST["ratio"],
-            query_sources=FAST["query_sources"],
-            timeout=120,
-        )
+        res = c.compact(PREFIX, model_fp, FAST, timeout=120)
     assert_same_prefix(res.prefix, reference_prefix)
     assert not res.cache_hit
     assert str(res.worker) != ""
@@ -62,7 +56,7 @@ def test_killing_the_busy_actor_still_answers(server: Any, model_fp: str, refere
     def call() -> None:
         with CompactorClient(f"127.0.0.1:{server.port}") as c:
             try:
-                out["res"] = c.compact(ids, model_fp, "am-highest", ratio=0.25, timeout=180)
+                out["res"] = c.compact(ids, model_fp, FAST, timeout=180)
             except Exception as exc:
                 out["err"] = exc
 
@@ -87,10 +81,7 @@ def test_32_identical_requests_one_compaction(server: Any, model_fp: str) -> Non
     async def main() -> list[Any]:
         async with AsyncCompactorClient(f"127.0.0.1:{server.port}") as c:
             return await asyncio.gather(
-                *(
-                    c.compact(ids, model_fp, "am-highest", ratio=0.25, timeout=120)
-                    for _ in range(32)
-                )
+                *(c.compact(ids, model_fp, FAST, timeout=120) for _ in range(32))
             )
 
     results = asyncio.run(main())
@@ -105,9 +96,7 @@ def test_cancellation_frees_the_actor(server: Any, model_fp: str) -> None:
     _wait(lambda: pool.busy == 0, 30)
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         stub = pb_grpc.CompactorStub(ch)
-        call = stub.Compact(
-            build_request(make_prefix(22), model_fp, "am-highest", ratio=0.25), timeout=60
-        )
+        call = stub.Compact(compact_request(make_prefix(22), model_fp, FAST), timeout=60)
         _wait(lambda: pool.busy == 1, 10)
         time.sleep(2.5)  # past prefill + queries (~1.5 s), inside the ~4.5 s layer loop
         t0 = time.perf_counter()

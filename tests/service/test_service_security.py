@@ -12,7 +12,7 @@ import pytest
 
 from compactor.client import CompactorClient, TlsFiles
 from compactor.service.server import TlsConfig
-from tests.service.conftest import PREFIX, running_server
+from tests.service.conftest import FAST, PREFIX, running_server
 
 TOKEN = "s3cret-token"
 
@@ -89,7 +89,7 @@ def test_mtls_with_token_works(server: Any, certs: Path, model_fp: str) -> None:
     tls = TlsFiles(certs / "ca.pem", certs / "client.pem", certs / "client.key")
     with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=TOKEN) as c:
         assert c.model_info().model_fingerprint == model_fp
-        res = c.compact(PREFIX, model_fp, "am-highest", ratio=0.25, timeout=120)
+        res = c.compact(PREFIX, model_fp, FAST, timeout=120)
     assert res.prefix.logical_length == len(PREFIX)
 
 
@@ -102,7 +102,7 @@ def test_request_without_the_token_is_refused(
     before = reg.get_sample_value("compactor_compactions_total")
     with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=token) as c:
         with pytest.raises(grpc.RpcError) as info:
-            c.compact(PREFIX, model_fp, "am-highest", ratio=0.25, timeout=30)
+            c.compact(PREFIX, model_fp, FAST, timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as info:
             c.model_info()

@@ -214,8 +214,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _prefix(model: Any, on_policy: bool) -> Any:
     """am-omp-fast on a 48-token prefix; query sources that cover the reservoir, random and
     prefix queries and generated follow-up answers (the decode path)."""
-    from compactor.pipeline import compact_prefix
-    from compactor.queries import QueryConfig
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec, QueryConfig
 
     cfg = QueryConfig(
         sources=("repeat-prefill", "context-prefill", "random", "follow-up"),
@@ -224,18 +224,9 @@ def _prefix(model: Any, on_policy: bool) -> Any:
         follow_up_answer_tokens=3,
     )
     torch.manual_seed(0)
-    prefix, _ = compact_prefix(
-        model,
-        None,
-        PREFIX_IDS,
-        "am-omp-fast",
-        ratio=0.25,
-        query_sources=cfg,
-        follow_ups=[[5, 6, 7], [9, 10]],
-        on_policy=on_policy,
-        progress=False,
-        model_fingerprint="tiny",
-    )
+    spec = CompactionSpec(method="am-omp-fast", ratio=0.25, queries=cfg, on_policy=on_policy)
+    hooks = Hooks(progress=False, model_fingerprint="tiny")
+    prefix, _ = compact_prefix(model, None, PREFIX_IDS, spec, [[5, 6, 7], [9, 10]], hooks)
     return prefix
 
 
@@ -301,15 +292,17 @@ def test_worker_compaction_on_cuda_returns_a_cpu_prefix_the_service_encodes(
     encoded by the service, with the CPU run's head lengths and about its decode quality."""
     from compactor.service.convert import Assembler, EncodedPrefix, encode_prefix
     from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+    from compactor.spec import CompactionSpec, QueryConfig
     from compactor.workers.job import CompactJob
     from compactor.workers.worker import run_compaction
 
     model = tiny_llama(tmp_path / "tiny")
     ids = tuple(torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(7)).tolist())
-    job = CompactJob(
-        "tiny", ids, "am-omp-fast", ratio=0.25, query_sources=("repeat-prefill",),
-        follow_ups=((5, 6, 7),), on_policy=on_policy,
+    spec = CompactionSpec(
+        method="am-omp-fast", ratio=0.25, queries=QueryConfig(sources=("repeat-prefill",)),
+        on_policy=on_policy,
     )  # fmt: skip
+    job = CompactJob("tiny", ids, spec, follow_ups=((5, 6, 7),))
     ref = run_compaction(model, None, "tiny", job).prefix
     res = run_compaction(model.to("cuda"), None, "tiny", job)
     prefix = pickle.loads(pickle.dumps(res.prefix))  # what crosses the Ray boundary

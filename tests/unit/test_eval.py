@@ -9,7 +9,8 @@ import torch
 
 from compactor.cli import main
 from compactor.eval import EvalCase, attention_errors, build_reference, evaluate_prefix
-from compactor.pipeline import compact_prefix
+from compactor.pipeline import Hooks, compact_prefix
+from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedLayer, CompactedPrefix
 from tests.unit import test_pipeline  # noqa: F401  (registers the test-identity method)
 from tests.unit._tiny import tiny_llama
@@ -54,15 +55,10 @@ def test_eval_full_and_identity_are_zero(tiny):
     assert len(ref.answers) == 2 and ref.heldout[0].shape == (2, 2 * (8 + 7), 16)
     full = evaluate_prefix(tiny, None, ref, None)
     assert full["output_rel_err"] == 0 and full["logppl_gap"] == 0 and full["agreement"] == 1.0
-    prefix, _ = compact_prefix(
-        tiny,
-        None,
-        case.prefix_ids,
-        "test-identity",
-        ratio=1.0,
-        query_sources=("repeat-prefill",),
-        progress=False,
+    spec = CompactionSpec(
+        method="test-identity", ratio=1.0, queries=QueryConfig(sources=("repeat-prefill",))
     )
+    prefix, _ = compact_prefix(tiny, None, case.prefix_ids, spec, hooks=Hooks(progress=False))
     ident = evaluate_prefix(tiny, None, ref, prefix)
     assert ident["output_rel_err"] < 1e-5 and ident["mass_rel_err"] < 1e-5
     assert abs(ident["logppl_gap"]) < 1e-4 and ident["agreement"] == 1.0

@@ -17,14 +17,16 @@ from compactor.budgets import (
 )
 from compactor.cli import main
 from compactor.eval.harness import EvalCase
-from compactor.pipeline import compact_prefix
+from compactor.pipeline import Hooks, compact_prefix
 from compactor.sensitivity import measure_sensitivity
+from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedPrefix
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob
 from tests.unit._tiny import tiny_llama
 
 SRC = ("repeat-prefill",)
+SPEC = CompactionSpec(method="am-highest", ratio=0.25, queries=QueryConfig(sources=SRC))
 FR = [0.1, 0.25, 0.5]
 STEEP = [0.9, 0.6, 0.3]  # a sensitive head: error falls fast with more budget
 FLAT = [0.02, 0.015, 0.01]
@@ -58,12 +60,16 @@ def _ids(n, seed=0):
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(model, ids, **kw):
-    kw.setdefault("ratio", 0.25)
-    prefix, _ = compact_prefix(
-        model, None, ids, "am-highest", query_sources=SRC, progress=False, **kw
-    )
+def _run(model, ids, model_fingerprint=None, **kw):
+    hooks = Hooks(progress=False, model_fingerprint=model_fingerprint)
+    prefix, _ = compact_prefix(model, None, ids, SPEC.replace(**kw), hooks=hooks)
     return prefix
+
+
+def _saved(curves: SensitivityCurves, path: Path) -> str:
+    """`curves` written to `path` (a spec names its curves by file)."""
+    save_sensitivity_json(path, curves)
+    return str(path)
 
 
 def _same_tensors(a: CompactedPrefix, b: CompactedPrefix) -> bool:
@@ -80,31 +86,32 @@ def _same_tensors(a: CompactedPrefix, b: CompactedPrefix) -> bool:
     )
 
 
-def test_uniform_default_unchanged_and_flat_curves_reproduce_it(tiny):
+def test_uniform_default_unchanged_and_flat_curves_reproduce_it(tiny, tmp_path):
     ids = _ids(48)
-    base = _run(tiny, ids)  # no head_budgets argument
+    assert SPEC.head_budgets == "uniform"
+    base = _run(tiny, ids)  # the spec's default head budgets
     assert base.params["head_budgets"] == "uniform" and base.params["head_budget_table"] is None
     assert _same_tensors(base, _run(tiny, ids, head_budgets="uniform"))
-    assert _same_tensors(base, _run(tiny, ids, head_budgets=None))
     # identical curves for every head: the greedy swap moves nothing -> the uniform split
     flat = SensitivityCurves(FR, [[STEEP, STEEP], [STEEP, STEEP]], method="am-highest")
-    same = _run(tiny, ids, head_budgets=flat)
+    same = _run(tiny, ids, head_budgets=_saved(flat, tmp_path / "flat.json"))
     assert same.params["head_budgets"] == "sensitivity"
     assert same.params["head_budget_table"] == [[12, 12], [12, 12]] == base.kept_per_head()
     assert _same_tensors(base, same)
 
 
-def test_sensitive_head_gets_more_with_the_same_total(tiny):
+def test_sensitive_head_gets_more_with_the_same_total(tiny, tmp_path):
     ids = _ids(48, seed=1)  # T=48, s=4, budget 12 per head (8 non-sink), total 48
     curves = SensitivityCurves(FR, [[FLAT, FLAT], [STEEP, FLAT]], method="am-highest")
     uni = _run(tiny, ids)
-    pre = _run(tiny, ids, head_budgets=curves)
+    path = _saved(curves, tmp_path / "c.json")
+    pre = _run(tiny, ids, head_budgets=path)
     kept = pre.kept_per_head()
     assert kept[1][0] > 12 and all(kept[li][h] < 12 for li, h in ((0, 0), (0, 1), (1, 1)))
     assert min(min(r) for r in kept) >= 4 + 1  # sinks + at least one entry
     assert pre.kept_tokens() == uni.kept_tokens() == 4 * 12
     assert pre.params["head_budget_table"] == kept
-    assert pre.params["head_budget_source"] == "curves"
+    assert pre.params["head_budget_source"] == path
     # the ragged layout decodes (padded per layer) and logits stay finite
     logits = hf.PrefixState.from_compacted(pre).forward(tiny, _ids(5, seed=9))
     assert logits.shape == (5, 128) and bool(torch.isfinite(logits).all())
@@ -119,7 +126,8 @@ def test_auto_reads_the_model_dir_file(tiny, tmp_path, monkeypatch):
     curves = SensitivityCurves(FR, [[STEEP, FLAT], [FLAT, FLAT]], method="am-highest")
     save_sensitivity_json(sensitivity_path(tmp_path, "am-highest"), curves)
     a = _run(tiny, ids, head_budgets="auto", model_fingerprint="fp")
-    b = _run(tiny, ids, head_budgets=curves, model_fingerprint="fp")
+    copy = _saved(curves, tmp_path / "copy.json")
+    b = _run(tiny, ids, head_budgets=copy, model_fingerprint="fp")
     assert a.params["head_budget_source"] == str(sensitivity_path(tmp_path, "am-highest"))
     assert _same_tensors(a, b) and a.kept_per_head()[0][0] > a.kept_per_head()[0][1]
 
@@ -134,14 +142,11 @@ def test_auto_reads_the_model_dir_file(tiny, tmp_path, monkeypatch):
         ([[FLAT, FLAT]] * 2, {"meta": {"model_fingerprint": "other"}}, "measured on model 'other'"),
     ],
 )
-def test_bad_curves_or_combinations(tiny, curves, kwargs, match):
+def test_bad_curves_or_combinations(tiny, tmp_path, curves, kwargs, match):
     c = SensitivityCurves(FR, curves, meta=kwargs.pop("meta", {}))
-    method = kwargs.pop("method", "am-highest")
+    spec = SPEC.replace(head_budgets=_saved(c, tmp_path / "c.json"), **kwargs)
     with pytest.raises(ValueError, match=match):
-        compact_prefix(
-            tiny, None, _ids(40), method, ratio=0.25, query_sources=SRC, progress=False,
-            head_budgets=c, **kwargs,
-        )  # fmt: skip
+        compact_prefix(tiny, None, _ids(40), spec, hooks=Hooks(progress=False))
 
 
 def test_missing_curves_file_names_it(tiny, tmp_path):
@@ -152,8 +157,9 @@ def test_missing_curves_file_names_it(tiny, tmp_path):
 
 def test_measure_sensitivity_core(tiny, tmp_path):
     case = EvalCase("rand", _ids(64, seed=3), [_ids(6, seed=4), _ids(5, seed=5)])
+    fit = CompactionSpec(method="am-highest", queries=QueryConfig(sources=SRC))
     curves = measure_sensitivity(
-        tiny, None, case, "am-highest", [0.1, 0.5, 1.0], answer_tokens=3, progress=False
+        tiny, None, case, fit, [0.1, 0.5, 1.0], answer_tokens=3, progress=False
     )
     assert curves.shape == (2, 2, 3) and curves.method == "am-highest"
     for layer in curves.errors:
@@ -167,9 +173,9 @@ def test_measure_sensitivity_core(tiny, tmp_path):
     prefix = _run(tiny, case.prefix_ids, head_budgets=str(path))  # fingerprint matches
     assert prefix.params["head_budgets"] == "sensitivity"
     with pytest.raises(ValueError, match="per-layer context"):
-        measure_sensitivity(tiny, None, case, "gvote", progress=False)
+        measure_sensitivity(tiny, None, case, fit.replace(method="gvote"), progress=False)
     with pytest.raises(ValueError, match="increasing"):
-        measure_sensitivity(tiny, None, case, "am-highest", [0.5, 0.1], progress=False)
+        measure_sensitivity(tiny, None, case, fit, [0.5, 0.1], progress=False)
 
 
 def test_cli_sensitivity_then_compact_and_eval_auto(tiny_dir_with_tokenizer, tmp_path, capsys):
@@ -208,7 +214,7 @@ def test_cli_sensitivity_then_compact_and_eval_auto(tiny_dir_with_tokenizer, tmp
     ("argv", "match"),
     [
         (["--model", "no-such-model"], "neither a known model"),
-        (["--method", "no-such-method"], "unknown compaction method"),
+        (["--method", "no-such-method"], "unknown method 'no-such-method'; available: "),
         (["--fractions", "0.5,0.1"], "increasing"),
     ],
 )
@@ -225,21 +231,24 @@ def test_cli_sensitivity_without_tokenizer_exit_2(tiny, capsys):
     assert "tokenizer" in capsys.readouterr().err
 
 
-def test_compact_job_head_budgets_param():
-    job = CompactJob("fp", (1, 2, 3), "am-highest", {"head_budgets": "auto"})
+def test_compact_job_head_budgets_field():
+    auto = SPEC.replace(head_budgets="auto")
+    job = CompactJob("fp", (1, 2, 3), auto)
     job.validate(max_prefix_tokens=100)
-    assert job.split_params() == ({}, "auto")
-    assert job.key() != CompactJob("fp", (1, 2, 3), "am-highest").key()
-    assert CompactJob("fp", (1, 2, 3), "am-highest").split_params() == ({}, "uniform")
+    assert job.key() != CompactJob("fp", (1, 2, 3), SPEC).key()
     with pytest.raises(InvalidRequest, match="head_budgets must be one of"):
-        CompactJob("fp", (1, 2, 3), "am-highest", {"head_budgets": "/etc/x.json"}).validate(100)
+        CompactJob("fp", (1, 2, 3), SPEC.replace(head_budgets="/etc/x.json")).validate(100)
+    # a head budget is not a method parameter any more
+    bad = SPEC.replace(method_params={"head_budgets": "auto"})
+    with pytest.raises(InvalidRequest, match="no parameter"):
+        CompactJob("fp", (1, 2, 3), bad).validate(100)
 
 
 def test_worker_auto_without_curves_is_invalid_request(tiny, tmp_path, monkeypatch):
     from compactor.workers.worker import run_compaction
 
     monkeypatch.setattr(tiny, "compactor_model_dir", str(tmp_path))
-    job = CompactJob("fp", tuple(_ids(30)), "am-highest", {"head_budgets": "auto"}, ratio=0.3)
+    job = CompactJob("fp", tuple(_ids(30)), SPEC.replace(ratio=0.3, head_budgets="auto"))
     with pytest.raises(InvalidRequest, match="no sensitivity curves"):
         run_compaction(tiny, None, "fp", job)
     curves = SensitivityCurves(FR, [[STEEP, FLAT], [FLAT, FLAT]], method="am-highest")

@@ -9,7 +9,8 @@ import torch
 
 from compactor import hf
 from compactor.methods import CompactionMethod, LayerInput, MethodResult, register_method
-from compactor.pipeline import compact_prefix, split_budget
+from compactor.pipeline import Hooks, compact_prefix, split_budget
+from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedLayer
 from tests.unit._tiny import real_model, tiny_llama
 
@@ -61,6 +62,13 @@ def _ids(n, seed=0):
 
 
 SRC = ("repeat-prefill",)
+QUIET = Hooks(progress=False)
+
+
+def _spec(method: str, **kw) -> CompactionSpec:
+    """A spec with repeat-prefill queries (the tiny model has no tokenizer)."""
+    kw.setdefault("queries", QueryConfig(sources=SRC))
+    return CompactionSpec(method=method, **kw)
 
 
 def test_split_budget():
@@ -74,7 +82,7 @@ def test_split_budget():
 def test_identity_pipeline_equals_full_logits(tiny):
     ids = _ids(40)
     prefix, times = compact_prefix(
-        tiny, None, ids[:32], "test-identity", ratio=1.0, query_sources=SRC, progress=False
+        tiny, None, ids[:32], _spec("test-identity", ratio=1.0), hooks=QUIET
     )
     assert prefix.logical_length == 32 and prefix.num_layers == 2
     assert times.total >= times.compaction >= 0 and len(times.per_layer) == 2
@@ -85,18 +93,9 @@ def test_identity_pipeline_equals_full_logits(tiny):
 
 def test_chunked_identity_matches_unchunked(tiny):
     ids = _ids(50, seed=1)
-    a, _ = compact_prefix(
-        tiny, None, ids, "test-identity", ratio=1.0, query_sources=SRC, progress=False
-    )
+    a, _ = compact_prefix(tiny, None, ids, _spec("test-identity", ratio=1.0), hooks=QUIET)
     b, _ = compact_prefix(
-        tiny,
-        None,
-        ids,
-        "test-identity",
-        ratio=1.0,
-        query_sources=SRC,
-        progress=False,
-        chunk_size=13,
+        tiny, None, ids, _spec("test-identity", ratio=1.0, chunk_size=13), hooks=QUIET
     )
     for la, lb in zip(a.layers, b.layers):
         assert torch.equal(la.indptr, lb.indptr) and torch.equal(la.kept_indices, lb.kept_indices)
@@ -105,17 +104,8 @@ def test_chunked_identity_matches_unchunked(tiny):
 
 def test_sinks_kept_with_beta_zero_and_budget(tiny):
     ids = _ids(50, seed=2)
-    prefix, _ = compact_prefix(
-        tiny,
-        None,
-        ids,
-        "test-first",
-        ratio=0.2,
-        query_sources=SRC,
-        progress=False,
-        keep_sink_tokens=3,
-        chunk_size=20,
-    )
+    spec = _spec("test-first", ratio=0.2, keep_sink_tokens=3, chunk_size=20)
+    prefix, _ = compact_prefix(tiny, None, ids, spec, hooks=QUIET)
     assert prefix.kept_per_head() == [[10, 10], [10, 10]]
     layer = prefix.layers[0]
     _k, _, b = layer.head(1)
@@ -127,19 +117,17 @@ def test_sinks_kept_with_beta_zero_and_budget(tiny):
 def test_on_policy_runs_and_matches_shapes(tiny):
     ids = _ids(30, seed=3)
     a, _ = compact_prefix(
-        tiny, None, ids, "test-first", tokens=8, query_sources=SRC, progress=False, on_policy=True
+        tiny, None, ids, _spec("test-first", tokens=8, on_policy=True), hooks=QUIET
     )
-    b, _ = compact_prefix(
-        tiny, None, ids, "test-first", tokens=8, query_sources=SRC, progress=False
-    )
+    b, _ = compact_prefix(tiny, None, ids, _spec("test-first", tokens=8), hooks=QUIET)
     assert a.kept_per_head() == b.kept_per_head() == [[8, 8], [8, 8]]
     assert a.params["on_policy"] is True
 
 
 def test_method_reports_collected_per_layer_and_chunk(tiny):
     ids = _ids(40, seed=4)
-    run = dict(ratio=0.3, query_sources=SRC, progress=False, keep_sink_tokens=2)
-    gv, _ = compact_prefix(tiny, None, ids, "gvote", chunk_size=19, **run)
+    run = dict(ratio=0.3, keep_sink_tokens=2)
+    gv, _ = compact_prefix(tiny, None, ids, _spec("gvote", chunk_size=19, **run), hooks=QUIET)
     report = gv.params["method_report"]
     assert [r["layer"] for r in report] == [0, 0, 1, 1]  # one per layer and chunk
     assert [r["span"] for r in report[:2]] == [[2, 21], [21, 40]]
@@ -147,10 +135,10 @@ def test_method_reports_collected_per_layer_and_chunk(tiny):
         assert 0 < r["ratio"] <= 1 and len(r["kept_per_kv_head"]) == 2
     ratios = [r["ratio"] for r in report]
     assert gv.params["chosen_ratio"] == sum(ratios) / len(ratios)
-    zip_, _ = compact_prefix(tiny, None, ids, "kvzip", **run)
+    zip_, _ = compact_prefix(tiny, None, ids, _spec("kvzip", **run), hooks=QUIET)
     assert [sum(r["budgets"]) for r in zip_.params["method_report"]] == [20, 20]
     assert zip_.params["chosen_ratio"] is None  # a report without "ratio"
-    am, _ = compact_prefix(tiny, None, ids, "am-highest", **run)
+    am, _ = compact_prefix(tiny, None, ids, _spec("am-highest", **run), hooks=QUIET)
     assert am.params["method_report"] is None and am.params["chosen_ratio"] is None
 
 
@@ -162,13 +150,33 @@ def test_method_reports_collected_per_layer_and_chunk(tiny):
         ({"tokens": 0}, "tokens must be"),
         ({"ratio": 0.5, "chunk_size": 0}, "chunk_size"),
         ({"ratio": 0.5, "keep_sink_tokens": -1}, "keep_sink_tokens"),
+        ({}, "exactly one of ratio and tokens .*budget 'auto'"),
+        ({"ratio": 0.5, "method": "nosuch"}, "unknown method 'nosuch'; available: .*am-omp"),
+        ({"ratio": 0.5, "method_params": {"bogus": 1}}, r"no parameter\(s\) \['bogus'\]"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, match):
+    spec = _spec(kwargs.pop("method", "test-first"), **kwargs)
     with pytest.raises(ValueError, match=match):
-        compact_prefix(
-            tiny, None, _ids(20), "test-first", query_sources=SRC, progress=False, **kwargs
-        )
+        compact_prefix(tiny, None, _ids(20), spec, hooks=QUIET)
+
+
+def test_spec_is_checked_before_the_model_is_touched():
+    with pytest.raises(ValueError, match="ratio must be in"):
+        compact_prefix(None, None, _ids(20), _spec("test-first", ratio=2.0), hooks=QUIET)
+
+
+def test_prebuilt_method_hook(tiny):
+    from compactor.methods import get_method
+
+    ids = _ids(30, seed=4)
+    spec = _spec("test-first", tokens=8)
+    a, _ = compact_prefix(tiny, None, ids, spec, hooks=QUIET)
+    meth = get_method("test-first")
+    b, _ = compact_prefix(tiny, None, ids, spec, hooks=Hooks(progress=False, method=meth))
+    assert a.metadata() == b.metadata()
+    with pytest.raises(ValueError, match=r"hooks\.method is 'test-first'"):
+        compact_prefix(tiny, None, ids, _spec("am-highest", tokens=8), hooks=Hooks(method=meth))
 
 
 def test_real_model_am_omp_fast(prepared_model):
@@ -176,9 +184,7 @@ def test_real_model_am_omp_fast(prepared_model):
 
     model, tok = real_model(prepared_model)
     ids = tok("The mill stands where the river bends twice. " * 8)["input_ids"]
-    prefix, times = compact_prefix(
-        model, tok, ids, "am-omp-fast", ratio=0.25, query_sources=SRC, progress=False
-    )
+    prefix, times = compact_prefix(model, tok, ids, _spec("am-omp-fast", ratio=0.25), hooks=QUIET)
     prefix.validate(
         expected_fingerprint=fingerprint(prepared_model), num_layers=30, num_kv_heads=3, head_dim=64
     )

@@ -1,16 +1,19 @@
-"""The inproc:// compactor's worker function: the plugin's flags become a service CompactJob
-and run through `run_compaction` (the service's single compaction path), on a tiny llama."""
+"""The inproc:// compactor's worker function: the plugin's spec becomes a service CompactJob
+and runs through `compactor.Worker` (the service's single compaction path), on a tiny llama."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from compactor import CompactionSpec, QueryConfig, Worker
 from compactor.workers.errors import ModelMismatch
 from sglang_ext import compactors
-from sglang_ext.config import CompactionConfig
+from sglang_ext.config import PLUGIN_SPEC
 from tests.unit._tiny import tiny_llama
 
 IDS = [(7 * i + 3) % 120 + 1 for i in range(40)]
@@ -18,27 +21,22 @@ FOLLOW_UPS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
 
 @pytest.fixture(scope="module")
-def worker_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
-    from compactor.models import fingerprint
-
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
     path = tmp_path_factory.mktemp("tiny")
-    return tiny_llama(path), fingerprint(str(path))
+    tiny_llama(path)
+    return Worker(str(path), torch_threads=None)
 
 
-def _compact(monkeypatch: pytest.MonkeyPatch, worker_model: Any, cfg: CompactionConfig,
+def _compact(monkeypatch: pytest.MonkeyPatch, worker: Worker, spec: CompactionSpec,
              follow_ups: list[list[int]], fp: str | None = None) -> Any:  # fmt: skip
-    model, fingerprint = worker_model
-    monkeypatch.setattr(compactors, "_WORKER_MODEL", (model, None, fingerprint))
-    return compactors._worker_compact(cfg, fp or fingerprint, IDS, follow_ups)
+    monkeypatch.setattr(compactors, "_WORKER", worker)
+    return compactors._worker_compact(spec, fp or worker.fingerprint, IDS, follow_ups)
 
 
-def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker_model: Any) -> None:
-    cfg = CompactionConfig(
-        endpoint="inproc://", method="am-highest", tokens=9, query_sources=("follow-up",),
-        on_policy=True, follow_up_answer_tokens=0,
-    )  # fmt: skip
-    prefix = _compact(monkeypatch, worker_model, cfg, FOLLOW_UPS)
-    prefix.validate(expected_fingerprint=worker_model[1])
+def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Worker) -> None:
+    spec = PLUGIN_SPEC.replace(tokens=9, ratio=None, queries={"follow_up_answer_tokens": 0})
+    prefix = _compact(monkeypatch, worker, spec, FOLLOW_UPS)
+    prefix.validate(expected_fingerprint=worker.fingerprint)
     assert prefix.logical_length == len(IDS) and prefix.method == "am-highest"
     assert prefix.params["tokens"] == 9 and prefix.params["ratio"] is None
     assert prefix.params["on_policy"] is True
@@ -47,22 +45,42 @@ def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker_mode
 
 
 def test_no_follow_ups_falls_back_to_repeat_prefill(
-    monkeypatch: pytest.MonkeyPatch, worker_model: Any
+    monkeypatch: pytest.MonkeyPatch, worker: Worker
 ) -> None:
-    cfg = CompactionConfig(endpoint="inproc://", ratio=0.25, query_sources=("follow-up",),
-                           on_policy=False, follow_up_answer_tokens=0)  # fmt: skip
-    prefix = _compact(monkeypatch, worker_model, cfg, [])
+    spec = PLUGIN_SPEC.replace(ratio=0.25, on_policy=False, queries={"follow_up_answer_tokens": 0})
+    # what both compactors send for a prefix without follow-ups
+    prefix = _compact(monkeypatch, worker, spec.for_follow_ups([]), [])
     assert prefix.params["query_sources"] == ["repeat-prefill"]
     assert prefix.params["ratio"] == 0.25 and prefix.params["budget_per_head"] == 10
 
 
-def test_other_model_is_refused(monkeypatch: pytest.MonkeyPatch, worker_model: Any) -> None:
-    cfg = CompactionConfig(endpoint="inproc://", follow_up_answer_tokens=0)
+def test_for_follow_ups_drops_only_a_missing_source() -> None:
+    both = CompactionSpec(queries=QueryConfig(sources=("follow-up", "self-study")))
+    assert both.for_follow_ups([]).queries.sources == ("self-study",)
+    assert both.for_follow_ups([[1]]) is both
+    assert PLUGIN_SPEC.for_follow_ups([]).queries.sources == ("repeat-prefill",)
+    assert PLUGIN_SPEC.for_follow_ups([]).queries.follow_up_answer_tokens == 32
+
+
+def test_other_model_is_refused(monkeypatch: pytest.MonkeyPatch, worker: Worker) -> None:
+    spec = PLUGIN_SPEC.replace(queries={"follow_up_answer_tokens": 0})
     with pytest.raises(ModelMismatch, match="request is for model 'not-this-one'"):
-        _compact(monkeypatch, worker_model, cfg, FOLLOW_UPS, fp="not-this-one")
+        _compact(monkeypatch, worker, spec, FOLLOW_UPS, fp="not-this-one")
 
 
-def test_worker_used_before_init(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(compactors, "_WORKER_MODEL", None)
+def test_worker_used_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compactors, "_WORKER", None)
     with pytest.raises(RuntimeError, match="before its initializer"):
-        compactors._worker_compact(CompactionConfig(endpoint="inproc://"), "fp", IDS, [])
+        compactors._worker_compact(PLUGIN_SPEC, "fp", IDS, [])
+
+
+def test_plugin_uses_only_the_public_surface() -> None:
+    """sglang_ext reaches compactor through its lazy top-level names (and the client), not
+    compactor.hf / compactor.workers internals; the config module imports no torch."""
+    root = Path(__file__).resolve().parents[2]
+    for name in ("compactors.py", "config.py", "factory.py"):
+        text = (root / "sglang_ext" / name).read_text()
+        for internal in ("compactor.hf", "compactor.workers", "compactor.pipeline"):
+            assert internal not in text, (name, internal)
+    code = "import sys, sglang_ext.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

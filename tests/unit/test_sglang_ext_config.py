@@ -111,20 +111,96 @@ def test_register_backends_adds_both_attention_backends() -> None:
         assert name in ATTENTION_BACKENDS and ATTENTION_BACKEND_CHOICES.count(name) == 1
 
 
-def test_query_option_flags_parse_and_validate() -> None:
+def _parse(*argv: str) -> Any:
     import argparse
 
     from sglang_ext.config import add_cli_args, config_from_namespace
 
     p = argparse.ArgumentParser()
     add_cli_args(p)
-    cfg = config_from_namespace(p.parse_args(["--compaction-endpoint", "h:1"]))
-    assert cfg is not None and cfg.on_policy is True and cfg.follow_up_answer_tokens == 32
-    ns = p.parse_args(
-        ["--compaction-endpoint", "h:1", "--no-compaction-on-policy",
-         "--compaction-follow-up-answer-tokens", "0"]
+    return config_from_namespace(p.parse_args(["--compaction-endpoint", "h:1", *argv]))
+
+
+def test_plugin_flags_default_to_the_plugin_spec() -> None:
+    from sglang_ext.config import PLUGIN_SPEC
+
+    cfg = _parse()
+    assert cfg is not None and cfg.spec == PLUGIN_SPEC
+    assert (cfg.spec.method, cfg.spec.ratio, cfg.spec.tokens) == ("am-highest", 0.1, None)
+    assert cfg.spec.queries.sources == ("follow-up",)
+    assert cfg.spec.on_policy is True and cfg.spec.queries.follow_up_answer_tokens == 32
+
+
+def test_query_option_flags_parse_and_validate() -> None:
+    cfg = _parse("--no-compaction-on-policy", "--compaction-follow-up-answer-tokens", "0")
+    assert cfg is not None and cfg.spec.on_policy is False
+    assert cfg.spec.queries.follow_up_answer_tokens == 0
+    with pytest.raises(ValueError, match=r"^--compaction-follow-up-answer-tokens: .*got -1"):
+        _parse("--compaction-follow-up-answer-tokens", "-1")
+    with pytest.raises(
+        ValueError, match=r"^--compaction-follow-up-answer-tokens: .*\[0, 256\], got 999"
+    ):
+        _parse("--compaction-follow-up-answer-tokens", "999")
+
+
+def test_every_spec_knob_has_a_plugin_flag() -> None:
+    cfg = _parse(
+        "--compaction-method", "am-omp-fast", "--compaction-param", "k=2",
+        "--compaction-tokens", "64", "--compaction-query-sources", "repeat-prefill,random",
+        "--compaction-max-queries", "100", "--compaction-self-study-tokens", "8",
+        "--compaction-self-study-prompt", "Summarize.", "--compaction-self-study-temperature",
+        "0.5", "--compaction-random-queries", "16", "--compaction-query-seed", "7",
+        "--compaction-keep-sink-tokens", "2", "--compaction-chunk-size", "512",
+        "--compaction-head-budgets", "auto",
     )  # fmt: skip
-    cfg = config_from_namespace(ns)
-    assert cfg is not None and cfg.on_policy is False and cfg.follow_up_answer_tokens == 0
-    with pytest.raises(ValueError, match=r"answer-tokens must be in \[0, 256\], got -1"):
-        CompactionConfig(endpoint="h:1", follow_up_answer_tokens=-1)
+    assert cfg is not None
+    s = cfg.spec
+    assert (s.method, s.method_params, s.ratio, s.tokens) == ("am-omp-fast", {"k": 2}, None, 64)
+    q = s.queries
+    assert q.sources == ("repeat-prefill", "random") and q.max_queries_per_head == 100
+    assert (q.self_study_tokens, q.self_study_prompts, q.temperature) == (8, ("Summarize.",), 0.5)
+    assert (q.random_count, q.seed, q.follow_up_answer_tokens) == (16, 7, 32)
+    assert (s.keep_sink_tokens, s.chunk_size, s.head_budgets) == (2, 512, "auto")
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--compaction-method", "nosuch"], "^--compaction-method: unknown method 'nosuch'; available: "),
+        (["--compaction-ratio", "1.5"], r"^--compaction-ratio: ratio must be in \(0, 1\], got 1.5"),
+        (["--compaction-tokens", "0"], "^--compaction-tokens: tokens must be an int >= 1, got 0"),
+        (["--compaction-query-sources", "nope"], "^--compaction-query-sources: unknown query source"),
+        (["--compaction-param", "bogus=1"], r"^--compaction-param: .*no parameter\(s\) \['bogus'\]"),
+        (["--compaction-param", "oops"], "^--compaction-param: a method parameter must be KEY=JSON, got 'oops'"),
+        (["--compaction-head-budgets", "/x.json"], "^--compaction-head-budgets: head_budgets must be one of"),
+    ],
+)  # fmt: skip
+def test_bad_spec_fails_at_startup_naming_the_flag(argv: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _parse(*argv)
+
+
+def test_startup_hook_validates_the_spec() -> None:
+    """The AFTER hook on ServerArgs.from_cli_args is where a bad spec stops the server."""
+    import argparse
+
+    from sglang_ext import _from_cli_args
+    from sglang_ext.config import add_cli_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    ns = p.parse_args(["--compaction-endpoint", "inproc://", "--compaction-ratio", "2"])
+    args = server_args(device="cpu")
+    with pytest.raises(ValueError, match=r"^--compaction-ratio: ratio must be in"):
+        _from_cli_args(args, type(args), ns)
+    assert not hasattr(args, CONFIG_ATTR)
+    ns = p.parse_args(["--compaction-endpoint", "inproc://", "--compaction-tokens", "9"])
+    _from_cli_args(args, type(args), ns)
+    assert getattr(args, CONFIG_ATTR).spec.tokens == 9
+
+
+def test_serving_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="--compaction-min-hits must be >= 1, got 0"):
+        CompactionConfig(endpoint="h:1", min_hits=0)
+    with pytest.raises(ValueError, match="spec must be a CompactionSpec"):
+        CompactionConfig(endpoint="h:1", spec="am-highest")  # type: ignore[arg-type]

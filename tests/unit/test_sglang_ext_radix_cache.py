@@ -35,15 +35,16 @@ T = 96
 def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
     from compactor.hf import load_model
     from compactor.models import fingerprint
-    from compactor.pipeline import compact_prefix
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec, QueryConfig
 
     model, tok = load_model(prepared_model)
     text = " ".join(f"Room {i} has {i * 3} chairs." for i in range(40))
     ids = tok(text)["input_ids"][:T]
-    prefix, _ = compact_prefix(
-        model, tok, ids, "am-highest", ratio=0.25, query_sources=("context-prefill",),
-        progress=False,
-    )  # fmt: skip
+    spec = CompactionSpec(
+        method="am-highest", ratio=0.25, queries=QueryConfig(sources=("context-prefill",))
+    )
+    prefix, _ = compact_prefix(model, tok, ids, spec, hooks=Hooks(progress=False))
     return ids, prefix, fingerprint(prepared_model)
 
 

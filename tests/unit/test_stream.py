@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from compactor import hf
-from compactor.pipeline import compact_prefix
+from compactor.pipeline import Hooks, compact_prefix
 from compactor.queries import QueryConfig, collect_queries, plan_queries
+from compactor.spec import CompactionSpec
 from tests.unit._tiny import tiny_llama
 from tests.unit.test_pipeline import _ids  # registers the test-first method
 
@@ -46,10 +47,11 @@ def test_on_policy_queries_match_hybrid_forward(tiny):
     ids = _ids(36, seed=2)
     prefix = ids[:28]
     pre = hf.prefill(tiny, prefix)
-    compacted, _ = compact_prefix(
-        tiny, None, prefix, "test-first", tokens=6, query_sources=("repeat-prefill",),
-        progress=False, keep_sink_tokens=0,
+    spec = CompactionSpec(
+        method="test-first", tokens=6, queries=QueryConfig(sources=("repeat-prefill",)),
+        keep_sink_tokens=0,
     )  # fmt: skip
+    compacted, _ = compact_prefix(tiny, None, prefix, spec, hooks=Hooks(progress=False))
     seq = ids[28:]
     stream = hf.LayerStream(tiny, 28, [seq])
     stream.advance(*compacted.layers[0].padded(6, torch.float32))
@@ -66,15 +68,13 @@ def test_on_policy_queries_match_hybrid_forward(tiny):
 
 
 def test_pipeline_on_policy_uses_streamed_queries(tiny):
-    """compact_prefix(on_policy=True) fits layer 1 to the stream's queries (not off-policy ones)."""
+    """compact_prefix with spec.on_policy fits layer 1 to the stream's queries (not off-policy ones)."""
     ids = _ids(30, seed=3)
     cfg = QueryConfig(sources=("repeat-prefill",))
-    a, _ = compact_prefix(
-        tiny, None, ids, "am-highest", tokens=8, query_sources=cfg, progress=False, on_policy=True
-    )
-    b, _ = compact_prefix(
-        tiny, None, ids, "am-highest", tokens=8, query_sources=cfg, progress=False
-    )
+    spec = CompactionSpec(method="am-highest", tokens=8, queries=cfg)
+    quiet = Hooks(progress=False)
+    a, _ = compact_prefix(tiny, None, ids, spec.replace(on_policy=True), hooks=quiet)
+    b, _ = compact_prefix(tiny, None, ids, spec, hooks=quiet)
     assert a.params["on_policy"] is True and a.kept_per_head() == b.kept_per_head()
     # layer 0 sees the same queries either way; layer 1 does not
     torch.testing.assert_close(a.layers[0].beta, b.layers[0].beta)

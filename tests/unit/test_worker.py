@@ -1,7 +1,9 @@
-"""The worker hands the registered method itself to the pipeline, cancellation as a hook.
+"""The worker hands the job's spec to the pipeline, cancellation as a hook; the spec crosses
+the wire whole.
 
-(It used to wrap the method for cancellation, which hid `needs_context` and KVCompose's
-layer planner: through the service GVote / CompressKV ran without their layer context.)
+(The worker used to wrap the method for cancellation, which hid `needs_context` and
+KVCompose's layer planner: through the service GVote / CompressKV ran without their layer
+context. The pipeline now builds the registered method itself from the spec.)
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Any
 import pytest
 
 import compactor.pipeline as pipeline
-from compactor.methods.context import LayerBudgetPlanner, wants_context
-from compactor.workers.errors import Cancelled
+from compactor.spec import CompactionSpec, QueryConfig
+from compactor.workers.errors import Cancelled, InvalidRequest
 from compactor.workers.job import CompactJob
 from compactor.workers.worker import _cancellation_point, run_compaction
 
@@ -21,23 +23,30 @@ class _Seen(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    ("method", "check"),
-    [("gvote", wants_context), ("kvcompose", lambda m: isinstance(m, LayerBudgetPlanner))],
-)
-def test_pipeline_gets_the_method_itself(monkeypatch: Any, method: str, check: Any) -> None:
+def _capture(monkeypatch: Any) -> dict[str, Any]:
+    """Replace compact_prefix by a fake that records its arguments and raises _Seen."""
     seen: dict[str, Any] = {}
 
-    def fake(model: Any, tok: Any, ids: Any, meth: Any, **kw: Any) -> Any:
-        seen.update(method=meth, **kw)
+    def fake(model: Any, tok: Any, ids: Any, spec: Any, follow_ups: Any, hooks: Any) -> Any:
+        seen.update(ids=ids, spec=spec, follow_ups=follow_ups, hooks=hooks)
         raise _Seen
 
     monkeypatch.setattr(pipeline, "compact_prefix", fake)
     monkeypatch.setattr(pipeline, "head_budget_curves", lambda *a, **k: (None, "uniform"))
+    return seen
+
+
+@pytest.mark.parametrize("method", ["gvote", "kvcompose"])
+def test_pipeline_gets_the_spec_and_the_hooks(monkeypatch: Any, method: str) -> None:
+    seen = _capture(monkeypatch)
+    spec = CompactionSpec(method=method, ratio=0.1)
     with pytest.raises(_Seen):
-        run_compaction(None, None, "fp", CompactJob("fp", tuple(range(64)), method, ratio=0.1))
-    assert check(seen["method"])
-    assert callable(seen["before_layer"])
+        run_compaction(None, None, "fp", CompactJob("fp", tuple(range(64)), spec))
+    assert seen["spec"] is spec and seen["ids"] == list(range(64))
+    hooks = seen["hooks"]
+    assert hooks.method is None  # the pipeline builds the registered method itself
+    assert callable(hooks.before_layer) and hooks.model_fingerprint == "fp"
+    assert hooks.progress is False and seen["follow_ups"] is None
 
 
 def test_cancellation_point_raises_once_asked_to_stop() -> None:
@@ -49,34 +58,72 @@ def test_cancellation_point_raises_once_asked_to_stop() -> None:
         hook(3)
 
 
-def test_query_options_cross_the_wire_and_reach_the_pipeline(monkeypatch: Any) -> None:
+def test_spec_crosses_the_wire_and_reaches_the_pipeline(monkeypatch: Any) -> None:
     from compactor.service.convert import job_from_request, request_from_job
-    from compactor.workers.errors import InvalidRequest
 
-    job = CompactJob(
-        "fp", tuple(range(64)), "am-highest", ratio=0.1, query_sources=("follow-up",),
-        follow_ups=((5, 6),), on_policy=True, follow_up_answer_tokens=12,
+    spec = CompactionSpec(
+        method="am-highest", method_params={"value_ridge": 0.5}, ratio=0.1,
+        queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=12, seed=3),
+        on_policy=True, keep_sink_tokens=2, chunk_size=40, head_budgets="auto",
     )  # fmt: skip
-    back = job_from_request(request_from_job(job), auto_ratio=0.1)
-    assert (back.on_policy, back.follow_up_answer_tokens) == (True, 12)
-    assert back.key() == job.key() != CompactJob("fp", tuple(range(64)), "am-highest").key()
-    # a job without the options keeps the cache key it had before they existed
-    plain = CompactJob("fp", (1, 2), "am-highest")
-    assert job_from_request(request_from_job(plain), 0.1).key() == plain.key()
-    seen: dict[str, Any] = {}
-
-    def fake(model: Any, tok: Any, ids: Any, meth: Any, **kw: Any) -> Any:
-        seen.update(kw)
-        raise _Seen
-
-    monkeypatch.setattr(pipeline, "compact_prefix", fake)
-    monkeypatch.setattr(pipeline, "head_budget_curves", lambda *a, **k: (None, "uniform"))
+    job = CompactJob("fp", tuple(range(64)), spec, follow_ups=((5, 6),), request_id="r1")
+    back = job_from_request(request_from_job(job), auto_ratio=0.3)
+    assert back == job and back.key() == job.key()
+    # every knob is part of the identity; the request id is not
+    for change in ({"on_policy": False}, {"chunk_size": None}, {"queries": {"seed": 4}}):
+        assert (
+            CompactJob("fp", job.token_ids, spec.replace(**change), job.follow_ups).key()
+            != job.key()
+        )
+    assert CompactJob("fp", job.token_ids, spec, job.follow_ups).key() == job.key()
+    assert CompactJob("fp", job.token_ids, spec).key() != job.key()  # follow-ups count
+    # budget auto (neither ratio nor tokens) is resolved to the server's auto ratio
+    auto = CompactJob("fp", (1, 2), spec.with_budget())
+    assert job_from_request(request_from_job(auto), auto_ratio=0.3).spec.ratio == 0.3
+    seen = _capture(monkeypatch)
     with pytest.raises(_Seen):
         run_compaction(None, None, "fp", job)
-    assert seen["on_policy"] is True
-    assert seen["query_sources"].follow_up_answer_tokens == 12
-    assert seen["query_sources"].sources == ("follow-up",)
+    assert seen["spec"] == spec and seen["follow_ups"] == [[5, 6]]
     with pytest.raises(
         InvalidRequest, match=r"follow_up_answer_tokens must be in \[0, 256\], got 999"
     ):
-        CompactJob("fp", (1, 2), "am-highest", follow_up_answer_tokens=999).validate(100)
+        bad = spec.replace(queries={"follow_up_answer_tokens": 999}, head_budgets="uniform")
+        CompactJob("fp", (1, 2), bad, follow_ups=((5,),)).validate(100)
+
+
+@pytest.mark.parametrize(
+    ("spec_json", "match"),
+    [
+        ('{"method": "am-highest", "bogus": 1}', r"unknown spec key\(s\) \['bogus'\]"),
+        ('{"queries": {"sorces": ["x"]}}', r"unknown spec key\(s\) \['queries.sorces'\]"),
+        ('{"queries": {"sources": ["nope"]}}', "unknown query source 'nope'"),
+        ('["not", "an", "object"]', "must be a JSON object"),
+        ("{not json", "not valid JSON"),
+        ("", "spec_json is required"),
+    ],
+)
+def test_malformed_spec_json_is_invalid_request(spec_json: str, match: str) -> None:
+    from compactor.service.convert import job_from_request
+    from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+
+    req = pb.CompactRequest(model_fingerprint="fp", token_ids=[1, 2, 3], spec_json=spec_json)
+    with pytest.raises(InvalidRequest, match=match):
+        job_from_request(req, auto_ratio=0.1)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"method": "nosuch"}, "unknown method 'nosuch'; available: .*am-highest"),
+        ({"ratio": 1.5}, r"ratio must be in \(0, 1\], got 1.5"),
+        ({"ratio": "0.5"}, r"ratio must be in \(0, 1\], got '0.5'"),
+        ({"tokens": 2.5, "ratio": None}, "tokens must be an int >= 1, got 2.5"),
+        ({"keep_sink_tokens": -1}, "keep_sink_tokens must be >= 0"),
+        ({"head_budgets": "/tmp/curves.json"}, "head_budgets must be one of"),
+        ({"method_params": {"bogus": 1}}, r"no parameter\(s\) \['bogus'\]"),
+    ],
+)
+def test_job_validate_names_the_field(change: dict[str, Any], match: str) -> None:
+    spec = CompactionSpec(method="am-highest", ratio=0.1).replace(**change)
+    with pytest.raises(InvalidRequest, match=match):
+        CompactJob("fp", (1, 2, 3), spec).validate(100)

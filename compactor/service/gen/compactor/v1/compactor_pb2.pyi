@@ -6,54 +6,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class Budget(_message.Message):
-    __slots__ = ("ratio", "tokens", "auto")
-    class Auto(_message.Message):
-        __slots__ = ()
-        def __init__(self) -> None: ...
-    RATIO_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    AUTO_FIELD_NUMBER: _ClassVar[int]
-    ratio: float
-    tokens: int
-    auto: Budget.Auto
-    def __init__(self, ratio: _Optional[float] = ..., tokens: _Optional[int] = ..., auto: _Optional[_Union[Budget.Auto, _Mapping]] = ...) -> None: ...
-
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class QuerySources(_message.Message):
-    __slots__ = ("sources", "follow_ups", "on_policy", "follow_up_answer_tokens")
-    SOURCES_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_UPS_FIELD_NUMBER: _ClassVar[int]
-    ON_POLICY_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_UP_ANSWER_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    sources: _containers.RepeatedScalarFieldContainer[str]
-    follow_ups: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    on_policy: bool
-    follow_up_answer_tokens: int
-    def __init__(self, sources: _Optional[_Iterable[str]] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., on_policy: _Optional[bool] = ..., follow_up_answer_tokens: _Optional[int] = ...) -> None: ...
-
 class CompactRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "token_ids", "method", "method_params_json", "budget", "queries", "request_id")
+    __slots__ = ("model_fingerprint", "token_ids", "request_id", "spec_json", "follow_ups")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    METHOD_FIELD_NUMBER: _ClassVar[int]
-    METHOD_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
-    BUDGET_FIELD_NUMBER: _ClassVar[int]
-    QUERIES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_UPS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    method: str
-    method_params_json: str
-    budget: Budget
-    queries: QuerySources
     request_id: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[str] = ..., method_params_json: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ..., queries: _Optional[_Union[QuerySources, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    spec_json: str
+    follow_ups: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")

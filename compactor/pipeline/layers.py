@@ -1,0 +1,156 @@
+"""Stage 2 of a compaction: the layer loop (chunks, sinks, the on-policy stream).
+
+Shape legend: T prefix tokens, s sink tokens, t_h kept entries of KV head h (sinks
+included), n reference queries, H_kv KV heads, D head dim.
+
+Each layer's non-sink KV is cut into the plan's chunks; each chunk is compacted by the
+method against the layer's reference queries (:func:`_run_method`) and the chunks are
+concatenated per head after the verbatim sinks (:func:`assemble_layer`). On-policy, layer
+l's queries come from the ``hf.LayerStream`` advanced through the layers compacted so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from compactor import hf
+from compactor.methods import LayerInput
+from compactor.pipeline.budgets import BudgetPlan
+from compactor.pipeline.inputs import Inputs
+from compactor.pipeline.timing import Stopwatch
+from compactor.queries import pool_queries
+from compactor.types import CompactedLayer
+
+__all__ = ["assemble_layer", "compact_layers"]
+
+
+def compact_layers(
+    model: Any,
+    meth: Any,
+    inputs: Inputs,
+    plan: BudgetPlan,
+    contexts: Sequence[Any] | None,
+    watch: Stopwatch,
+    report: dict[str, Any],
+    before_layer: Callable[[int], None] | None = None,
+    progress: bool = False,
+) -> tuple[list[CompactedLayer], tuple[float, ...]]:
+    """Compact every layer in order; returns (layers on the model's device, wall s per layer).
+
+    Mutates: `inputs.queries` (each layer's queries are dropped once used; on-policy they are
+    pooled from `inputs.stream`, which advances), `watch` ("queries" and "compaction"
+    stages) and `report` (the method's report, see :func:`_run_method`). `before_layer` is
+    called with each layer index first (the service's cancellation point: it may raise).
+    """
+    info = hf.model_info(model)
+    pre, queries, stream, s = inputs.prefill, inputs.queries, inputs.stream, plan.sinks
+    layers: list[CompactedLayer] = []
+    per_layer: list[float] = []
+    it: Any = range(info.num_layers)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc=f"compact {meth.name}", unit="layer")
+    for li in it:
+        if before_layer is not None:
+            before_layer(li)
+        if stream is not None:
+            with watch.measure("queries"):
+                queries[li] = pool_queries(model, inputs.plan, stream.queries(), li)
+        with watch.measure("compaction") as lap:
+            k, v, q = pre.keys[li], pre.values[li], queries[li]
+            parts = []
+            for ci, (a, b) in enumerate(plan.bounds):
+                ctx = contexts[li].for_span(s + a, s + b) if contexts else None
+                per_head = plan.per_head(li, ci, info.num_kv_heads)
+                chunk = (k[:, s + a : s + b], v[:, s + a : s + b])
+                parts.append(
+                    (s + a, _run_method(meth, *chunk, q, per_head, info.sm_scale, ctx, report))
+                )
+            layers.append(assemble_layer((k[:, :s], v[:, :s]) if s else None, parts))
+        per_layer.append(lap.wall)
+        if stream is not None and li + 1 < info.num_layers:
+            with watch.measure("queries"):
+                stream.advance(*layers[-1].padded(max(layers[-1].head_lengths()), k.dtype))
+        queries.pop(li, None)
+    return layers, tuple(per_layer)
+
+
+def _run_method(
+    meth: Any,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    per_head: list[int],
+    sm_scale: float,
+    context: Any,
+    report: dict[str, Any],
+) -> CompactedLayer:
+    """The one call into the method: compact one chunk, then record the method's report.
+
+    keys, values [H_kv, T_c, D] of the chunk; queries [H_kv, n, D]; per_head [H_kv] budgets;
+    context: the chunk's LayerContext or None. Mutates `report`: a non-empty report of the
+    method (GVote: kept counts and "ratio") is appended to ``report["method_report"]`` (one
+    per layer and chunk that reported), and "chosen_ratio" is the mean "ratio" of those
+    reports when every one has it (methods that pick their own budget), else None.
+    """
+    x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context)
+    res = meth.compact(x)
+    if res.report:
+        report.setdefault("method_report", []).append(res.report)
+    done = report.get("method_report") or []
+    ratios = [r["ratio"] for r in done if "ratio" in r]
+    report["chosen_ratio"] = (
+        sum(ratios) / len(ratios) if done and len(ratios) == len(done) else None
+    )
+    return res.layer
+
+
+def assemble_layer(
+    sinks: tuple[torch.Tensor, torch.Tensor] | None, parts: Sequence[tuple[int, CompactedLayer]]
+) -> CompactedLayer:
+    """Concatenate per head: sink rows (beta 0) then each chunk's rows (in order).
+
+    Args:
+        sinks: (keys [H_kv, s, D], values [H_kv, s, D]) kept verbatim at positions 0..s-1, or None.
+        parts: (offset, layer) per chunk; `offset` is added to the chunk's kept_indices.
+
+    Returns the layer on the chunks' device (one host sync per chunk: its indptr).
+    """
+    if not parts:
+        raise ValueError("assemble_layer: no compacted chunks")
+    hkv = parts[0][1].num_kv_heads
+    dev = parts[0][1].keys.device
+    ptrs = [layer.indptr.tolist() for _, layer in parts]
+    ks, vs, bs, ids, counts = [], [], [], [], []
+    for h in range(hkv):
+        n = 0
+        if sinks is not None:
+            sk, sv = sinks
+            s = sk.shape[1]
+            ks.append(sk[h])
+            vs.append(sv[h])
+            bs.append(torch.zeros(s, device=dev))
+            ids.append(torch.arange(s, dtype=torch.int64, device=dev))
+            n += s
+        for (offset, layer), ip in zip(parts, ptrs):
+            lo, hi = ip[h], ip[h + 1]
+            k, v, b = layer.keys[lo:hi], layer.values[lo:hi], layer.beta[lo:hi]
+            ki = layer.kept_indices
+            ids.append(
+                ki[lo:hi] + offset
+                if ki is not None
+                else torch.full((hi - lo,), -1, dtype=torch.int64, device=dev)
+            )
+            ids[-1] = torch.where(ids[-1] >= offset, ids[-1], torch.full_like(ids[-1], -1))
+            ks.append(k)
+            vs.append(v.to(k.dtype))
+            bs.append(b.float())
+            n += hi - lo
+        counts.append(n)
+    indptr = torch.zeros(hkv + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = torch.cumsum(torch.tensor(counts, device=dev), 0).to(torch.int32)
+    return CompactedLayer(torch.cat(ks), torch.cat(vs), torch.cat(bs), indptr, torch.cat(ids))

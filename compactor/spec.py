@@ -1,0 +1,389 @@
+"""The compaction spec: every knob of one compaction, written out once.
+
+:class:`CompactionSpec` is what ``compact_prefix`` runs, what a ``CompactJob`` carries, what
+travels over gRPC (``CompactRequest.spec_json`` = :meth:`CompactionSpec.to_dict` as JSON),
+what the ``compactor`` CLI and the SGLang plugin build from their flags
+(:mod:`compactor.spec_args` generates those flags from the field metadata here: each knob's
+flag name and help text). Adding a knob = one field here (with its flag metadata) plus its use.
+
+Importing this module imports no torch: the SGLang plugin reads it in SGLang's CLI process.
+:meth:`CompactionSpec.validate` imports ``compactor.methods`` (lazily) to check the method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "HEAD_BUDGET_CHOICES",
+    "QUERY_SOURCES",
+    "SELF_STUDY_PROMPTS",
+    "CompactionSpec",
+    "QueryConfig",
+    "SpecError",
+    "spec_fields",
+]
+
+QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
+SELF_STUDY_PROMPTS = (
+    "Summarize the text above in a few sentences.",
+    "Ask and answer three questions about the specific facts and numbers in the text above.",
+    "Quote the most important sentence of the text above word for word, then continue it.",
+    "Structure the key information in the text above as a list of short bullet points.",
+)
+# Named head-budget choices; any other string is a sensitivity-curves JSON path.
+HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
+
+
+class SpecError(ValueError):
+    """A bad spec value; `field` is the dotted path of the knob (``"queries.sources"``)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.field))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _meta(flag: str, help: str, kind: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata that drives :mod:`compactor.spec_args`: the flag name (without
+    ``--`` and prefix), its help text and how it parses: kind is one of str | int | float |
+    opt_int | bool | csv (comma-separated tuple) | params (repeatable KEY=JSON -> dict) |
+    lines (repeatable string -> tuple) | ratio | tokens (the exclusive budget pair)."""
+    return {"flag": flag, "help": help, "kind": kind, **extra}
+
+
+def _knob(default: Any, flag: str, help: str, kind: str, **extra: Any) -> Any:
+    """A field with an immutable default and :func:`_meta` metadata."""
+    return field(default=default, metadata=_meta(flag, help, kind, **extra))
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    """Which reference-query sources to use and how many queries to keep (``compactor.queries``).
+
+    Attributes:
+        sources: names from ``QUERY_SOURCES``.
+        max_queries_per_head: reservoir cap on n for each source, then on the total.
+        self_study_tokens: tokens generated per self-study prompt.
+        self_study_prompts: the prompts (one generation each).
+        temperature: 0 = greedy self-study answers, else sampling with `seed`.
+        random_count: n for the ``random`` source.
+        follow_up_answer_tokens: greedy answer tokens generated (on the full prefix) after
+            each follow-up and kept in its continuation; 0 = the follow-ups alone.
+        seed: seeds the reservoirs, random queries and sampling.
+    Raises SpecError (a ValueError naming the field) when built with a bad value.
+    """
+
+    sources: tuple[str, ...] = _knob(
+        ("repeat-prefill", "self-study"),
+        "query-sources",
+        f"comma-separated reference-query sources ({', '.join(QUERY_SOURCES)})",
+        "csv",
+    )
+    max_queries_per_head: int = _knob(
+        2048, "max-queries", "reservoir cap of queries per KV head", "int"
+    )
+    self_study_tokens: int = _knob(
+        24, "self-study-tokens", "tokens generated per self-study prompt", "int"
+    )
+    self_study_prompts: tuple[str, ...] = _knob(
+        SELF_STUDY_PROMPTS,
+        "self-study-prompt",
+        "a self-study prompt (repeatable; replaces the four built-in prompts)",
+        "lines",
+    )
+    temperature: float = _knob(
+        0.0, "self-study-temperature", "0 = greedy self-study answers, else sampled", "float"
+    )
+    random_count: int = _knob(256, "random-queries", "queries drawn by the random source", "int")
+    follow_up_answer_tokens: int = _knob(
+        0,
+        "follow-up-answer-tokens",
+        "append the model's greedy answer (this many tokens) to each follow-up query text",
+        "int",
+    )
+    seed: int = _knob(
+        0, "query-seed", "seed of the query reservoirs, random queries, sampling", "int"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("sources", "self_study_prompts"):  # lists (JSON, argparse) -> tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise SpecError naming the first bad field (``queries.<name>``)."""
+        if isinstance(self.sources, str) or not isinstance(self.sources, Sequence):
+            raise SpecError(
+                f"QueryConfig.sources must be a list of names, got {self.sources!r}",
+                "queries.sources",
+            )
+        if not self.sources:
+            raise SpecError("QueryConfig.sources is empty", "queries.sources")
+        for s in self.sources:
+            if s not in QUERY_SOURCES:
+                raise SpecError(
+                    f"unknown query source {s!r}; choose from {', '.join(QUERY_SOURCES)}",
+                    "queries.sources",
+                )
+        for name in ("max_queries_per_head", "self_study_tokens", "random_count"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise SpecError(
+                    f"QueryConfig.{name} must be >= 1, got {value!r}", f"queries.{name}"
+                )
+        prompts = self.self_study_prompts
+        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise SpecError(
+                f"QueryConfig.self_study_prompts must be non-empty strings, got {prompts!r}",
+                "queries.self_study_prompts",
+            )
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise SpecError(
+                f"QueryConfig.temperature must be >= 0, got {self.temperature!r}",
+                "queries.temperature",
+            )
+        if not _is_int(self.follow_up_answer_tokens) or self.follow_up_answer_tokens < 0:
+            raise SpecError(
+                "QueryConfig.follow_up_answer_tokens must be >= 0, got "
+                f"{self.follow_up_answer_tokens!r}",
+                "queries.follow_up_answer_tokens",
+            )
+        if not _is_int(self.seed):
+            raise SpecError(f"QueryConfig.seed must be an int, got {self.seed!r}", "queries.seed")
+
+
+@dataclass(frozen=True)
+class CompactionSpec:
+    """Everything that decides what one compaction computes (the prefix and follow-ups aside).
+
+    Attributes:
+        method: a registered method name (``compactor.methods.list_methods``).
+        method_params: the method's hyper-parameters (JSON-able).
+        ratio / tokens: per-KV-head budget t = round(ratio * T) or `tokens`, sinks included,
+            clamped to [s+1, T]. At most one; both None = "auto", which the compaction
+            service resolves to its auto ratio (``compact_prefix`` needs one of them).
+        queries: the reference queries (sources and their settings).
+        on_policy: compact layers in order; queries for layer l are drawn with layers < l
+            already compacted.
+        keep_sink_tokens: the first s tokens are kept verbatim with beta 0.
+        chunk_size: compact the non-sink KV in chunks of this many tokens (None: one chunk).
+        head_budgets: "uniform", "auto" (the model's sensitivity curves for the method) or a
+            sensitivity-curves JSON path (see ``compactor.budgets``).
+    """
+
+    method: str = _knob("am-omp-fast", "method", "registered compaction method name", "str")
+    method_params: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_meta(
+            "param", "method hyper-parameter (repeatable)", "params", metavar="KEY=JSON"
+        ),
+    )
+    ratio: float | None = _knob(None, "ratio", "kept fraction per KV head, e.g. 0.1", "ratio")
+    tokens: int | None = _knob(None, "tokens", "kept entries per KV head", "tokens")
+    queries: QueryConfig = field(
+        default_factory=QueryConfig, metadata=_meta("", "reference queries", "group")
+    )
+    on_policy: bool = _knob(
+        False, "on-policy", "draw layer l's queries with layers < l compacted", "bool"
+    )
+    keep_sink_tokens: int = _knob(
+        4, "keep-sink-tokens", "first tokens kept uncompacted (beta 0)", "int"
+    )
+    chunk_size: int | None = _knob(
+        None, "chunk-size", "compact the KV in chunks of this many tokens", "opt_int"
+    )
+    head_budgets: str = _knob(
+        "uniform",
+        "head-budgets",
+        "per-head budgets: uniform; auto = the model's sensitivity curves (made by "
+        "`compactor sensitivity`); or a curves JSON path. Same total either way",
+        "str",
+        metavar="uniform|auto|PATH",
+    )
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    # ---- checks ------------------------------------------------------------------------
+    def validate(self, check_method: bool = True) -> None:
+        """Raise SpecError (a ValueError naming the field and value) for the first bad knob.
+
+        With `check_method`, the method is built (``compactor.methods.get_method``, imported
+        here) to check its name and parameters.
+        """
+        if not isinstance(self.method, str) or not self.method:
+            raise SpecError(f"method must be a non-empty name, got {self.method!r}", "method")
+        if not isinstance(self.method_params, dict) or not all(
+            isinstance(k, str) for k in self.method_params
+        ):
+            raise SpecError(
+                f"method_params must be an object with string keys, got {self.method_params!r}",
+                "method_params",
+            )
+        try:
+            json.dumps(self.method_params)
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"method_params is not JSON-able: {exc}", "method_params") from None
+        if self.ratio is not None and not (
+            _is_number(self.ratio) and math.isfinite(self.ratio) and 0 < self.ratio <= 1
+        ):
+            raise SpecError(f"ratio must be in (0, 1], got {self.ratio!r}", "ratio")
+        if self.tokens is not None and not (_is_int(self.tokens) and self.tokens >= 1):
+            raise SpecError(f"tokens must be an int >= 1, got {self.tokens!r}", "tokens")
+        if self.ratio is not None and self.tokens is not None:
+            raise SpecError(
+                f"give exactly one of ratio ({self.ratio}) and tokens ({self.tokens})", "ratio"
+            )
+        if not isinstance(self.queries, QueryConfig):
+            raise SpecError(f"queries must be a QueryConfig, got {self.queries!r}", "queries")
+        self.queries.validate()
+        if not isinstance(self.on_policy, bool):
+            raise SpecError(f"on_policy must be true or false, got {self.on_policy!r}", "on_policy")
+        if not _is_int(self.keep_sink_tokens) or self.keep_sink_tokens < 0:
+            raise SpecError(
+                f"keep_sink_tokens must be >= 0, got {self.keep_sink_tokens!r}", "keep_sink_tokens"
+            )
+        if self.chunk_size is not None and not (_is_int(self.chunk_size) and self.chunk_size >= 1):
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size!r}", "chunk_size")
+        if not isinstance(self.head_budgets, str) or not self.head_budgets:
+            raise SpecError(
+                f"head_budgets must be uniform, auto or a curves path, got {self.head_budgets!r}",
+                "head_budgets",
+            )
+        if check_method:
+            self._check_method()
+
+    def _check_method(self) -> None:
+        from compactor.methods import get_method, list_methods
+
+        try:
+            get_method(self.method, **self.method_params)
+        except (TypeError, ValueError) as exc:
+            names = list_methods()
+            if self.method not in names:
+                raise SpecError(
+                    f"unknown method {self.method!r}; available: {', '.join(names)}", "method"
+                ) from None
+            raise SpecError(str(exc), "method_params") from None
+
+    # ---- budget ------------------------------------------------------------------------
+    @property
+    def is_auto(self) -> bool:
+        """True when neither ratio nor tokens is set (the service's auto budget)."""
+        return self.ratio is None and self.tokens is None
+
+    def with_budget(self, ratio: float | None = None, tokens: int | None = None) -> CompactionSpec:
+        """This spec with the budget replaced (both None = auto)."""
+        return dataclasses.replace(self, ratio=ratio, tokens=tokens)
+
+    def resolve_auto(self, auto_ratio: float) -> CompactionSpec:
+        """This spec, with `auto_ratio` as its ratio when its budget is auto."""
+        return self.with_budget(ratio=auto_ratio) if self.is_auto else self
+
+    def sink_tokens(self, T: int) -> int:
+        """s: the sink tokens kept verbatim in a T-token prefix (at most T - 1)."""
+        return min(self.keep_sink_tokens, T - 1)
+
+    def budget_per_head(self, T: int, sinks: int) -> int:
+        """t: kept entries per KV head (sinks included) in a T-token prefix, in [sinks+1, T].
+
+        Raises ValueError when the budget is still auto.
+        """
+        if self.is_auto:
+            raise SpecError(
+                "give exactly one of ratio and tokens (budget 'auto' is resolved by the "
+                "compaction service)",
+                "ratio",
+            )
+        raw = round(self.ratio * T) if self.ratio is not None else int(self.tokens or 0)
+        return min(T, max(sinks + 1, raw))
+
+    # ---- derived specs -----------------------------------------------------------------
+    def replace(self, **changes: Any) -> CompactionSpec:
+        """``dataclasses.replace``; ``queries=`` may be a dict of QueryConfig changes."""
+        q = changes.get("queries")
+        if isinstance(q, dict):
+            changes["queries"] = dataclasses.replace(self.queries, **q)
+        return dataclasses.replace(self, **changes)
+
+    def for_follow_ups(self, follow_ups: Sequence[Sequence[int]]) -> CompactionSpec:
+        """The spec for a prefix that arrives with `follow_ups`: without the ``follow-up``
+        source when there are none (``repeat-prefill`` when no source is left)."""
+        if follow_ups or "follow-up" not in self.queries.sources:
+            return self
+        sources = tuple(s for s in self.queries.sources if s != "follow-up")
+        return self.replace(queries={"sources": sources or ("repeat-prefill",)})
+
+    # ---- serialization -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (tuples become lists); :meth:`from_dict` inverts it."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["method_params"] = dict(self.method_params)
+        d["queries"] = {
+            f.name: list(v) if isinstance(v := getattr(self.queries, f.name), tuple) else v
+            for f in dataclasses.fields(QueryConfig)
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CompactionSpec:
+        """Build from :meth:`to_dict` output (missing keys take defaults).
+
+        Raises SpecError for unknown keys, a non-object, or a bad query setting; the other
+        values are checked by :meth:`validate`.
+        """
+        if not isinstance(data, dict):
+            raise SpecError(f"a spec must be a JSON object, got {type(data).__name__}")
+        d = dict(data)
+        _reject_unknown(d, {f.name for f in dataclasses.fields(cls)}, "")
+        if "queries" in d:
+            q = d["queries"]
+            if not isinstance(q, dict):
+                raise SpecError(f"queries must be an object, got {q!r}", "queries")
+            _reject_unknown(q, {f.name for f in dataclasses.fields(QueryConfig)}, "queries.")
+            try:
+                d["queries"] = QueryConfig(**q)
+            except TypeError as exc:  # a value of the wrong shape for a field
+                raise SpecError(str(exc), "queries") from None
+        return cls(**d)
+
+    def key(self) -> str:
+        """Stable identity: the canonical JSON of :meth:`to_dict` (sorted keys)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def spec_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
+    """(dotted path, field) of every knob, QueryConfig's as ``queries.<name>``, in order."""
+    out: list[tuple[str, dataclasses.Field[Any]]] = []
+    for f in dataclasses.fields(CompactionSpec):
+        if f.name == "queries":
+            out.extend((f"queries.{q.name}", q) for q in dataclasses.fields(QueryConfig))
+        else:
+            out.append((f.name, f))
+    return out
+
+
+def _reject_unknown(d: dict[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise SpecError(
+            f"unknown spec key(s) {[where + k for k in unknown]}; known: {sorted(known)}",
+            where + unknown[0],
+        )
