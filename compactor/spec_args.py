@@ -126,7 +126,8 @@ def add_spec_args(
             kw.update(
                 type={"int": int, "opt_int": int, "float": float}.get(kind, str), default=default
             )
-            kw["help"] += f" (default: {default})"
+            if default is not None:
+                kw["help"] += f" (default: {default})"
         parser.add_argument(opt, **kw)
     parser.set_defaults(**{_hidden(prefix): _Added(base, chosen, {p: options[p] for p in chosen})})
 

@@ -140,9 +140,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "SGLang runs stock.",
     )
     add_spec_args(g, prefix=SPEC_PREFIX, defaults=PLUGIN_SPEC)
-    g.add_argument("--compaction-min-prefix-tokens", type=int, default=256)
-    g.add_argument("--compaction-min-hits", type=int, default=2)
-    g.add_argument("--compaction-timeout", type=float, default=120.0)
+    g.add_argument(
+        "--compaction-min-prefix-tokens",
+        type=int,
+        default=256,
+        help="A shared path shorter than this is never compacted.",
+    )
+    g.add_argument(
+        "--compaction-min-hits",
+        type=int,
+        default=2,
+        help="Requests that must have shared a path before it is compacted.",
+    )
+    g.add_argument(
+        "--compaction-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds one compaction may take; then the prefix stays uncompacted.",
+    )
     g.add_argument(
         "--compaction-max-follow-ups",
         type=int,
@@ -175,11 +190,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Seconds before the first retry; doubles each time.",
     )
     g.add_argument("--compaction-tls", action="store_true", help="Use TLS for gRPC.")
-    g.add_argument("--compaction-tls-ca", default=None)
-    g.add_argument("--compaction-tls-cert", default=None)
-    g.add_argument("--compaction-tls-key", default=None)
+    g.add_argument("--compaction-tls-ca", default=None, help="CA bundle (PEM) of the service.")
+    g.add_argument("--compaction-tls-cert", default=None, help="Client certificate (mTLS).")
+    g.add_argument("--compaction-tls-key", default=None, help="Client key (mTLS).")
     g.add_argument("--compaction-token", default=None, help="Bearer token for the service.")
-    g.add_argument("--compaction-token-file", default=None)
+    g.add_argument("--compaction-token-file", default=None, help="File holding the bearer token.")
 
 
 def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:

@@ -204,3 +204,24 @@ def test_serving_limits_are_checked() -> None:
         CompactionConfig(endpoint="h:1", min_hits=0)
     with pytest.raises(ValueError, match="spec must be a CompactionSpec"):
         CompactionConfig(endpoint="h:1", spec="am-highest")  # type: ignore[arg-type]
+
+
+def test_every_plugin_flag_is_documented_with_help() -> None:
+    """sglang_ext/README.md names every --compaction-* flag, and each has a help text."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from sglang_ext.config import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = [
+        a for a in parser._actions if any(o.startswith("--compaction") for o in a.option_strings)
+    ]
+    assert len(flags) > 20
+    readme = (Path(__file__).resolve().parents[2] / "sglang_ext" / "README.md").read_text()
+    documented = set(re.findall(r"--(?:\[no-\])?(compaction-[a-z-]+)", readme))
+    missing = [a.option_strings[0] for a in flags if a.option_strings[0][2:] not in documented]
+    assert not missing, f"flags missing from sglang_ext/README.md: {missing}"
+    assert not [a.option_strings[0] for a in flags if not a.help]
