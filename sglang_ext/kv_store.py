@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from compactor.types import CompactedPrefix
+from compactor import CompactedPrefix
 
 __all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_prefix"]
 

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from compactor.types import prefix_hash
+from compactor import prefix_hash
 from sglang_ext.config import CompactionConfig
 
 __all__ = ["CompactionTrigger", "Submission"]
