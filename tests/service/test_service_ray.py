@@ -10,11 +10,10 @@ from typing import Any
 
 import grpc
 import pytest
+import ray
 
 from compactor.client import AsyncCompactorClient, CompactorClient, build_request
 from tests.service.conftest import FAST, PREFIX, assert_same_prefix, make_prefix, running_server
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
