@@ -138,7 +138,8 @@ async def abort_latencies(
 
     Both land halfway through a compaction (`abort_after_s`, half the mean in-process time):
     a worker that ran to the end would be free only ~`abort_after_s` later, one that stops at
-    its next layer sooner.
+    its next layer sooner. The worker checks for cancellation only between layers, so an
+    abort during prefill + queries (most of a long prefix's time) waits for the layer loop.
     """
     import grpc
 
