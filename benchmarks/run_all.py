@@ -31,7 +31,7 @@ def benchmarks() -> dict[str, list[str]]:
         "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
         "serving": ["benchmarks/serving.py"],
         "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
-        "kernels": ["-m", "benchmarks.kernels"],
+        "kernels": ["-m", "benchmarks.decode_attention"],
     }
 
 

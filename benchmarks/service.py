@@ -5,8 +5,10 @@
 For each of `repeats` distinct prefixes of `tokens` tokens (no cache hits): time the worker
 function in this process (one torch thread, model already loaded), then the same job through
 a server on loopback (its own model replica). Reports per-request seconds, the overhead
-(service / in-process - 1) and compactions per minute (sequential, and with `workers`
-concurrent requests). Writes JSON to benchmarks/results/service.json.
+(service / in-process - 1), compactions per minute (sequential, and with `workers`
+concurrent requests), and how fast an abandoned compaction frees its worker: after the client
+cancels halfway through, and after a deadline of half a compaction (client-observed
+DEADLINE_EXCEEDED time too). Writes JSON to benchmarks/results/service.json.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -102,6 +105,7 @@ def main() -> int:
             return time.perf_counter() - t0
 
     conc = asyncio.run(concurrent()) if args.workers > 1 else None
+    aborts = asyncio.run(abort_latencies(server.service.pool, ep, fp, args, inproc))
     run(server.stop(grace=5))
     mean_in, mean_svc = statistics.mean(inproc), statistics.mean(service)
     report = {
@@ -121,11 +125,68 @@ def main() -> int:
         "compactions_per_minute_sequential": 60 / mean_svc,
         "compactions_per_minute_concurrent": (args.workers * 60 / conc) if conc else None,
         "cache_hit_s": cache_hit_s,
+        **aborts,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0
+
+
+async def abort_latencies(
+    pool: Any, ep: str, fp: str, args: Any, inproc_s: list[float]
+) -> dict[str, Any]:
+    """Seconds until the worker is free again after a cancel / a deadline (fresh prefixes).
+
+    Both land halfway through a compaction (`abort_after_s`, half the mean in-process time):
+    a worker that ran to the end would be free only ~`abort_after_s` later, one that stops at
+    its next layer sooner. The worker checks for cancellation only between layers, so an
+    abort during prefill + queries (most of a long prefix's time) waits for the layer loop.
+    """
+    import grpc
+
+    from compactor.client import AsyncCompactorClient
+
+    half = statistics.mean(inproc_s) / 2
+    ids_cancel, ids_deadline = (
+        [(i * 7919 + s * 104729) % 40000 + 100 for i in range(args.tokens)] for s in (9001, 9002)
+    )
+
+    async def until_free() -> float:
+        t0 = time.perf_counter()
+        while pool.busy:
+            await asyncio.sleep(0.005)
+        return time.perf_counter() - t0
+
+    async with AsyncCompactorClient(ep) as ac:
+        task = asyncio.ensure_future(
+            ac.compact(ids_cancel, fp, args.method, ratio=args.ratio, timeout=1800)
+        )
+        while not pool.busy:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(half)
+        task.cancel()
+        cancel_to_free = await until_free()
+        t0 = time.perf_counter()
+        try:
+            await ac.compact(ids_deadline, fp, args.method, ratio=args.ratio, timeout=half)
+            code = "OK"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+        exceeded_after = time.perf_counter() - t0
+        deadline_to_free = await until_free()
+    print(
+        f"cancel -> worker free {cancel_to_free:.2f} s; deadline {half:.2f} s -> {code} after "
+        f"{exceeded_after:.2f} s, worker free {deadline_to_free:.2f} s later",
+        flush=True,
+    )
+    return {
+        "abort_after_s": half,
+        "cancel_to_worker_free_s": cancel_to_free,
+        "deadline_status": code,
+        "deadline_exceeded_after_s": exceeded_after,
+        "deadline_to_worker_free_s": deadline_to_free,
+    }
 
 
 if __name__ == "__main__":

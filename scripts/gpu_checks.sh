@@ -55,7 +55,7 @@ if [ "$WHAT" != flashinfer ]; then
         tests/kernels tests/unit/test_sglang_ext_attention_triton.py \
         tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
     status=${PIPESTATUS[0]}
-    timeout 240 "$PY" -m benchmarks.kernels --kernels triton_beta --reps 30 \
+    timeout 240 "$PY" -m benchmarks.decode_attention --kernels triton_beta --reps 30 \
         --out "$OUT/kernels_triton.json" --plot "$OUT/kernels_triton.png" >"$OUT/bench_triton.log" 2>&1
     echo "benchmark exit $?" >>"$OUT/bench_triton.log"
 fi
@@ -63,7 +63,7 @@ fi
 if [ -n "$fi_pid" ]; then
     wait "$fi_pid"
     if grep -q " passed" "$OUT/flashinfer_tests.log" && ! grep -q "failed\|error" "$OUT/flashinfer_tests.log"; then
-        timeout 240 "$PY" -m benchmarks.kernels --kernels flashinfer_stock flashinfer_beta \
+        timeout 240 "$PY" -m benchmarks.decode_attention --kernels flashinfer_stock flashinfer_beta \
             triton_beta --reps 30 --out "$OUT/kernels.json" --plot "$OUT/kernels.png" \
             >"$OUT/bench_all.log" 2>&1
         echo "benchmark exit $?" >>"$OUT/bench_all.log"

@@ -34,7 +34,12 @@ else
   "${PIP[@]}" install -q --no-deps ./third_party/sgl-kernel-cpu
 fi
 # The project itself, editable (compat mode: new subpackages are picked up without reinstall).
-"${PIP[@]}" install -q --no-deps -e . --config-settings editable_mode=compat 2>/dev/null
+# Its build chatter is kept back on success; on failure all of it is shown and setup fails.
+if ! log="$("${PIP[@]}" install -q --no-deps -e . --config-settings editable_mode=compat 2>&1)"; then
+  printf '%s\n' "$log" >&2
+  echo "setup: installing the project itself (pip install -e .) failed; output above" >&2
+  exit 1
+fi
 
 "$VENV/bin/python" -c "import torch, sglang, sgl_kernel, compactor, sglang_ext, kernels, harness"
 echo "$want" > "$STAMP"

@@ -2,7 +2,9 @@
 # Create (or reuse) third_party/.kvpress-venv: NVIDIA kvpress, the peer implementation that
 # benchmarks/kvpress_crosscheck.py compares our SnapKV / StreamingLLM / KVCompose / KVzip
 # against. It lives in its own venv because kvpress 0.5.5 pins transformers < 5.3 while the
-# project runs transformers 5.19. Idempotent (stamp file); the folder is gitignored.
+# project runs transformers 5.19. `make test` runs this first: the cross-check test
+# (tests/integration/test_methods_real_model.py) fails without the venv. Idempotent (stamp
+# file; a fresh build takes ~1.5 min and ~6 GB); the folder is gitignored.
 # torch 2.14.1 comes from the local wheel cache when the machine has it (no CUDA needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,11 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
     && "$VENV/bin/python" -c "import kvpress, torch, transformers" 2>/dev/null; then
   echo "setup_kvpress_venv: $VENV is up to date"
   exit 0
+fi
+# A venv whose interpreter no longer starts (Python upgraded or moved) is rebuilt from scratch.
+if [[ -e "$VENV" ]] && ! "$VENV/bin/python" -c "" 2>/dev/null; then
+  echo "setup_kvpress_venv: $VENV is broken; recreating it"
+  rm -rf "$VENV"
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "setup_kvpress_venv: creating $VENV with $($PYTHON --version)"

@@ -10,12 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
+import ray
 
 from compactor.client import AsyncCompactorClient, CompactorClient
 from compactor.service.convert import compact_request
 from tests.service.conftest import FAST, PREFIX, assert_same_prefix, make_prefix, running_server
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +98,5 @@ def test_cancellation_frees_the_actor(server: Any, model_fp: str) -> None:
         call = stub.Compact(compact_request(make_prefix(22), model_fp, FAST), timeout=60)
         _wait(lambda: pool.busy == 1, 10)
         time.sleep(2.5)  # past prefill + queries (~1.5 s), inside the ~4.5 s layer loop
-        t0 = time.perf_counter()
         call.cancel()
         _wait(lambda: pool.busy == 0, 5)
-        assert time.perf_counter() - t0 < 2.0  # the actor stopped at its next layer

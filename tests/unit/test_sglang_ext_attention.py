@@ -7,8 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("sglang")
-
 from kernels.biased_attention.reference import biased_attention
 from sglang_ext.attention import CompactionTorchNativeBackend, biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore

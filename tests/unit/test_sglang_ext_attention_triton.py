@@ -154,7 +154,6 @@ class FakePool:
 
 
 def make_backend(b: Batch, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
-    pytest.importorskip("sglang")
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     from sglang_ext.triton_backend import CompactionTritonBackend

@@ -99,7 +99,6 @@ def test_cuda_graph_disabled_explicitly_is_accepted() -> None:
 
 
 def test_register_backends_adds_both_attention_backends() -> None:
-    pytest.importorskip("sglang")
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 

@@ -9,9 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("sglang")
-
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,

@@ -11,9 +11,9 @@ and reports achieved bytes/s (K + V + beta + slot indices read, output written) 
 device's measured device-to-device copy bandwidth. Writes JSON (``--out``) and a plot
 (``--plot``). Missing pieces (no flashinfer installed) are recorded as skipped, not faked.
 
-    python -m benchmarks.kernels --out results/kernels.json --plot results/kernels.png
-    (or ``python benchmarks/kernels.py ...``: the script drops its own folder from sys.path,
-    where this file would shadow the ``kernels`` package)
+    python -m benchmarks.decode_attention --out results/kernels.json --plot results/kernels.png
+    (no benchmark may be named ``kernels.py``: a script run as ``python benchmarks/x.py`` has
+    benchmarks/ first on sys.path, where such a file would shadow the ``kernels`` package)
 """
 
 from __future__ import annotations
@@ -234,20 +234,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _fix_sys_path() -> None:
-    """Run as a script, sys.path[0] is benchmarks/ and this file shadows ``kernels``."""
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    root = str(here.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    _fix_sys_path()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device; none found.", file=sys.stderr)
+        print("benchmarks/decode_attention.py needs a CUDA device; none found.", file=sys.stderr)
         return 2
     result = run_benchmark(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
