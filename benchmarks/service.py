@@ -105,7 +105,7 @@ def main() -> int:
             return time.perf_counter() - t0
 
     conc = asyncio.run(concurrent()) if args.workers > 1 else None
-    aborts = asyncio.run(abort_latencies(server.service.pool, ep, fp, args, inproc))
+    aborts = asyncio.run(abort_latencies(server.service.pool, ep, fp, spec, args, inproc))
     run(server.stop(grace=5))
     mean_in, mean_svc = statistics.mean(inproc), statistics.mean(service)
     report = {
@@ -134,7 +134,7 @@ def main() -> int:
 
 
 async def abort_latencies(
-    pool: Any, ep: str, fp: str, args: Any, inproc_s: list[float]
+    pool: Any, ep: str, fp: str, spec: Any, args: Any, inproc_s: list[float]
 ) -> dict[str, Any]:
     """Seconds until the worker is free again after a cancel / a deadline (fresh prefixes).
 
@@ -159,9 +159,7 @@ async def abort_latencies(
         return time.perf_counter() - t0
 
     async with AsyncCompactorClient(ep) as ac:
-        task = asyncio.ensure_future(
-            ac.compact(ids_cancel, fp, args.method, ratio=args.ratio, timeout=1800)
-        )
+        task = asyncio.ensure_future(ac.compact(ids_cancel, fp, spec, timeout=1800))
         while not pool.busy:
             await asyncio.sleep(0.005)
         await asyncio.sleep(half)
@@ -169,7 +167,7 @@ async def abort_latencies(
         cancel_to_free = await until_free()
         t0 = time.perf_counter()
         try:
-            await ac.compact(ids_deadline, fp, args.method, ratio=args.ratio, timeout=half)
+            await ac.compact(ids_deadline, fp, spec, timeout=half)
             code = "OK"
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
