@@ -287,6 +287,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
+    prov = provenance()  # the code that runs: recorded before anything else
     model = prepare_model(a.model)
     logs = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     rows = dataset(a, model)
@@ -341,7 +342,11 @@ def main() -> int:
     print_table(records)
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.out / f"serving_{a.max_total_tokens}"
-    meta = {"provenance": provenance(), "args": {k: str(v) for k, v in vars(a).items()}}
+    meta = {
+        "provenance": prov,
+        "total_s": time.perf_counter() - t0,
+        "args": {k: str(v) for k, v in vars(a).items()},
+    }
     Path(f"{stem}.json").write_text(json.dumps({"records": records, **meta}, indent=1))
     plot(
         records,

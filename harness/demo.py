@@ -8,8 +8,9 @@ On the embedded SmolLM2-135M model and CPU:
    - warm-up, one server after the other: ask each document's six questions once, in order
      (the documents enter the radix cache; on compaction servers the last question's hit
      sends the document to the service, with the questions as reference queries), read
-     the pool (on compaction servers: before the install), then wait for the installs and
-     read it again;
+     the pool (on compaction servers only if no install has landed yet: with several
+     documents the first is usually installed by then), then wait for the installs and read
+     it again;
    - measured pass, one server at a time: the six questions of every document plus six
      questions the compaction never saw, all at once, streamed: needle accuracy and
      agreement with stock's greedy tokens on each set, throughput, TTFT p50/p95, and the
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from compactor.models import prepare_model
 
     t0 = time.perf_counter()
+    prov = _provenance(argv)  # the code that runs: recorded before anything else
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="compaction-demo-"))
     print(f"== 1/3 embedded model {args.model} (logs under {logs})", flush=True)
@@ -317,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== 3/3 results ({time.perf_counter() - t0:.0f} s, every process stopped)")
     print_table(records)
     out_json, out_png = args.out / "demo.json", args.out / "demo.png"
-    meta = {"provenance": _provenance(argv), "args": vars(args) | {"out": str(args.out)}}
+    meta = {
+        "provenance": prov,
+        "total_s": time.perf_counter() - t0,
+        "args": vars(args) | {"out": str(args.out)},
+    }
     out_json.write_text(json.dumps({"records": records, **meta}, indent=1))
     plot(records, out_png)
     print(f"wrote {out_json} and {out_png}")
