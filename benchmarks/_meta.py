@@ -47,8 +47,8 @@ def provenance(argv: list[str] | None = None, module: str | None = None) -> dict
         argv: the script's arguments (default `sys.argv[1:]`).
         module: run as `python -m module` (default: `python <script path>`).
     Returns keys: command, commit, dirty (uncommitted changes to tracked files outside
-    benchmarks/results), machine
-    (platform, CPU model, CPU count, usable CPUs), python, torch, date (UTC, ISO 8601).
+    benchmarks/results), machine (platform, CPU model, CPU count, usable CPUs), load_avg (1, 5
+    and 15 min: other jobs on a shared machine slow timings), python, torch, date (UTC).
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if module is not None:
@@ -81,6 +81,7 @@ def provenance(argv: list[str] | None = None, module: str | None = None) -> dict
             if hasattr(os, "sched_getaffinity")
             else None,
         },
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "torch": torch_version,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

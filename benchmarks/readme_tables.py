@@ -73,8 +73,7 @@ def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
     base = recs[0]["kv_slots_held"]
     rows = [
         ["config", "KV slots held", "less KV", "after the run", "peak in the run",
-         "needles, fitted / unseen questions", "agree16, fitted / unseen", "req/s", "tok/s",
-         "TTFT p50 / p95 (s)"],
+         "needles, fitted / unseen questions", "agree16, fitted / unseen"],
     ]  # fmt: skip
     for r in recs:
         rows.append(
@@ -86,9 +85,6 @@ def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
                 str(r["run"]["peak_held"]),
                 f"{r['needle_accuracy_seen']:.2f} / {r['needle_accuracy_unseen']:.2f}",
                 f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
-                f"{r['requests_per_s']:.2f}",
-                f"{r['output_tokens_per_s']:.1f}",
-                f"{r['ttft_p50_s']:.1f} / {r['ttft_p95_s']:.1f}",
             ]
         )
     return rows

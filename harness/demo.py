@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.launch import CompactorService, SGLangServer, start_all
-from harness.pool import PoolReading, PoolSampler, read_pool
+from harness.pool import PoolReading, PoolSampler, pool_size, read_pool
 from harness.workload import (
     compaction_args,
     document,
@@ -73,7 +73,7 @@ def measure(
     """The measured pass: every question (seen, then unseen) of every document at once."""
     asked = [(d, q, seen) for d in range(len(docs)) for q, seen in _question_set()]
     prompts = [prompt(docs[d], q) for d, q, _ in asked]
-    with PoolSampler(server.url, pool=server.max_total_tokens) as sampler:
+    with PoolSampler(server.url, pool=pool_size(server.url)) as sampler:
         results, wall = stream_all(server.url, prompts, max_new_tokens)
     end = time.monotonic()
     print(f"  [{name}] measured pass: {len(prompts)} requests at once in {wall:.1f} s", flush=True)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
-__all__ = ["PoolReading", "PoolSampler", "fetch_metrics", "read_pool"]
+__all__ = ["PoolReading", "PoolSampler", "fetch_metrics", "parse_metrics", "pool_size", "read_pool"]
 
 IDLE_REPUBLISH_S = 32.0  # SGLang republishes its idle pool gauges every 30 s (+ a 1 s loop)
 PLUGIN_REFRESH_S = 2.0  # the plugin reads the pool every scheduler iteration (>= 1/s idle)
@@ -35,7 +35,11 @@ _PLUGIN_FREE = "sglang:compaction_free_slots"
 
 def fetch_metrics(url: str, timeout: float = 30.0) -> dict[str, float]:
     """Every series on `url`/metrics, summed over labels: name -> value."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode()
+    return parse_metrics(urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series name: value summed over its labels}."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
