@@ -1,31 +1,39 @@
 """Discrete-event model of a disaggregated deployment: SGLang replicas + a compaction pool.
 
-What it predicts, as the compaction pool grows: request throughput, queueing delay (time from
-arrival to admission), KV memory held by shared prefixes, and how long documents wait to be
-compacted. Run `python benchmarks/cluster_sim.py --help`; it writes JSON and a PNG.
+What it predicts, per configuration (stock, and each compaction pool size): its **capacity**,
+the highest arrival rate it sustains within an SLO on queueing delay (p95 of the time from
+arrival to admission <= `--slo-p95-s`), found by a search over arrival rates; the pool size
+past which more compaction workers stop raising capacity; and, at one fixed rate, queueing
+delay, KV memory held by shared prefixes and how long documents wait to be compacted. Run
+`python benchmarks/cluster_sim.py --help`; it writes JSON (with the command, commit, machine
+and date) and a PNG.
+
+Every run drains (all arrived requests complete), so completed / last finish would rank
+configurations by drain time; capacity is the figure to compare. Counted within the arrival
+window only: `served_rps`, `compactions` (finished; their mean wait), `compactions_pending`.
 
 Assumptions (each is a flag; defaults are illustrative, not measured on a cluster):
-- Requests arrive as a Poisson process; each reads one of `--docs` documents chosen by a Zipf law
-  (exponent `--zipf`), then asks a question of `--question-tokens` and gets `--output-tokens`.
-- Document lengths are log-normal around `--prefix-tokens` (sigma `--prefix-sigma`).
-- Routing is prefix-affine: a document always goes to replica `doc % replicas`, whose radix cache
-  keeps it while in use and evicts least-recently-used documents when memory is short.
-- A replica holds at most `--kv-tokens` KV entries (all layers counted as one token entry, as
-  SGLang counts them). A resident document costs its length, or `ratio` x its length once
-  compacted; a running request costs its own question + output tokens.
-- A request is admitted when its replica has room for it (and its document); otherwise it waits
-  in FIFO order. Its service time is the prefill of the tokens not cached (`--prefill-tps`) plus
-  `output_tokens` decode steps of `--decode-step-ms` plus `--decode-ms-per-ktoken` per 1000 KV
-  entries the replica's running batch reads per step (fixed at admission). A compacted prefix is
-  read at its compacted size: this assumes attention skips alias entries (cascade kernels); the
-  CPU torch path still reads them, so it saves memory, not decode compute.
-- After `--min-hits` requests have read a document on a replica, one compaction job is queued
-  cluster-wide (single-flight: later replicas reuse the result). Jobs run FIFO on `pool` workers,
-  each taking `--compact-base-s + --compact-s-per-ktoken * T/1000` seconds (take these from
-  `benchmarks/compaction_speed.py`). A finished result is installed on every replica that holds
-  the document.
+- Poisson arrivals; each request reads one of `--docs` documents (Zipf, `--zipf`), asks
+  `--question-tokens` and gets `--output-tokens`. Document lengths are log-normal around
+  `--prefix-tokens` (sigma `--prefix-sigma`).
+- Prefix-affine routing: document d always goes to replica `d % replicas`, whose radix cache
+  keeps it while in use and evicts idle documents LRU first when memory is short.
+- A replica holds at most `--kv-tokens` KV entries (one per token, all layers, as SGLang counts
+  them). A resident document costs its length, or `ratio` x it once compacted; a running
+  request costs its own question + output tokens.
+- A request is admitted (FIFO) when its replica has room for it and its document. Service
+  time: prefill of the uncached tokens (`--prefill-tps`) + `output_tokens` decode steps of
+  `--decode-step-ms` + `--decode-ms-per-ktoken` per 1000 KV entries the running batch reads
+  (fixed at admission). A compacted prefix is read at its compacted size (attention skipping
+  alias entries, as cascade kernels would; the CPU torch path still reads them).
+- After `--min-hits` reads of a document on a replica, one compaction job is queued
+  cluster-wide (single-flight). Jobs run FIFO on `pool` workers, each taking
+  `--compact-base-s + --compact-s-per-ktoken * T/1000` s (from
+  `benchmarks/compaction_speed.py`); the result is installed on every replica holding it.
 The model ignores network transfer of compacted prefixes (tens of MB at most, well under the
-compaction time) and prefill batching effects.
+compaction time) and prefill batching effects. Arrival times at rate r are one fixed stream of
+unit-rate gaps divided by r (same documents in the same order), so runs at different rates
+differ only by the rate, which keeps the capacity search from chasing noise.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ import heapq
 import json
 import math
 import random
+import sys
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,16 +101,32 @@ class _Replica:
 
 @dataclass(frozen=True)
 class SimResult:
+    """One run at one arrival rate. Delays and rates in seconds; KV in token entries."""
+
     pool: int
-    completed: int
-    throughput_rps: float
+    rate: float
+    arrived: int
+    completed: int  # all of them (the run drains) unless some never fit in memory
+    served_rps: float  # requests completed within the arrival window / its length
     queue_delay_p50_s: float
-    queue_delay_p95_s: float
-    prefix_kv_tokens_mean: float
-    compactions: int
-    compaction_wait_mean_s: float
+    queue_delay_p95_s: float  # inf when more than 5% were never admitted
+    prefix_kv_tokens_mean: float  # sampled each second of the arrival window
+    compactions: int  # finished within the arrival window
+    compactions_pending: int  # requested but not finished by its end
+    compaction_wait_mean_s: float  # request to install, over `compactions`
     served_from_compacted: float
     prefix_hit_rate: float
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The highest arrival rate one configuration sustains within the SLO."""
+
+    pool: int
+    slo_p95_s: float
+    capacity_rps: float  # 0 when even the lowest rate tried misses the SLO
+    at_capacity: SimResult | None
+    probes: tuple[tuple[float, float], ...]  # (rate, p95 queueing delay) of each run tried
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -132,12 +157,12 @@ def simulate(cfg: SimConfig) -> SimResult:
             break
         push(t, "arrive", rng.choices(range(cfg.docs), weights)[0])
 
+    arrived = len(events)
     delays: list[float] = []
     waits: list[float] = []
-    completed = from_compacted = hits = 0
+    completed = in_window = from_compacted = hits = 0
     prefix_samples: list[int] = []
     last_sample = -1.0
-    last_finish = cfg.duration
 
     def doc_cost(doc: int) -> int:
         return max(1, int(lengths[doc] * cfg.ratio)) if doc in compacted else lengths[doc]
@@ -192,37 +217,94 @@ def simulate(cfg: SimConfig) -> SimResult:
             r.running -= 1
             r.running_tokens -= own
             r.read_tokens -= read
-            last_finish = now
             r.users[doc] -= 1
             completed += 1
+            in_window += now <= cfg.duration
             try_admit(r, now)
         elif kind == "compacted":
             doc = payload
             compacted.add(doc)
-            waits.append(now - requested[doc])
+            if now <= cfg.duration:
+                waits.append(now - requested[doc])
             pool_free += 1
             for r in replicas:
                 if doc in r.docs:
                     r.docs[doc] = doc_cost(doc)
                     try_admit(r, now)
             start_jobs(now)
-        if now - last_sample >= 1.0:
+        if now - last_sample >= 1.0 and now <= cfg.duration:
             last_sample = now
             prefix_samples.append(sum(sum(r.docs.values()) for r in replicas))
 
-    end = max(cfg.duration, last_finish)
+    delays += [math.inf] * sum(len(r.queue) for r in replicas)  # never admitted
+    requested_in_window = sum(t <= cfg.duration for t in requested.values())
     return SimResult(
         pool=cfg.pool,
+        rate=cfg.rate,
+        arrived=arrived,
         completed=completed,
-        throughput_rps=completed / end,
+        served_rps=in_window / cfg.duration,
         queue_delay_p50_s=_quantile(delays, 0.5),
         queue_delay_p95_s=_quantile(delays, 0.95),
         prefix_kv_tokens_mean=sum(prefix_samples) / max(len(prefix_samples), 1),
-        compactions=len(compacted),
+        compactions=len(waits),
+        compactions_pending=requested_in_window - len(waits),
         compaction_wait_mean_s=sum(waits) / len(waits) if waits else 0.0,
         served_from_compacted=from_compacted / max(len(delays), 1),
         prefix_hit_rate=hits / max(len(delays), 1),
     )
+
+
+def capacity(
+    cfg: SimConfig,
+    slo_p95_s: float,
+    start_rps: float = 1.0,
+    rel_tol: float = 0.01,
+    max_rps: float = 1e4,
+) -> Capacity:
+    """The highest arrival rate at which `cfg` (its `rate` ignored) keeps the p95 queueing
+    delay <= `slo_p95_s`: double (or halve) from `start_rps` to bracket it, then bisect
+    until the bracket is within `rel_tol`. Assumes the delay grows with the rate (checked
+    only at the probes, which the result lists)."""
+    if slo_p95_s <= 0:
+        raise ValueError(f"slo_p95_s must be > 0, got {slo_p95_s}")
+    if not 0 < rel_tol < 1:
+        raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
+    probes: list[tuple[float, float]] = []
+
+    def run(rate: float) -> tuple[bool, SimResult]:
+        res = simulate(replace(cfg, rate=rate))
+        probes.append((rate, res.queue_delay_p95_s))
+        return res.arrived > 0 and res.queue_delay_p95_s <= slo_p95_s, res
+
+    lo: tuple[float, SimResult] | None = None
+    hi: float | None = None
+    rate = start_rps
+    while lo is None or hi is None:  # bracket: double while met, halve while missed
+        if rate < start_rps / 1024:
+            return Capacity(cfg.pool, slo_p95_s, 0.0, None, tuple(sorted(probes)))
+        if rate > max_rps:
+            break
+        ok, res = run(rate)
+        lo, hi = ((rate, res), hi) if ok else (lo, rate)
+        rate = rate * 2 if ok else rate / 2
+    if lo is None:  # cannot happen: rates only grow past max_rps after a met SLO
+        raise RuntimeError(f"capacity search found no rate meeting the SLO: {probes}")
+    while hi is not None and hi - lo[0] > rel_tol * lo[0]:
+        mid = (lo[0] + hi) / 2
+        ok, res = run(mid)
+        lo, hi = ((mid, res), hi) if ok else (lo, mid)
+    return Capacity(cfg.pool, slo_p95_s, lo[0], lo[1], tuple(sorted(probes)))
+
+
+def saturation_pool(caps: list[Capacity], gain: float = 0.05) -> int | None:
+    """The smallest compaction pool (> 0) past which no larger pool in `caps` raises
+    capacity by more than `gain` (relative); None without compaction pools."""
+    pooled = sorted((c for c in caps if c.pool > 0), key=lambda c: c.pool)
+    for i, c in enumerate(pooled):
+        if all(d.capacity_rps <= c.capacity_rps * (1 + gain) for d in pooled[i + 1 :]):
+            return c.pool
+    return None
 
 
 def _make_room(r: _Replica, need: int, capacity: int, keep: int) -> bool:
@@ -250,51 +332,73 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(
             f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default
         )
-    parser.add_argument("--pools", default="0,1,2,4,8,16", help="pool sizes to sweep (0 = stock)")
+    parser.add_argument("--pools", default="0,1,2,4,8,16,32", help="pool sizes (0 = stock)")
+    parser.add_argument("--slo-p95-s", type=float, default=10.0, help="p95 queueing delay SLO")
+    parser.add_argument("--gain", type=float, default=0.05, help="'stops helping' threshold")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cluster_sim.json"))
     parser.add_argument("--plot", type=Path, default=Path("benchmarks/results/cluster_sim.png"))
     args = parser.parse_args(argv)
     base = {k: v for k, v in vars(args).items() if k in SimConfig.__dataclass_fields__}
     pools = [int(p) for p in args.pools.split(",")]
-    results = [simulate(SimConfig(**base, pool=p)) for p in pools]
+    caps = [capacity(SimConfig(**base, pool=p), args.slo_p95_s) for p in pools]
+    at_rate = [simulate(SimConfig(**base, pool=p)) for p in pools]
+    sat = saturation_pool(caps, args.gain)
 
-    header = (
-        f"{'pool':>5} {'req/s':>7} {'delay p50':>10} {'p95':>8} {'prefix KV':>10} "
-        f"{'hit rate':>8} {'compacted':>9} {'wait s':>7}"
-    )
-    print(header)
-    for r in results:
+    stock = next((c.capacity_rps for c in caps if c.pool == 0), 0.0)
+    print(f"capacity: highest arrival rate with p95 queueing delay <= {args.slo_p95_s:g} s")
+    print("pool  capacity req/s  x stock  | at --rate: p95 delay s  compacted  pending  wait s")
+    for c, r in zip(caps, at_rate):
+        x = f"{c.capacity_rps / stock:.2f}" if stock else "-"
         print(
-            f"{r.pool:>5} {r.throughput_rps:>7.2f} {r.queue_delay_p50_s:>10.2f} "
-            f"{r.queue_delay_p95_s:>8.2f} {r.prefix_kv_tokens_mean:>10.0f} "
-            f"{r.prefix_hit_rate:>8.2f} {r.compactions:>9} "
-            f"{r.compaction_wait_mean_s:>7.1f}"
+            f"{c.pool:>4}  {c.capacity_rps:>14.2f}  {x:>7}  | {r.queue_delay_p95_s:>20.2f}  "
+            f"{r.compactions:>9}  {r.compactions_pending:>7}  {r.compaction_wait_mean_s:>6.1f}"
         )
+    print(f"more workers stop helping (< {args.gain:.0%} more capacity) past pool = {sat}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._meta import provenance
+
+    out = {
+        "provenance": provenance(argv),
+        "config": base,
+        "slo_p95_s": args.slo_p95_s,
+        "gain": args.gain,
+        "saturation_pool": sat,
+        "capacity": [asdict(c) for c in caps],
+        "at_rate": [asdict(r) for r in at_rate],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"config": base, "results": [asdict(r) for r in results]}, indent=2) + "\n"
-    )
-    _plot(results, args.plot)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    _plot(caps, at_rate, args.slo_p95_s, args.plot)
     print(f"wrote {args.out} and {args.plot}")
     return 0
 
 
-def _plot(results: list[SimResult], path: Path) -> None:
+def _plot(caps: list[Capacity], at_rate: list[SimResult], slo: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = [r.pool for r in results]
+    pools = [c.pool for c in caps]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].plot(pools, [r.throughput_rps for r in results], "o-")
-    axes[0].set(xlabel="compaction workers (0 = stock)", ylabel="requests / s", title="throughput")
-    axes[1].plot(pools, [r.queue_delay_p95_s for r in results], "o-", label="p95")
-    axes[1].plot(pools, [r.queue_delay_p50_s for r in results], "s--", label="p50")
-    axes[1].set(xlabel="compaction workers", ylabel="seconds", title="queueing delay")
-    axes[1].legend()
-    axes[2].plot(pools, [r.prefix_kv_tokens_mean / 1000 for r in results], "o-")
-    axes[2].set(xlabel="compaction workers", ylabel="k tokens", title="KV held by prefixes")
+    axes[0].plot(pools, [c.capacity_rps for c in caps], "o-")
+    axes[0].set(
+        xlabel="compaction workers (0 = stock)",
+        ylabel="requests / s",
+        title=f"capacity (p95 queueing <= {slo:g} s)",
+    )
+    for c in caps:
+        rates, p95 = zip(*c.probes)
+        axes[1].plot(rates, [max(d, 1e-2) for d in p95], ".-", label=f"pool {c.pool}")
+    axes[1].axhline(slo, color="k", lw=0.8, ls="--")
+    axes[1].set(xlabel="arrival rate (req/s)", ylabel="p95 queueing (s)", yscale="log")
+    axes[1].set_title("search probes", fontsize=10)
+    axes[1].legend(fontsize=7)
+    rate = at_rate[0].rate if at_rate else 0.0
+    axes[2].plot(pools, [r.queue_delay_p95_s for r in at_rate], "o-", label="p95")
+    axes[2].plot(pools, [r.queue_delay_p50_s for r in at_rate], "s--", label="p50")
+    axes[2].set(xlabel="compaction workers", ylabel="seconds", title=f"queueing at {rate:g} req/s")
+    axes[2].legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

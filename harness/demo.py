@@ -5,17 +5,21 @@ On the embedded SmolLM2-135M model and CPU:
 1. prepare the checkpoint (a no-op when prepared) and start `compactor serve` (Ray workers);
 2. start a real SGLang server for stock and for each compaction ratio (the compaction ones
    with `--compaction-endpoint` pointing at the service), all at once, then
-   - warm-up, one server after the other: ask each document's questions once, in order
+   - warm-up, one server after the other: ask each document's six questions once, in order
      (the documents enter the radix cache; on compaction servers the last question's hit
-     sends the document to the service, with the questions as reference queries), then
-     wait for the installs;
-   - measured pass, one server at a time: every question of every document at once,
-     streamed: accuracy on the needle questions, agreement with stock's greedy tokens,
-     throughput, TTFT p50/p95, and the KV slots held by the shared documents (stock: their
-     tokens; compaction: the plugin's physical-slot gauge plus the uncompacted margin);
-3. print one table, write JSON + PNG, and stop every process (also on Ctrl-C or failure).
+     sends the document to the service, with the questions as reference queries), read
+     the pool (on compaction servers only if no install has landed yet: with several
+     documents the first is usually installed by then), then wait for the installs and read
+     it again;
+   - measured pass, one server at a time: the six questions of every document plus six
+     questions the compaction never saw, all at once, streamed: needle accuracy and
+     agreement with stock's greedy tokens on each set, throughput, TTFT p50/p95, and the
+     pool sampled every second (peak slots held, most requests running / queued);
+3. read every pool once more (after the run), print one table, write JSON + PNG, and stop
+   every process (also on Ctrl-C or failure).
 
-Every figure printed is measured in this run.
+Every figure printed is measured in this run; KV slots are read from the servers
+(`harness.pool`: pool size - free slots, as SGLang and the plugin report them).
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from harness.launch import CompactorService, SGLangServer, start_all
+from harness.pool import PoolReading, PoolSampler, pool_size, read_pool
 from harness.workload import (
     compaction_args,
     document,
+    metric,
     needle_correct,
     prompt,
     questions,
     stream_all,
+    unseen_questions,
     wait_for_compactions,
 )
 
@@ -50,83 +57,89 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def warm_up(
-    name: str, server: SGLangServer, docs: list[str], max_new_tokens: int
-) -> dict[str, float]:
+def warm_up(name: str, server: SGLangServer, docs: list[str], max_new_tokens: int) -> float:
     """Ask each document's questions once, in order (uncompacted: no install happens before
-    the last one). Returns the seconds it took and the shared-prefix tokens: what the last
-    question of each document found cached, summed."""
-    t0 = time.perf_counter()
-    shared = 0
+    the last one). Returns `time.monotonic()` at the end."""
     for d, doc in enumerate(docs):
         for q in questions():
-            out = server.generate(prompt(doc, q), max_new_tokens=max_new_tokens)
-        shared += int(out["meta_info"]["cached_tokens"])
+            server.generate(prompt(doc, q), max_new_tokens=max_new_tokens)
         print(f"  [{name}] warm-up: document {d} asked {len(questions())} questions", flush=True)
-    return {"warmup_s": time.perf_counter() - t0, "shared_prefix_tokens": float(shared)}
+    return time.monotonic()
 
 
 def measure(
-    name: str,
-    server: SGLangServer,
-    docs: list[str],
-    ratio: float | None,
-    max_new_tokens: int,
-    gauges: dict[str, float],
+    name: str, server: SGLangServer, docs: list[str], ratio: float | None, max_new_tokens: int
 ) -> dict[str, Any]:
-    """The measured pass: every question of every document at once; returns a record."""
-    qs = questions()
-    prompts = [prompt(doc, q) for doc in docs for q in qs]
-    results, wall = stream_all(server.url, prompts, max_new_tokens)
+    """The measured pass: every question (seen, then unseen) of every document at once."""
+    asked = [(d, q, seen) for d in range(len(docs)) for q, seen in _question_set()]
+    prompts = [prompt(docs[d], q) for d, q, _ in asked]
+    with PoolSampler(server.url, pool=pool_size(server.url)) as sampler:
+        results, wall = stream_all(server.url, prompts, max_new_tokens)
+    end = time.monotonic()
     print(f"  [{name}] measured pass: {len(prompts)} requests at once in {wall:.1f} s", flush=True)
-    shared = gauges["shared_prefix_tokens"]
-    held = shared  # stock: one slot per shared token (page size 1)
-    if ratio is not None:  # compacted: the physical slots, plus what stays uncompacted (margin)
-        held = gauges["physical_tokens"] + max(0.0, shared - gauges["logical_tokens"])
-    correct = [
-        needle_correct(q, r.text, d)
-        for d in range(len(docs))
-        for q, r in zip(qs, results[d * len(qs) : (d + 1) * len(qs)])
-    ]
-    graded = [c for c in correct if c is not None]
     ttfts = [r.ttft_s for r in results]
     return {
         "config": name,
         "ratio": ratio,
         "documents": len(docs),
         "requests": len(results),
-        "shared_prefix_tokens": shared,
-        "kv_slots_held": held,
-        "compactions_installed": gauges.get("installed_total"),
-        "compaction_fallbacks": gauges.get("fallbacks_total"),
-        "warmup_s": gauges["warmup_s"],
-        "needle_accuracy": sum(graded) / len(graded),
+        "run": sampler.as_dict(),
         "requests_per_s": len(results) / wall,
         "output_tokens_per_s": sum(len(r.output_ids) for r in results) / wall,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p95_s": _percentile(ttfts, 0.95),
-        "answers": [{"text": r.text, "output_ids": r.output_ids} for r in results],
+        "answers": [
+            {
+                "doc": d,
+                "question": q,
+                "seen": seen,
+                "needle": needle_correct(q, r.text, d),
+                "text": r.text,
+                "output_ids": r.output_ids,
+            }
+            for (d, q, seen), r in zip(asked, results)
+        ],
+        "_end": end,
     }
 
 
-def add_agreement(records: list[dict[str, Any]], tokens: int = 16) -> None:
-    """Fraction of answers whose first `tokens` greedy tokens equal stock's."""
+def _question_set() -> list[tuple[str, bool]]:
+    return [(q, True) for q in questions()] + [(q, False) for q in unseen_questions()]
+
+
+def add_quality(records: list[dict[str, Any]], tokens: int = 16) -> None:
+    """Needle accuracy and agreement with stock (first `tokens` greedy tokens equal), on the
+    questions the compaction fitted ("seen") and on those it never saw ("unseen")."""
     stock = records[0]["answers"]
     for r in records:
-        same = [
-            a["output_ids"][:tokens] == s["output_ids"][:tokens]
-            for a, s in zip(r["answers"], stock)
-        ]
-        r["agreement_with_stock"] = sum(same) / len(same)
+        for label, seen in (("seen", True), ("unseen", False)):
+            pairs = [(a, s) for a, s in zip(r["answers"], stock) if a["seen"] is seen]
+            graded = [a["needle"] for a, _ in pairs if a["needle"] is not None]
+            same = [a["output_ids"][:tokens] == s["output_ids"][:tokens] for a, s in pairs]
+            r[f"needle_accuracy_{label}"] = sum(graded) / len(graded)
+            r[f"agreement_{label}"] = sum(same) / len(same)
+
+
+def add_pool(record: dict[str, Any], readings: dict[str, PoolReading | None]) -> None:
+    """Store the server-read pool readings and the table's KV figures in `record`."""
+    record["pool"] = {k: None if v is None else v.as_dict() for k, v in readings.items()}
+    installed, after = readings["installed"], readings["after"]
+    assert installed is not None and after is not None
+    record["pool_slots"] = installed.pool
+    record["kv_slots_held"] = installed.held  # what the measured pass starts from
+    record["kv_slots_held_after_run"] = after.held
+    record["kv_slots_compacted"] = installed.compacted
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
     cols = [
         ("config", "{:<12}"),
-        ("KV slots held", "{:>13.0f}"),
+        ("KV held", "{:>7d}"),
         ("less KV", "{:>7}"),
-        ("needles", "{:>7.2f}"),
-        ("agree16", "{:>7.2f}"),
+        ("after run", "{:>9d}"),
+        ("peak", "{:>5d}"),
+        ("needles seen/unseen", "{:>19}"),
+        ("agree16 seen/unseen", "{:>19}"),
         ("req/s", "{:>5.2f}"),
         ("tok/s", "{:>5.1f}"),
         ("TTFT p50", "{:>8.2f}"),
@@ -139,14 +152,22 @@ def print_table(records: list[dict[str, Any]]) -> None:
             r["config"],
             r["kv_slots_held"],
             f"{base / max(r['kv_slots_held'], 1):.1f}x",
-            r["needle_accuracy"],
-            r["agreement_with_stock"],
+            r["kv_slots_held_after_run"],
+            r["run"]["peak_held"],
+            f"{r['needle_accuracy_seen']:.2f} / {r['needle_accuracy_unseen']:.2f}",
+            f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
             r["requests_per_s"],
             r["output_tokens_per_s"],
             r["ttft_p50_s"],
             r["ttft_p95_s"],
         ]
         print(" | ".join(f.format(v) for (_, f), v in zip(cols, vals)))
+    pool = records[0]["pool_slots"]
+    print(
+        f"KV held = slots in use in each server's {pool}-slot pool (pool - free, read from the "
+        "server) after warm-up and installs; after run / peak: after and during the measured "
+        "pass. seen = the six questions the compaction fitted; unseen = six it never saw."
+    )
 
 
 def bar_panels(
@@ -172,14 +193,29 @@ def bar_panels(
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     panels = [
-        ("kv_slots_held", "KV slots held by shared docs"),
-        ("needle_accuracy", "needle accuracy"),
+        ("kv_slots_held", "KV slots held (read from server)"),
+        ("needle_accuracy_unseen", "needles, unseen questions"),
+        ("agreement_unseen", "agree16, unseen questions"),
         ("requests_per_s", "requests / s"),
         ("ttft_p50_s", "TTFT p50 (s)"),
-        ("ttft_p95_s", "TTFT p95 (s)"),
     ]
     title = "stock SGLang vs compacted shared prefixes (SmolLM2-135M, CPU)"
     bar_panels(records, panels, path, title)
+
+
+def _before_install(server: SGLangServer, idle_since: float) -> PoolReading | None:
+    """The pool right after warm-up, if no compaction has landed yet (else None)."""
+    reading = read_pool(server.url, idle_since=idle_since)
+    return reading if metric(server, "sglang:compaction_installed_total") == 0 else None
+
+
+def _provenance(argv: list[str] | None) -> dict[str, Any]:
+    """`benchmarks._meta.provenance` when run from the repository (the demo's usual home)."""
+    try:
+        from benchmarks._meta import provenance
+    except ImportError:
+        return {"command": "python -m harness.demo " + " ".join(sys.argv[1:])}
+    return provenance(sys.argv[1:] if argv is None else argv, module="harness.demo")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from compactor.models import prepare_model
 
     t0 = time.perf_counter()
+    prov = _provenance(argv)  # the code that runs: recorded before anything else
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="compaction-demo-"))
     print(f"== 1/3 embedded model {args.model} (logs under {logs})", flush=True)
@@ -212,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     docs = [document(args.sentences, index=i) for i in range(args.docs)]
     n_q = len(questions())
     print(
-        f"== 2/3 workload: {args.docs} documents x {n_q} questions ({NEEDLE_COUNT} needles each), "
-        f"stock vs ratios {ratios} ({args.method})",
+        f"== 2/3 workload: {args.docs} documents x {n_q} questions ({NEEDLE_COUNT} needles each) "
+        f"+ {len(unseen_questions())} unseen, stock vs ratios {ratios} ({args.method})",
         flush=True,
     )
     configs = [("stock", None), *((f"ratio {r}", r) for r in ratios)]
+    readings: list[dict[str, PoolReading | None]] = [{} for _ in configs]
+    infos: list[dict[str, float]] = [{} for _ in configs]
     with contextlib.ExitStack() as stack:
         svc = stack.enter_context(
             CompactorService(
@@ -226,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  compactor serve on {svc.endpoint} (pid {svc.pid})", flush=True)
         servers = []
         for name, ratio in configs:
-            extra = ["--enable-metrics", "--sleep-on-idle"]  # idle servers must not spin
+            # idle servers must not spin; pool gauges published on every decode step
+            extra = ["--enable-metrics", "--sleep-on-idle", "--decode-log-interval", "1"]
             if ratio is not None:
                 extra += compaction_args(
                     svc.endpoint,
@@ -240,35 +280,51 @@ def main(argv: list[str] | None = None) -> int:
                 SGLangServer(model, log, max_total_tokens=args.max_total_tokens, extra_args=extra)
             )
         start_all(stack, servers)
-        for (name, _), srv in zip(configs, servers):
-            print(f"  [{name}] SGLang up on {srv.url}", flush=True)
+        for (name, _), srv, rd in zip(configs, servers, readings):
+            rd["before"] = before = read_pool(srv.url)
+            print(f"  [{name}] SGLang up on {srv.url}, {before.pool}-slot pool", flush=True)
         # one server busy at a time (each binds its threads to every core); compactions run
         # in the service while the next server warms up
-        warm = [
-            warm_up(name, srv, docs, args.max_new_tokens)
-            for (name, _), srv in zip(configs, servers)
-        ]
-        for (name, ratio), srv, gauges in zip(configs, servers, warm):
+        ends = []
+        for (name, ratio), srv, rd in zip(configs, servers, readings):
+            ends.append(warm_up(name, srv, docs, args.max_new_tokens))
             if ratio is not None:
-                gauges |= wait_for_compactions(
-                    srv, len(docs), args.compaction_timeout, progress=False
-                )
-                print(
-                    f"  [{name}] compactions installed {gauges['installed_total']:.0f}/"
-                    f"{len(docs)}, fallbacks {gauges['fallbacks_total']:.0f}",
-                    flush=True,
-                )
+                rd["warm"] = _before_install(srv, ends[-1])
+        for (name, ratio), srv, rd, info, end in zip(configs, servers, readings, infos, ends):
+            if ratio is not None:
+                info |= wait_for_compactions(srv, len(docs), args.compaction_timeout, False)
+            rd["installed"] = installed = read_pool(srv.url, idle_since=end)
+            if ratio is None:
+                rd["warm"] = installed
+                print(f"  [{name}] KV slots held after warm-up: {installed.held}", flush=True)
+                continue
+            warm = rd["warm"]
+            print(
+                f"  [{name}] compactions installed {info['installed_total']:.0f}/{len(docs)}, "
+                f"fallbacks {info['fallbacks_total']:.0f}; KV slots held "
+                f"{'?' if warm is None else warm.held} before the installs, {installed.held} "
+                f"after ({installed.compacted} in compacted nodes)",
+                flush=True,
+            )
         records = [
-            measure(name, srv, docs, ratio, args.max_new_tokens, gauges)
-            for (name, ratio), srv, gauges in zip(configs, servers, warm)
+            measure(name, srv, docs, ratio, args.max_new_tokens)
+            for (name, ratio), srv in zip(configs, servers)
         ]
-    add_agreement(records)
+        for rec, srv, rd, info in zip(records, servers, readings, infos):
+            rd["after"] = read_pool(srv.url, idle_since=rec.pop("_end"))
+            add_pool(rec, rd)
+            rec["compactions_installed"] = info.get("installed_total")
+            rec["compaction_fallbacks"] = info.get("fallbacks_total")
+    add_quality(records)
     print(f"== 3/3 results ({time.perf_counter() - t0:.0f} s, every process stopped)")
     print_table(records)
     out_json, out_png = args.out / "demo.json", args.out / "demo.png"
-    out_json.write_text(
-        json.dumps({"records": records, "args": vars(args) | {"out": str(args.out)}}, indent=1)
-    )
+    meta = {
+        "provenance": prov,
+        "total_s": time.perf_counter() - t0,
+        "args": vars(args) | {"out": str(args.out)},
+    }
+    out_json.write_text(json.dumps({"records": records, **meta}, indent=1))
     plot(records, out_png)
     print(f"wrote {out_json} and {out_png}")
     return 0

@@ -2,8 +2,10 @@
 
 Each document is harbour-town filler with three needles (a vault password,
 the mayor's name, the colour of the mayor's boat); document `i` uses the i-th value set, so
-answers are checkable per document. The plugin's server tests use document 0 and its six
-questions; the serving demo (`harness.demo`) uses several documents.
+answers are checkable per document. `questions()` are asked before compaction (the
+compaction fits them); `unseen_questions()` only after, to measure what a user's next
+question gets. The plugin's server tests use document 0 and its six questions; the serving
+demo (`harness.demo`) uses several documents and both sets.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ OTHER_QUESTIONS = [
     "When is the northern road closed?",
     "Where did merchants sell their goods?",
 ]
+# Asked only after the install: the compaction never saw them (its follow-ups are
+# `questions()`). Needle rephrasings -> index of the needle value they ask for.
+_UNSEEN_NEEDLES = {
+    "What word opens the vault?": 0,
+    "What is the name of the town's mayor?": 1,
+    "What colour is the boat that belongs to the mayor?": 2,
+}
+UNSEEN_OTHER_QUESTIONS = [
+    "What did the old lighthouse look like?",
+    "What colour was the ledger of the harbour town?",
+    "When did the fishing boats come back?",
+]
 _NEEDLE_DAYS = (20, 55, 90)
 
 
@@ -51,9 +65,10 @@ def _check_index(index: int) -> int:
 
 
 def needles(index: int = 0) -> dict[str, str]:
-    """Needle question -> expected answer word for document `index`."""
+    """Needle question -> expected answer word for document `index` (`questions()` and
+    `unseen_questions()` alike)."""
     values = NEEDLE_VALUES[_check_index(index)]
-    return dict(zip(_NEEDLE_TEMPLATES, values))
+    return dict(zip(_NEEDLE_TEMPLATES, values)) | {q: values[j] for q, j in _UNSEEN_NEEDLES.items()}
 
 
 NEEDLES = needles(0)
@@ -77,7 +92,13 @@ def document(sentences: int = 110, index: int = 0) -> str:
 
 
 def questions() -> list[str]:
+    """The six questions asked before compaction (the compaction's follow-ups)."""
     return [*_NEEDLE_TEMPLATES, *OTHER_QUESTIONS]
+
+
+def unseen_questions() -> list[str]:
+    """Six more questions, asked only after the install: a user's next questions."""
+    return [*_UNSEEN_NEEDLES, *UNSEEN_OTHER_QUESTIONS]
 
 
 def prompt(doc: str, question: str) -> str:

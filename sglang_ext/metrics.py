@@ -3,6 +3,19 @@
 `CompactionStats` is always kept (tests and the log read it). With `--enable-metrics` the
 scheduler also publishes them as `sglang:compaction_*` series; SGLang runs prometheus_client
 in multiprocess mode, so series created in the scheduler show up on the server's /metrics.
+
+Pool gauges are read from SGLang's own counts at the scheduler's poll point (every loop
+iteration, about once a second when idle), never estimated:
+
+- `physical_tokens`: slots held by compacted nodes (their t_max slots, not the alias);
+- `tree_slots`: slots held by ordinary tree nodes (the radix cache's evictable + protected
+  sizes, less the compacted nodes' share, which the tree counts there too);
+- `free_slots`: `token_to_kv_pool_allocator.available_size()`;
+- `pool_slots`: the allocator's size (`--max-total-tokens`).
+
+`pool_slots - free_slots - physical_tokens - tree_slots` is what running requests hold
+outside the tree. Stock SGLang publishes the same allocator figure as
+`sglang:kv_available_tokens` (refreshed on each logged batch and every 30 s when idle).
 """
 
 from __future__ import annotations
@@ -29,17 +42,42 @@ class CompactionStats:
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
     physical_tokens: int = 0  # gauge: slots those prefixes hold
     bytes_saved: int = 0  # gauge: KV bytes not held thanks to compaction
+    tree_slots: int = 0  # gauge: slots held by ordinary (uncompacted) tree nodes
+    free_slots: int = 0  # gauge: free slots in SGLang's KV pool
+    pool_slots: int = 0  # gauge: the KV pool's size
     last_latency_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def read_pool(self, free: int, tree_total: int, pool: int) -> bool:
+        """Set the pool gauges from SGLang's counts; True when one of them changed.
+
+        Args:
+            free: the allocator's `available_size()`.
+            tree_total: the tree's evictable + protected sizes (compacted nodes included,
+                at their physical size); `physical_tokens` must be current.
+            pool: the allocator's size.
+        Mutates `tree_slots`, `free_slots` and `pool_slots`.
+        """
+        new = (int(tree_total) - self.physical_tokens, int(free), int(pool))
+        old = (self.tree_slots, self.free_slots, self.pool_slots)
+        self.tree_slots, self.free_slots, self.pool_slots = new
+        return new != old
 
 
 class PrometheusExporter:
     """Mirror `CompactionStats` into prometheus_client series (create in the scheduler)."""
 
     _COUNTERS = ("requested", "installed", "failures", "invalid", "fallbacks", "evicted")
-    _GAUGES = ("logical_tokens", "physical_tokens", "bytes_saved")
+    _GAUGES = (
+        "logical_tokens",
+        "physical_tokens",
+        "bytes_saved",
+        "tree_slots",
+        "free_slots",
+        "pool_slots",
+    )
 
     def __init__(self, labels: dict[str, str] | None = None):
         from prometheus_client import Counter, Gauge, Histogram

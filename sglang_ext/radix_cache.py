@@ -87,7 +87,7 @@ class CompactionRadixCache(RadixCache):
 
     # ---- public: compaction lifecycle -------------------------------------------------
     def poll_compactions(self) -> int:
-        """Install finished compactions and free retired nodes; returns installs done."""
+        """Install finished compactions, free retired nodes, read pool gauges; returns installs."""
         done = 0
         if self.runner is not None:
             for job in self.runner.drain():
@@ -111,6 +111,10 @@ class CompactionRadixCache(RadixCache):
                         logger.warning("compacted prefix rejected, stays uncompacted: %s", e)
                 self._export(job.latency_s)
         self._reap()
+        alloc = self.token_to_kv_pool_allocator
+        tree = self.evictable_size_ + self.protected_size_
+        if self.stats.read_pool(alloc.available_size(), tree, alloc.size):
+            self._export()
         return done
 
     def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:

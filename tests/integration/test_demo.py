@@ -1,6 +1,7 @@
 """`make demo`'s program end to end, small: one document, stock vs ratio 0.1, then no orphans.
 
-Real `compactor serve` (Ray), two real SGLang servers, the demo's own table and files.
+Real `compactor serve` (Ray), two real SGLang servers, the demo's own table and files; every
+KV figure asserted on is read from the servers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _our_processes() -> list[str]:
 
 
 def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_path: Path) -> None:
-    before = set(_our_processes())
+    before_procs = set(_our_processes())
     proc = subprocess.run(
         [
             sys.executable, "-m", "harness.demo", "--docs", "1", "--sentences", "40",
@@ -32,12 +33,42 @@ def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_p
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "KV slots held" in proc.stdout and "ratio 0.1" in proc.stdout
-    records = json.loads((tmp_path / "demo.json").read_text())["records"]
+    assert "KV held" in proc.stdout and "ratio 0.1" in proc.stdout
+    data = json.loads((tmp_path / "demo.json").read_text())
+    records = data["records"]
     assert [r["config"] for r in records] == ["stock", "ratio 0.1"]
     stock, compacted = records
     assert compacted["compactions_installed"] == 1 and compacted["compaction_fallbacks"] == 0
+    # KV slots are read from each server (pool - free), never computed
+    for r in records:
+        pool = r["pool"]
+        assert r["kv_slots_held"] == pool["installed"]["held"]
+        # "warm" (right after warm-up) is None where the install had already landed
+        assert pool["warm"] is not None or r is compacted
+        for reading in (v for v in pool.values() if v is not None):
+            assert 0 <= reading["held"] <= reading["pool"] == r["pool_slots"]
+        assert 0 < r["run"]["peak_held"] <= r["pool_slots"] and r["run"]["samples"] > 0
+    assert stock["pool"]["installed"]["compacted"] is None  # stock: SGLang's own gauges only
+    assert stock["kv_slots_held"] <= stock["pool_slots"]
+    # before its install the compaction server holds what stock holds (same requests) ...
+    if compacted["pool"]["warm"] is not None:
+        before = compacted["pool"]["warm"]["held"]
+        assert abs(before - stock["kv_slots_held"]) <= 0.1 * stock["kv_slots_held"]
+    # ... after it, the compacted node's slots and little else: 5x less than stock
+    installed = compacted["pool"]["installed"]
+    assert 0 < installed["compacted"] <= installed["held"]
     assert stock["kv_slots_held"] / compacted["kv_slots_held"] >= 5
-    assert all(r["requests"] == 6 and r["ttft_p50_s"] > 0 for r in records)
+    # the plugin's free slots are the allocator's, as SGLang itself reports them
+    after = compacted["pool"]["after"]
+    assert after["free"] == after["sglang_free"]
+    assert after["compacted"] + after["tree"] <= after["held"]
+    # twelve questions: the six the compaction fitted and six it never saw, graded apart
+    assert all(r["requests"] == 12 and r["ttft_p50_s"] > 0 for r in records)
+    assert sum(a["seen"] for a in compacted["answers"]) == 6
+    assert stock["agreement_seen"] == stock["agreement_unseen"] == 1.0
+    for key in ("agreement_unseen", "needle_accuracy_unseen", "needle_accuracy_seen"):
+        assert 0.0 <= compacted[key] <= 1.0
+    prov = data["provenance"]
+    assert prov["command"].startswith("python -m harness.demo") and prov["commit"]
     assert (tmp_path / "demo.png").stat().st_size > 0
-    assert set(_our_processes()) <= before, "the demo left processes behind"
+    assert set(_our_processes()) <= before_procs, "the demo left processes behind"

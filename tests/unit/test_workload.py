@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from harness.workload import NEEDLE_VALUES, document, needle_correct, needles, prompt, questions
+from harness.workload import (
+    NEEDLE_VALUES,
+    document,
+    needle_correct,
+    needles,
+    prompt,
+    questions,
+    unseen_questions,
+)
 
 
 def test_each_document_holds_its_own_needles() -> None:
     docs = [document(index=i) for i in range(len(NEEDLE_VALUES))]
     assert len({d[:40] for d in docs}) == len(docs)  # no two share a radix path from the start
     for i, doc in enumerate(docs):
-        for j, answer in enumerate(needles(i).values()):
+        for j, answer in enumerate(NEEDLE_VALUES[i]):
             assert answer in doc
             for other in range(len(docs)):
                 if other != i:
                     assert NEEDLE_VALUES[other][j] not in doc
+        assert set(needles(i).values()) == set(NEEDLE_VALUES[i])
 
 
 def test_needle_grading_is_per_document() -> None:
@@ -24,8 +33,19 @@ def test_needle_grading_is_per_document() -> None:
     assert needle_correct(q, " The mayor is Margaret.", 1) is False
     assert needle_correct(q, "Henrik", 1) is True
     assert needle_correct("When is the northern road closed?", "winter", 1) is None
-    assert set(needles(0)) <= set(questions())
+    assert set(needles(0)) <= set(questions()) | set(unseen_questions())
+    # the unseen questions ask for the same needles in other words
+    assert needle_correct("What word opens the vault?", "It is otter.", 1) is True
+    assert needle_correct("What word opens the vault?", "It is falcon.", 1) is False
+    assert needle_correct("What colour was the ledger of the harbour town?", "blue", 0) is None
     assert prompt("D", q).startswith("D\nQuestion: ")
+
+
+def test_unseen_questions_are_new_and_cover_each_needle() -> None:
+    seen, unseen = questions(), unseen_questions()
+    assert len(unseen) == len(seen) == 6 and not set(seen) & set(unseen)
+    graded = [q for q in unseen if q in needles(0)]
+    assert sorted(needles(0)[q] for q in graded) == sorted(NEEDLE_VALUES[0])
 
 
 def test_unknown_document_index_is_a_value_error() -> None:

@@ -1,0 +1,402 @@
+"""README results tables rendered from their result files (the test checks they agree).
+
+    python benchmarks/readme_tables.py            # every table, as README.md should show it
+    python benchmarks/readme_tables.py serving    # one table
+    python benchmarks/readme_tables.py --write README.md   # re-render the marked tables in place
+
+A results table in README.md (or sglang_ext/README.md) sits right below a marker naming its
+renderer and its files:
+
+    <!-- results: serving benchmarks/results/serving_3072.json -->
+    | config | ... |
+
+`tests/unit/test_readme_results.py` re-renders every marked table and compares it with the
+README (bold `**` ignored), and checks that each file records its provenance (command, commit,
+machine, date). Rounding: the renderers', to the digits the README prints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "benchmarks/results"
+MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
+
+Renderer = Callable[[list[dict[str, Any]]], list[list[str]]]
+TABLES: dict[str, tuple[tuple[str, ...], Renderer]] = {}
+
+
+def table(name: str, *files: str) -> Callable[[Renderer], Renderer]:
+    """Register a renderer: its result files (under benchmarks/results) -> header + rows."""
+
+    def deco(fn: Renderer) -> Renderer:
+        TABLES[name] = (tuple(f"{RESULTS}/{f}" for f in files), fn)
+        return fn
+
+    return deco
+
+
+def _f(v: float, digits: int = 3) -> str:
+    return "0" if v == 0 else f"{v:.{digits}f}"
+
+
+def _short(v: float) -> str:
+    """.297 below 1, 1.06 above (the all-methods table's compact style)."""
+    return f"{v:.3f}"[1:] if abs(v) < 1 else f"{v:.2f}"
+
+
+def _sig(v: float) -> str:
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 10 else f"{v:.1f}"
+
+
+def _frac(p: float, n: int) -> str:
+    return f"{round(p * n)}/{n}"
+
+
+def _rec(records: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
+    for r in records:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    raise KeyError(f"no record with {match}")
+
+
+@table("demo", "demo.json")
+def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
+    recs = data[0]["records"]
+    base = recs[0]["kv_slots_held"]
+    rows = [
+        ["config", "KV slots held", "less KV", "after the run", "peak in the run",
+         "needles, fitted / unseen questions", "agree16, fitted / unseen"],
+    ]  # fmt: skip
+    for r in recs:
+        rows.append(
+            [
+                r["config"],
+                str(r["kv_slots_held"]),
+                f"{base / r['kv_slots_held']:.1f}x",
+                str(r["kv_slots_held_after_run"]),
+                str(r["run"]["peak_held"]),
+                f"{r['needle_accuracy_seen']:.2f} / {r['needle_accuracy_unseen']:.2f}",
+                f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
+            ]
+        )
+    return rows
+
+
+@table("serving", "serving_3072.json")
+def _serving(data: list[dict[str, Any]]) -> list[list[str]]:
+    recs = data[0]["records"]
+    base = recs[0]["kv_slots_held"]
+    rows = [
+        ["config", "KV slots held after warm-up", "less KV", "peak in the run", "after the run",
+         "max requests running at once", "req/s", "output tok/s", "TTFT p50 / p95 (s)",
+         "agree16, fitted / unseen prompts"],
+    ]  # fmt: skip
+    for r in recs:
+        rows.append(
+            [
+                r["config"],
+                str(r["kv_slots_held"]),
+                f"{base / r['kv_slots_held']:.1f}x",
+                str(r["kv_slots_held_peak"]),
+                str(r["kv_slots_held_after_run"]),
+                str(r["max_running_requests"]),
+                f"{r['requests_per_s']:.3f}",
+                f"{r['output_tokens_per_s']:.2f}",
+                f"{r['ttft_p50_s']:.0f} / {r['ttft_p95_s']:.0f}",
+                f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
+            ]
+        )
+    return rows
+
+
+@table("quality", "quality.json")
+def _quality(data: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["method", "ratio", "output err", "mass err", "logppl gap", "agreement", "needles"]]
+    for r in data[0]["records"]:
+        rows.append(
+            [r["method"], str(r["ratio"]), _f(r["output_rel_err"]), _f(r["mass_rel_err"]),
+             _f(r["logppl_gap"]), f"{r['agreement']:.2f}", f"{r['niah_accuracy']:.2f}"]
+        )  # fmt: skip
+    return rows
+
+
+@table("onpolicy", "quality_onpolicy.json", "quality.json")
+def _onpolicy(data: list[dict[str, Any]]) -> list[list[str]]:
+    on, off = data[0]["records"], data[1]["records"]
+    rows = [["method", "ratio", "output err", "mass err", "logppl gap (off-policy)", "agreement"]]
+    for r in on:
+        if r["method"] == "full":
+            continue
+        o = _rec(off, method=r["method"], ratio=r["ratio"])
+        rows.append(
+            [r["method"], str(r["ratio"]), _f(r["output_rel_err"]), _f(r["mass_rel_err"]),
+             f"{_f(r['logppl_gap'])} ({_f(o['logppl_gap'])})", f"{r['agreement']:.2f}"]
+        )  # fmt: skip
+    return rows
+
+
+@table("seeds", "quality_onpolicy.json", "quality_onpolicy_seed2.json")
+def _seeds(data: list[dict[str, Any]]) -> list[list[str]]:
+    ratios = (0.2, 0.1, 0.05)
+
+    def gap(recs: list[dict[str, Any]], method: str, ratio: float) -> float:
+        return float(_rec(recs, method=method, ratio=ratio)["logppl_gap"])
+
+    sets = [("seeds 0-1 (table above)", [data[0]["records"]]),
+            ("seeds 2-3", [data[1]["records"]]),
+            ("mean of the four", [data[0]["records"], data[1]["records"]])]  # fmt: skip
+    rows = [["documents", *map(str, ratios)]]
+    for label, recs in sets:
+        cells = []
+        for x in ratios:
+            am = statistics.mean(gap(rs, "am-omp", x) for rs in recs)
+            keep = statistics.mean(gap(rs, "keep-only", x) for rs in recs)
+            cells.append(f"{am:.3f} vs {keep:.3f}")
+        rows.append([label, *cells])
+    return rows
+
+
+_METHOD_LABELS = {
+    "keep-only": "keep-only (AM's keys, β=0)",
+    "snapkv:refit=am": "snapkv + AM refit",
+    "h2o:refit=am": "h2o + AM refit",
+    "streamingllm:n_sink=0": "streamingllm",
+    "streamingllm:n_sink=0:refit=am": "streamingllm + AM refit",
+    "kvcompose:group_size=3": "kvcompose",
+    "compresskv:refit=am": "compresskv + AM refit",
+}
+
+
+@table("methods", "methods.json")
+def _methods(data: list[dict[str, Any]]) -> list[list[str]]:
+    recs = data[0]["records"]
+    ratios = (0.2, 0.1, 0.05, 0.02)
+    full = _rec(recs, method="full")["kept_tokens"]
+    rows = [["method", *map(str, ratios)]]
+    methods = list(dict.fromkeys(r["method"] for r in recs if r["method"] != "full"))
+    methods.sort(key=lambda m: m == "gvote")  # no fixed budget: last
+    for m in methods:
+
+        def cell(r: dict[str, Any]) -> str:
+            return " / ".join(
+                [_short(r["output_rel_err"]), _short(r["mass_rel_err"]),
+                 _short(r["logppl_gap"]), str(round(r["niah_accuracy"]))]
+            )  # fmt: skip
+
+        if m == "gvote":  # chooses its own budget: one result whatever the ratio
+            r = _rec(recs, method=m, ratio=ratios[0])
+            label = f"gvote (chooses its own budget: kept {r['kept_tokens'] / full:.0%} here)"
+            rows.append([label, cell(r), "", "", ""])
+            continue
+        rows.append(
+            [_METHOD_LABELS.get(m, m), *(cell(_rec(recs, method=m, ratio=x)) for x in ratios)]
+        )
+    return rows
+
+
+@table("compaction_speed", "compaction_speed.json")
+def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
+    recs = data[0]["records"]
+    a, b = "am-highest", "am-omp-fast"
+    rows = [["T", "method", "prefill", "queries", "selection", "beta", "values", "total"]]
+    for T in sorted({r["T"] for r in recs}):
+        x, y = _rec(recs, T=T, method=a), _rec(recs, T=T, method=b)
+
+        def pair(k: str, d: int = 1, x: dict[str, Any] = x, y: dict[str, Any] = y) -> str:
+            return f"{x[k]:.{d}f} / {y[k]:.{d}f}"
+
+        rows.append(
+            [str(T), f"{a} / {b}", f"{x['prefill']:.1f}", f"{x['queries']:.1f}",
+             pair("selection"), pair("beta"), pair("values", 2), pair("total")]
+        )  # fmt: skip
+    return rows
+
+
+def _stock_needles(examples: list[dict[str, Any]]) -> float:
+    """Needle accuracy of the uncompacted answers stored beside the compacted ones."""
+    sys.path.insert(0, str(ROOT))
+    from harness.workload import needle_correct
+
+    first = examples[0]["config"]
+    graded = [
+        needle_correct(e["question"], e["stock"], e["doc"])
+        for e in examples
+        if e["config"] == first
+    ]
+    marks = [g for g in graded if g is not None]
+    return sum(marks) / len(marks)
+
+
+@table("agreement", "agreement.json")
+def _agreement(data: list[dict[str, Any]]) -> list[list[str]]:
+    meta, recs = data[0]["meta"], data[0]["records"]
+    n_fit = meta["docs"] * (6 - meta["held_out"])
+    n_held = meta["docs"] * meta["held_out"]
+    stock = _stock_needles(data[0]["examples"])
+    rows = [["method", "policy", "follow-up answers", "agree, fitted questions",
+             "agree, held-out", f"needles (stock {stock:.2f})"]]  # fmt: skip
+    for r in recs:
+        rows.append(
+            [r["method"], "on" if r["on_policy"] else "off", str(r["follow_up_answer_tokens"]),
+             _frac(r["agree_fitted"], n_fit), _frac(r["agree_held_out"], n_held),
+             f"{r['needle_accuracy']:.2f}"]
+        )  # fmt: skip
+    return rows
+
+
+@table("kernels", "kernels.json")
+def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
+    res = data[0]["results"]
+    kernels = ("triton_beta", "flashinfer_stock", "flashinfer_beta")
+    shapes = ((1, 1024), (1, 131072), (8, 16384), (32, 65536), (32, 131072))
+    rows = [["B x prefix slots", "Triton + β", "FlashInfer stock (no β)", "FlashInfer + β variant"]]
+    for b, n in shapes:
+        cells = []
+        for k in kernels:
+            r = _rec(res, kernel=k, batch=b, length=n)
+            cells.append(f"{_sig(r['ms'])} ms ({r['frac_of_copy_bw']:.2f})")
+        rows.append([f"{b} x {n // 1024}k", *cells])
+    return rows
+
+
+@table(
+    "methods_speed",
+    "methods_speed_h100_T1024.json",
+    "methods_speed_h100_T4096.json",
+    "methods_speed_h100_T16384.json",
+    "methods_speed_h100host_cpu_T1024.json",
+)
+def _methods_speed(data: list[dict[str, Any]]) -> list[list[str]]:
+    *gpu, cpu = data
+    methods = ("am-highest", "am-omp-fast", "am-omp")
+    rows = [["T", *methods]]
+    for d in gpu:
+        cells = []
+        for m in methods:
+            try:
+                cell = _sig(_rec(d["results"], method=m)["sec_per_layer"])
+            except KeyError:
+                cells.append("not run")
+                continue
+            if d["config"]["T"] == cpu["config"]["T"] and any(
+                r["method"] == m for r in cpu["results"]
+            ):
+                c = _sig(_rec(cpu["results"], method=m)["sec_per_layer"])
+                cell += f" (CPU, 1 thread: {c})" if m == methods[0] else f" (CPU: {c})"
+            cells.append(cell)
+        rows.append([str(d["config"]["T"]), *cells])
+    return rows
+
+
+@table("cluster", "cluster_sim.json")
+def _cluster(data: list[dict[str, Any]]) -> list[list[str]]:
+    d = data[0]
+    caps, at_rate = d["capacity"], d["at_rate"]
+    stock = next(c["capacity_rps"] for c in caps if c["pool"] == 0)
+    rate, T = d["config"]["rate"], d["config"]["duration"]
+    rows = [
+        ["compaction workers", f"capacity, req/s (p95 queueing ≤ {d['slo_p95_s']:g} s)",
+         "x stock", f"p95 queueing at {rate:g} req/s (s)",
+         f"compactions done / pending in {T:g} s", "mean wait to install (s)"],
+    ]  # fmt: skip
+    for c, r in zip(caps, at_rate):
+        rows.append(
+            [str(c["pool"]) + (" (stock)" if c["pool"] == 0 else ""),
+             f"{c['capacity_rps']:.2f}", f"{c['capacity_rps'] / stock:.2f}",
+             f"{r['queue_delay_p95_s']:.1f}", f"{r['compactions']} / {r['compactions_pending']}",
+             f"{r['compaction_wait_mean_s']:.0f}" if r["compactions"] else "-"]
+        )  # fmt: skip
+    return rows
+
+
+def render(name: str, root: Path = ROOT) -> tuple[tuple[str, ...], list[str]]:
+    """The table `name` as markdown lines (header, separator, rows) and its files."""
+    files, fn = TABLES[name]
+    rows = fn([json.loads((root / f).read_text()) for f in files])
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + " --- |" * len(rows[0]))
+    return files, lines
+
+
+def marked_tables(text: str) -> list[tuple[str, tuple[str, ...], list[str]]]:
+    """(renderer name, files, table lines) for every marker in a README's text."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = MARKER.search(line)
+        if m is None:
+            continue
+        body = []
+        for row in lines[i + 1 :]:
+            if not row.startswith("|"):
+                break
+            body.append(row)
+        out.append((m.group(1), tuple(m.group(2).split()), body))
+    return out
+
+
+def normalize(line: str) -> str:
+    return re.sub(r"\s+", " ", line.replace("**", "")).strip()
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _keep(new: str, old: str) -> str:
+    """`new`, with the emphasis of `old`'s words where their text is unchanged."""
+    if normalize(new) == normalize(old):
+        return old
+    a, b = new.split(" "), old.split(" ")
+    if len(a) != len(b):
+        return new
+    return " ".join(o if normalize(o) == normalize(n) else n for n, o in zip(a, b))
+
+
+def update(text: str, root: Path = ROOT) -> str:
+    """`text` with every marked table re-rendered; a cell whose text is unchanged keeps its
+    emphasis (`**`)."""
+    lines = text.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = MARKER.search(lines[i])
+        i += 1
+        if m is None:
+            continue
+        old = []
+        while i < len(lines) and lines[i].startswith("|"):
+            old.append(lines[i])
+            i += 1
+        _, new = render(m.group(1), root)
+        for j, row in enumerate(new):
+            prev = _cells(old[j]) if j < len(old) else []
+            cells = [_keep(c, prev[k] if k < len(prev) else "") for k, c in enumerate(_cells(row))]
+            out.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--write"]:  # re-render the tables of the READMEs given (in place)
+        for path in map(Path, argv[1:]):
+            path.write_text(update(path.read_text()))
+            print(f"updated {path}")
+        return 0
+    for name in argv or list(TABLES):
+        files, lines = render(name)
+        print(f"<!-- results: {name} {' '.join(files)} -->")
+        print("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

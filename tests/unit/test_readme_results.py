@@ -1,0 +1,82 @@
+"""README figures come from committed result files: every marked results table equals what
+`benchmarks/readme_tables.py` renders from the files it names, and every result file records
+how it was produced (command, commit, machine, date)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "readme_tables", ROOT / "benchmarks" / "readme_tables.py"
+)
+assert _spec is not None and _spec.loader is not None
+readme_tables = importlib.util.module_from_spec(_spec)
+sys.modules["readme_tables"] = readme_tables
+_spec.loader.exec_module(readme_tables)
+
+READMES = (ROOT / "README.md", ROOT / "sglang_ext" / "README.md")
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _marked() -> list[tuple[str, str, tuple[str, ...], list[str]]]:
+    out = []
+    for readme in READMES:
+        for name, files, lines in readme_tables.marked_tables(readme.read_text()):
+            out.append((readme.relative_to(ROOT).as_posix(), name, files, lines))
+    return out
+
+
+MARKED = _marked()
+
+
+def test_every_renderer_has_its_table_in_the_readme() -> None:
+    assert {name for _, name, _, _ in MARKED} == set(readme_tables.TABLES)
+
+
+@pytest.mark.parametrize(
+    ("readme", "name", "files", "lines"), MARKED, ids=[f"{r}:{n}" for r, n, _, _ in MARKED]
+)
+def test_table_matches_its_result_file(
+    readme: str, name: str, files: tuple[str, ...], lines: list[str]
+) -> None:
+    want_files, want = readme_tables.render(name)
+    assert files == want_files, f"{readme}: the {name} marker names {files}, not {want_files}"
+    got = [readme_tables.normalize(x) for x in lines]
+    expected = [readme_tables.normalize(x) for x in want]
+    assert got == expected, (
+        f"{readme}: the {name} table differs from its files; "
+        f"`python benchmarks/readme_tables.py {name}` prints it:\n" + "\n".join(want)
+    )
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_result_file_records_its_provenance(path: Path) -> None:
+    prov = json.loads(path.read_text()).get("provenance")
+    assert isinstance(prov, dict), f"{path.name} has no provenance block"
+    for key in ("command", "commit", "machine", "date"):
+        assert prov.get(key), f"{path.name}: provenance.{key} is empty"
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["commit"]), prov["commit"]
+
+
+def _named_results(text: str) -> set[str]:
+    """Patterns of result files a README names: `X.json`, `X.{json,png}`, `X.*`, `X*.json`."""
+    out = set()
+    for token in re.findall(r"benchmarks/results/([\w.*{},-]+)", text):
+        token = token.rstrip(".,")
+        m = re.fullmatch(r"(.*)\{([\w,]+)\}", token)
+        out.update(f"{m.group(1)}{e}" for e in m.group(2).split(",")) if m else out.add(token)
+    return out
+
+
+def test_result_files_the_readmes_name_exist() -> None:
+    named = set().union(*(_named_results(r.read_text()) for r in READMES))
+    assert len(named) > 10
+    missing = sorted(n for n in named if not list(RESULTS.glob(n)))
+    assert not missing, f"the READMEs name result files that are not committed: {missing}"

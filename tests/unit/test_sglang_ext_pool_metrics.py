@@ -1,0 +1,65 @@
+"""The plugin's pool gauges are SGLang's own counts: compacted, tree, free, pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+from sglang_ext.kv_store import head_counts
+from sglang_ext.metrics import CompactionStats
+from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
+    POOL,
+    T,
+    compacted,
+    insert_fresh,
+    key,
+    make_cache,
+)
+
+__all__ = ["compacted"]  # the module fixture, re-exported for pytest
+
+
+def _gauges(cache: Any) -> tuple[int, int, int, int]:
+    s = cache.stats
+    return s.physical_tokens, s.tree_slots, s.free_slots, s.pool_slots
+
+
+def test_read_pool_reports_change_and_splits_the_tree() -> None:
+    stats = CompactionStats(physical_tokens=10)
+    assert stats.read_pool(free=100, tree_total=40, pool=150)
+    assert (stats.tree_slots, stats.free_slots, stats.pool_slots) == (30, 100, 150)
+    assert not stats.read_pool(free=100, tree_total=40, pool=150)
+
+
+def test_pool_gauges_follow_the_tree_and_the_allocator(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    cache.poll_compactions()
+    assert _gauges(cache) == (0, 0, POOL, POOL)
+
+    insert_fresh(cache, [*ids, 11, 12, 13])
+    cache.poll_compactions()
+    assert _gauges(cache) == (0, T + 3, POOL - T - 3, POOL)
+
+    # a running request locks the path: protected, still the tree's
+    node = cache.match_prefix(MatchPrefixParams(key=key(ids))).last_device_node
+    cache.inc_lock_ref(node)
+    cache.poll_compactions()
+    assert _gauges(cache) == (0, T + 3, POOL - T - 3, POOL)
+    cache.dec_lock_ref(node)
+
+    # the install retires the original path: only the compacted slots stay held
+    cache.install(ids, prefix)
+    cache.poll_compactions()
+    t_max = int(head_counts(prefix).max())
+    assert _gauges(cache) == (t_max, 0, POOL - t_max, POOL)
+    alloc = cache.token_to_kv_pool_allocator
+    assert cache.stats.free_slots == alloc.available_size()
+    assert cache.stats.physical_tokens + cache.stats.tree_slots == (
+        cache.evictable_size() + cache.protected_size()
+    )
