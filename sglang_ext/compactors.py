@@ -123,23 +123,37 @@ def _worker_compact(
 
 
 class GrpcCompactor:
-    """Asks the gRPC compaction service through `compactor.client.AsyncCompactorClient`."""
+    """Asks the gRPC compaction service through `compactor.client.AsyncCompactorClient`.
+
+    The token comes from `config.token` or `config.token_file`; the file is checked before
+    every request (`compactor.service.auth.TokenFile`: one stat, re-read only when it
+    changed) and a new token replaces the client's call metadata."""
 
     def __init__(self, config: CompactionConfig, fingerprint: str):
         self.config = config
         self.fingerprint = fingerprint
         self.target = config.endpoint.split("://", 1)[-1]
         self._client: Any = None
+        self._token_file: Any = None
+        self._sent_token: str | None = None
 
-    def _make_client(self) -> Any:
+    def _token(self) -> str | None:
+        """The token to send now (the file's current content when there is one)."""
+        if not self.config.token_file:
+            return self.config.token
+        if self._token_file is None:
+            from compactor.service.auth import TokenFile
+
+            self._token_file = TokenFile(self.config.token_file)
+        token: str = self._token_file.read()
+        return token
+
+    def _make_client(self, token: str | None) -> Any:
         from pathlib import Path
 
         from compactor.client import AsyncCompactorClient, TlsFiles
 
         cfg = self.config
-        token = cfg.token
-        if token is None and cfg.token_file:
-            token = Path(cfg.token_file).read_text().strip()
         tls = None
         if cfg.tls:
             if not cfg.tls_ca:
@@ -151,13 +165,24 @@ class GrpcCompactor:
             )
         return AsyncCompactorClient(self.target, tls=tls, auth_token=token)
 
+    def _client_for(self, token: str | None) -> Any:
+        """The client, built on first use; its metadata follows a changed token."""
+        if self._client is None:
+            self._client = self._make_client(token)
+        elif token != self._sent_token:
+            from compactor.service.auth import TOKEN_HEADER
+
+            self._client.metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
+            logger.info("compaction token file changed: the new token is in use")
+        self._sent_token = token
+        return self._client
+
     async def compact(
         self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]
     ) -> CompactedPrefix:
-        if self._client is None:
-            self._client = self._make_client()
+        client = self._client_for(self._token())
         fus = [[int(t) for t in f] for f in follow_ups]
-        result = await self._client.compact(
+        result = await client.compact(
             [int(t) for t in token_ids],
             self.fingerprint,
             self.config.spec.for_follow_ups(fus),

@@ -17,6 +17,7 @@ from typing import Any
 
 from compactor.spec import CompactionSpec, QueryConfig
 from compactor.spec_args import add_spec_args, spec_from_args, usage_error
+from sglang_ext.channel import add_channel_args, check_channel, token_from_env
 
 __all__ = [
     "ATTENTION_BACKEND",
@@ -68,7 +69,10 @@ class CompactionConfig:
             it was found at (later requests may diverge a little earlier).
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
             at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
-        tls / tls_ca / tls_cert / tls_key / token / token_file: gRPC channel options.
+        tls / tls_ca / tls_cert / tls_key / token / token_file / allow_plaintext_token: gRPC
+            channel options (``sglang_ext.channel``, checked at startup). `token` is set from
+            ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict;
+            `token_file` is re-read by the compactor when the file changes.
     """
 
     endpoint: str
@@ -87,6 +91,7 @@ class CompactionConfig:
     tls_key: str | None = None
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
+    allow_plaintext_token: bool = False
 
     def __post_init__(self) -> None:
         if not self.endpoint.strip():
@@ -189,12 +194,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="Seconds before the first retry; doubles each time.",
     )
-    g.add_argument("--compaction-tls", action="store_true", help="Use TLS for gRPC.")
-    g.add_argument("--compaction-tls-ca", default=None, help="CA bundle (PEM) of the service.")
-    g.add_argument("--compaction-tls-cert", default=None, help="Client certificate (mTLS).")
-    g.add_argument("--compaction-tls-key", default=None, help="Client key (mTLS).")
-    g.add_argument("--compaction-token", default=None, help="Bearer token for the service.")
-    g.add_argument("--compaction-token-file", default=None, help="File holding the bearer token.")
+    add_channel_args(g)
 
 
 def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
@@ -202,7 +202,9 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
 
     Raises ValueError ``"--compaction-<flag>: <why>"`` for a bad spec: the checks of
     ``CompactionSpec.validate`` (the method is built) and the service's policy
-    (``CompactJob.check_spec``: head budgets uniform/auto, bounded follow-up answers).
+    (``CompactJob.check_spec``: head budgets uniform/auto, bounded follow-up answers);
+    ValueError naming the flag for a bad channel (``sglang_ext.channel.check_channel``:
+    TLS files, a token in plaintext to a non-loopback host).
     """
     endpoint = getattr(ns, "compaction_endpoint", None)
     if not endpoint:
@@ -214,6 +216,17 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         CompactJob.check_spec(spec)
     except ValueError as exc:
         raise ValueError(usage_error(exc, ns, SPEC_PREFIX).with_flag()) from None
+    token_file = ns.compaction_token_file
+    channel: dict[str, Any] = dict(
+        tls=ns.compaction_tls or endpoint.startswith("grpcs://"),
+        tls_ca=ns.compaction_tls_ca,
+        tls_cert=ns.compaction_tls_cert,
+        tls_key=ns.compaction_tls_key,
+        token=token_from_env(token_file),
+        token_file=token_file,
+        allow_plaintext_token=ns.compaction_allow_plaintext_token,
+    )
+    check_channel(endpoint, **channel)
     return CompactionConfig(
         endpoint=endpoint,
         spec=spec,
@@ -225,12 +238,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         boundary_margin=ns.compaction_boundary_margin,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,
-        tls=ns.compaction_tls or endpoint.startswith("grpcs://"),
-        tls_ca=ns.compaction_tls_ca,
-        tls_cert=ns.compaction_tls_cert,
-        tls_key=ns.compaction_tls_key,
-        token=ns.compaction_token,
-        token_file=ns.compaction_token_file,
+        **channel,
     )
 
 

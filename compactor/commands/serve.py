@@ -36,7 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--tls-client-ca", type=Path, help="require client certs signed by this CA")
-    p.add_argument("--auth-token-file", type=Path, help="require 'authorization: Bearer <token>'")
+    p.add_argument(
+        "--auth-token-file",
+        type=Path,
+        help="require 'authorization: Bearer <token>'; re-read when the file changes",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.set_defaults(func=_serve)
@@ -55,9 +59,13 @@ def _serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     token = None
     if args.auth_token_file:
-        token = args.auth_token_file.read_text().strip()
-        if not token:
-            raise SystemExit(f"compactor serve: error: {args.auth_token_file} is empty")
+        from compactor.service.auth import TokenFile
+
+        token = TokenFile(args.auth_token_file)  # read again whenever the file changes
+        try:
+            token.read()
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"compactor serve: error: --auth-token-file: {exc}") from None
     try:
         model_dir = resolve_model(args.model)
     except ValueError as exc:

@@ -1,26 +1,72 @@
-"""Bearer-token authentication: a grpc.aio server interceptor (health checks are exempt)."""
+"""Bearer-token authentication: a grpc.aio server interceptor (health checks are exempt) and
+`TokenFile`, a token file read again when it changes (the service and the SGLang plugin)."""
 
 from __future__ import annotations
 
 import hmac
+import logging
+import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-__all__ = ["TOKEN_HEADER", "TokenAuthInterceptor"]
+__all__ = ["TOKEN_HEADER", "TokenAuthInterceptor", "TokenFile"]
 
 TOKEN_HEADER = "authorization"
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+logger = logging.getLogger(__name__)
+
+
+class TokenFile:
+    """A bearer token kept in a file; `read()` returns it, reading the file again only when
+    its (mtime, size, inode) changed since the last read (one `stat` per call otherwise).
+
+    A rotated file takes effect at the next call. While the file is missing, unreadable or
+    empty after a good read, the last token read stays in use (a warning is logged);
+    without one, `read()` raises.
+
+    Raises (from `read`): OSError (missing or unreadable file), ValueError (empty file).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._token: str | None = None
+
+    def read(self) -> str:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp or self._token is None:
+                token = self.path.read_text().strip()
+                if not token:
+                    raise ValueError(f"auth token file {str(self.path)!r} is empty")
+                self._token, self._stamp = token, stamp
+        except (OSError, ValueError) as exc:
+            if self._token is None:
+                raise
+            logger.warning("keeping the last token read: %s", exc)
+        return self._token
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) calls without metadata ``authorization: Bearer <token>``."""
+    """Refuses (UNAUTHENTICATED) calls without metadata ``authorization: Bearer <token>``.
 
-    def __init__(self, token: str) -> None:
-        if not token:
+    `token` is the token itself or a `TokenFile`, checked for changes on every call."""
+
+    def __init__(self, token: str | TokenFile) -> None:
+        if isinstance(token, TokenFile):
+            token.read()  # fails now for a missing or empty file
+        elif not token:
             raise ValueError("auth token is empty")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
+
+    @property
+    def _expected(self) -> bytes:
+        token = self._token.read() if isinstance(self._token, TokenFile) else self._token
+        return f"Bearer {token}".encode()
 
     async def intercept_service(
         self,

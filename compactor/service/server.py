@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from compactor.service.auth import TokenAuthInterceptor
+from compactor.service.auth import TokenAuthInterceptor, TokenFile
 from compactor.service.engine import CompactionService, ServiceConfig
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
@@ -58,7 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     tls: TlsConfig | None = None
-    auth_token: str | None = None
+    auth_token: str | TokenFile | None = None  # a TokenFile is re-read when it changes
     max_message_bytes: int = 16 << 20
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     drain_seconds: float = 30.0

@@ -224,3 +224,26 @@ def test_every_plugin_flag_is_documented_with_help() -> None:
     missing = [a.option_strings[0] for a in flags if a.option_strings[0][2:] not in documented]
     assert not missing, f"flags missing from sglang_ext/README.md: {missing}"
     assert not [a.option_strings[0] for a in flags if not a.help]
+
+
+def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
+    """The channel is checked where the spec is: a remote plaintext token stops startup."""
+    import argparse
+
+    from sglang_ext import _from_cli_args
+    from sglang_ext.config import add_cli_args
+
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    argv = ["--compaction-endpoint", "svc:50051", "--compaction-token-file", str(token)]
+    args = server_args(device="cpu")
+    with pytest.raises(ValueError, match="--compaction-allow-plaintext-token"):
+        _from_cli_args(args, type(args), p.parse_args(argv))
+    assert not hasattr(args, CONFIG_ATTR)
+    _from_cli_args(args, type(args), p.parse_args([*argv, "--compaction-allow-plaintext-token"]))
+    cfg = getattr(args, CONFIG_ATTR)
+    assert cfg.token_file == str(token) and cfg.token is None and "t0ken" not in repr(cfg)
+    with pytest.raises(SystemExit):
+        p.parse_args([*argv, "--compaction-token", "t0ken"])
