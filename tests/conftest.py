@@ -2,6 +2,8 @@
 
 - `gpu`: skipped unless a CUDA device is present.
 - `sglang`: starts a real SGLang server (slow; deselect with `-m "not sglang"`).
+- `peer`: a cross-check against an independent implementation (kvpress); its outcome is
+  printed by name at the end of the run, so a CI log shows that it ran and passed.
 - `prepared_model`: the embedded SmolLM2-135M checkpoint, prepared once per machine.
 Servers bind 127.0.0.1 on ports the OS picks; no fixed ports.
 """
@@ -18,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +32,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+_PEER_OUTCOMES: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "peer" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        _PEER_OUTCOMES.append((report.nodeid, report.outcome.upper()))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for nodeid, outcome in _PEER_OUTCOMES:
+        terminalreporter.write_line(f"peer check: {nodeid} {outcome}")
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,7 @@ KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
 _BUILD = "`bash scripts/setup_kvpress_venv.sh` builds it (`make test` runs that first)"
 
 
+@pytest.mark.peer
 def test_kvpress_crosscheck(tmp_path: Path, prepared_model: Path) -> None:
     """Our snapkv / streamingllm / kvcompose keep what NVIDIA kvpress keeps (its own venv)."""
     if not KVPRESS_PY.exists():
