@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,7 @@ def run_meta(device: str, threads: int) -> dict[str, Any]:
         "device_name": dev_name,
         "torch": torch.__version__,
         "threads": threads,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -225,7 +225,7 @@ def main() -> int:
         reuse: dict[Any, Any] = {}
         first = None
         for name in a.methods.split(","):
-            if "omp" in name and T > a.omp_max_T:
+            if "omp" in name and a.omp_max_T < T:
                 continue
             clock = StageClock()
             spec = CompactionSpec(method=name, ratio=a.ratio)

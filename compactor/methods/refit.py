@@ -45,7 +45,7 @@ BLOCK_BYTES = 2 << 30
 # Work chunks of the streaming pass over the logits (bytes): cache-sized.
 CHUNK_BYTES = 8 << 20
 # Fixed-work active-set rounds of the refit's NNLS (see compactor.solvers.nnls_gram).
-NNLS_ROUNDS = 16
+NNLS_ROUNDS = 32
 
 
 class Targets:
@@ -276,12 +276,16 @@ def fit_layer_beta(
 ) -> torch.Tensor:
     """beta [H, t_max] of the kept keys: box-NNLS of the mass on their mass features.
 
-    Heads are solved in blocks whose Gram matrices [t_max, t_max] (and the solver's few
-    copies of them) stay within ``targets.block_bytes``. Padded entries get beta = 0.
+    rounds: fixed-work solver rounds (None: exact, see :func:`compactor.solvers.nnls_gram`).
+    Heads are solved in blocks whose features and solver matrices stay within
+    ``targets.block_bytes``. Padded entries get beta = 0.
     """
     idx, mask = selection.indices, selection.mask
     H, t = idx.shape
-    hb = max(1, targets.block_bytes // max(1, 16 * t * t))
+    n = targets.shape[1]
+    # per head: the features, then the solver's copies (fp64 kernel form when n < t)
+    per_head = 4 * n * t + (24 * n * t + 32 * n * n if n < t else 20 * t * t)
+    hb = max(1, targets.block_bytes // per_head)
     if hb >= H:
         return fit_beta_nnls(
             targets.features(idx), targets.mass, mask, beta_bounds, ridge=ridge, rounds=rounds
