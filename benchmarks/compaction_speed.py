@@ -202,6 +202,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other (T, method) records of an existing JSON (one run per length)",
+    )
     a = ap.parse_args()
 
     import torch
@@ -220,6 +225,12 @@ def main() -> int:
     meta = {**run_meta(a.device, a.threads), "model": a.model, "ratio": a.ratio}
     records: list[dict[str, Any]] = []
     a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "compaction_speed.json"
+    kept: list[dict[str, Any]] = []
+    if a.append and path.is_file():
+        old = json.loads(path.read_text())
+        kept = old.get("records", [])
+        meta["earlier_runs"] = [*old["meta"].get("earlier_runs", []), old["meta"]]
     for T in [int(x) for x in a.lengths.split(",")]:
         ids = tok(make_niah(tok, T, seed=T).prefix, add_special_tokens=False).input_ids
         reuse: dict[Any, Any] = {}
@@ -250,16 +261,18 @@ def main() -> int:
                 "slowest_layer_s": max(st.per_layer),
             }
             records.append(rec)
+            kept = [r for r in kept if (r["T"], r["method"]) != (rec["T"], name)]
             print(
                 f"T={rec['T']:>5} {name:<12} "
                 + "  ".join(f"{s} {wall[s]:6.2f}/{cpu[s]:6.2f}" for s in (*STAGES, "compaction"))
                 + f"  total {rec['total_s']:6.2f}/{rec['cpu_total_s']:6.2f} s (wall/CPU)",
                 flush=True,
             )
-            out = {"meta": meta, "stages": list(STAGES), "records": records}
-            (a.out / "compaction_speed.json").write_text(json.dumps(out, indent=1))
-    plot(records, a.out / "compaction_speed.png")
-    print(f"wrote {a.out / 'compaction_speed.json'} and .png")
+            every = sorted(kept + records, key=lambda r: (r["method"], r["T"]))
+            out = {"meta": meta, "stages": list(STAGES), "records": every}
+            path.write_text(json.dumps(out, indent=1))
+    plot(sorted(kept + records, key=lambda r: (r["method"], r["T"])), path.with_suffix(".png"))
+    print(f"wrote {path} and .png")
     return 0
 
 
