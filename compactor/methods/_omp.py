@@ -120,7 +120,8 @@ class OMPBlock:
         AnT = (An * take.unsqueeze(1)).transpose(1, 2).contiguous()  # [h, K, n]
         # fp64 Gram entries: fp32 rounding would make the near-singular Gram indefinite
         AnT = AnT.double()
-        B = torch.bmm(self.At, AnT.transpose(1, 2)) * self.live.unsqueeze(-1)  # [h, S, K]
+        B = torch.bmm(AnT, self.At.transpose(1, 2)).transpose(1, 2)  # [h, S, K]
+        B = B * self.live.unsqueeze(-1)
         D = torch.bmm(AnT, AnT.transpose(1, 2))  # [h, K, K]
         both = take.unsqueeze(1) & take.unsqueeze(2)
         eye = torch.eye(K, dtype=torch.float64, device=dev)
@@ -136,7 +137,7 @@ class OMPBlock:
         # new Hinv = Hinv - E E' + Y Sc^-1 Y', Y = X - E (E: one-hot columns at pos)
         Y = X.scatter_add(1, pos.unsqueeze(1), X.new_full((h, 1, K), -1.0))
         M = torch.cholesky_solve(Y.transpose(1, 2), L)  # Sc^-1 Y'  [h, K, S]
-        self.Hinv.add_(torch.bmm(Y, M))
+        self.Hinv.baddbmm_(Y, M)
         diag = torch.diagonal(self.Hinv, dim1=1, dim2=2)
         diag.scatter_(1, pos, torch.gather(diag, 1, pos) - 1.0)
         self.At.scatter_(1, pos.unsqueeze(2).expand(-1, -1, n), AnT)
@@ -215,7 +216,7 @@ class OMPBlock:
         self.overflow |= (info != 0).any()
         M = torch.cholesky_solve(Z.transpose(1, 2), L)  # [h, m, S]
         M = torch.where((info == 0)[:, None, None], M, zero)
-        Hv.sub_(torch.bmm(Z, M))
+        Hv.baddbmm_(Z, M, alpha=-1.0)
         gone = weak  # rows / cols of the removed slots back to identity
         keep2 = ~gone
         Hv.mul_(keep2.unsqueeze(1) & keep2.unsqueeze(2))
