@@ -6,7 +6,10 @@ H_kv KV heads, D head dim, indptr [H_kv+1] int32.
 Every method = a key selection (:meth:`pick`, on the layer's reference targets) followed by
 the AM refit (:func:`compactor.methods.refit.refit`: NNLS beta on the attention mass +
 least-squares values), with the method's bounds and ridge (:meth:`refit_spec`); the targets
-are computed once per layer (``LayerInput.targets``) and shared by both steps.
+are computed once per layer (``LayerInput.targets``, lazily and in bounded blocks) and
+shared by both steps. Everything is batched over the KV heads of a layer on the keys'
+device, with no host sync per OMP step or NNLS round (see :func:`omp_select` and
+:func:`compactor.solvers.nnls_gram`).
 ``keep-only`` wraps any selecting method and skips the refit (beta = 0, original values):
 the ablation that shows what the refit buys.
 """
@@ -82,7 +85,7 @@ def omp_select(
     inverse Gram matrix of the selected keys kept up to date (fp64; rank-k*tau updates
     as keys come, Schur downdates as they are pruned), with ``nnls_iters`` active-set
     rounds on the keys at w = 0: no factorization and no host sync per step. Heads are
-    processed in blocks whose phi [n, T] fits ``targets.block_bytes``.
+    processed in blocks whose phi [n, T] and OMP state fit ``targets.block_bytes``.
 
     Args:
         targets: :func:`reference_targets` of the layer (phi [H, n, T], mass [H, n]).
@@ -94,7 +97,7 @@ def omp_select(
     Returns:
         Selection [H, t_max] (indices ascending); at most budgets[h] keys per head.
     """
-    H, _, T = targets.shape
+    H, n, T = targets.shape
     bud = [int(x) for x in budgets]
     if len(bud) != H:
         raise ValueError(f"omp_select: {len(bud)} budgets for {H} heads")
@@ -102,7 +105,8 @@ def omp_select(
     K = min(kk * tau, T)
     lo_w = 0.0 if prune_beta is None else math.exp(prune_beta)
     hits = torch.zeros(H, T, dtype=torch.bool, device=targets.keys.device)
-    hb = targets.heads_per_block()
+    S = max(bud) + 2 * K  # slots of OMPBlock: its fp64 features and inverse Gram (+ copies)
+    hb = max(1, targets.block_bytes // (4 * n * T + 8 * S * n + 24 * S * S))
     for h0 in range(0, H, hb):
         h1 = min(H, h0 + hb)
         omp = OMPBlock(targets.phi_heads(h0, h1), targets.mass[h0:h1], bud[h0:h1], kk, K)
@@ -135,7 +139,11 @@ class AMHighest(ScoreMethod):
 @dataclasses.dataclass
 class AMOMP(SelectingMethod):
     """OMP key selection on the mass features (k keys per step, NNLS refit every tau
-    steps, prune beta < prune_beta), then the AM refit (beta >= prune_beta)."""
+    steps, prune beta < prune_beta), then the AM refit (beta >= prune_beta).
+
+    nnls_iters: active-set rounds of each inner NNLS (:func:`omp_select`; 4 reach the
+    exact answer on real heads, where at most a few keys sit at w = 0 per refit).
+    """
 
     k: int = 1
     tau: int = 1
