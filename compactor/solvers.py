@@ -155,6 +155,10 @@ def lstsq_values(
 
     Returns:
         C: [t, D] or [B, t, D] (fp32 or wider).
+
+    With fewer rows than unknowns (n < t) the same solution comes from the kernel form
+    C = prior + P'(P P' + lam I)^-1 (Y - P prior), an [n, n] system solved in fp64, instead
+    of the [t, t] normal equations.
     """
     batched = P.dim() == 3
     if not batched:
@@ -165,7 +169,10 @@ def lstsq_values(
         raise ValueError(f"lstsq_values: P {tuple(P.shape)} and Y {tuple(Y.shape)} do not match")
     dt = torch.promote_types(P.dtype, torch.float32)
     P, Y = P.to(dt), Y.to(dt)
-    B, _, t = P.shape
+    B, n, t = P.shape
+    if n < t:
+        C = _lstsq_values_kernel(P, Y, ridge, prior, mask).to(dt)
+        return C if batched else C.squeeze(0)
     G = P.transpose(1, 2) @ P
     R = P.transpose(1, 2) @ Y
     eye = torch.eye(t, dtype=dt, device=P.device).expand(B, t, t)
@@ -188,6 +195,38 @@ def lstsq_values(
         G = G + torch.diag_embed(pad)
     C = _solve_spd(G, R)
     return C if batched else C.squeeze(0)
+
+
+def _lstsq_values_kernel(
+    P: torch.Tensor,
+    Y: torch.Tensor,
+    ridge: float,
+    prior: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`lstsq_values` for P [B, n, t] with n < t, through the [n, n] kernel system
+    in fp64 (same lam: ridge times the mean diagonal of P'P over the valid columns)."""
+    P, Y = P.double(), Y.double()
+    colsq = P.square().sum(1)  # diag of P'P: [B, t]
+    if mask is not None:
+        m = mask.to(torch.bool)
+        P = P * m.unsqueeze(1)
+        diag_mean = torch.where(m, colsq, 0.0).sum(-1) / m.sum(-1).clamp_min(1)
+    else:
+        diag_mean = colsq.mean(-1)
+    lam = max(ridge, 1e-9) * diag_mean.clamp_min(1e-30)
+    B, n, t = P.shape
+    base = (
+        prior.double()
+        if prior is not None
+        else torch.zeros(B, t, Y.shape[-1], dtype=P.dtype, device=P.device)
+    )
+    K = torch.bmm(P, P.transpose(1, 2)) + lam[:, None, None] * torch.eye(
+        n, dtype=P.dtype, device=P.device
+    )
+    resid = Y - torch.bmm(P, base)
+    Z = _solve_spd(K, resid)  # [B, n, D]
+    return base + torch.bmm(P.transpose(1, 2), Z)
 
 
 def attend(

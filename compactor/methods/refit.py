@@ -312,14 +312,25 @@ def fit_layer_values(
 ) -> torch.Tensor:
     """Values [H, t_max, D] fp32 of the kept keys ck [H, t_max, D] with beta [H, t_max]:
     ridge least squares of the original outputs on the compacted attention weights,
-    shrunk towards ``prior`` (the original values). A head whose solve is not finite
-    keeps ``prior`` (or 0)."""
+    shrunk towards ``prior`` (the original values), in blocks of heads within
+    ``targets.block_bytes``. A head whose solve is not finite keeps ``prior`` (or 0)."""
     mask = selection.mask
-    logits = torch.bmm(queries.float(), ck.float().transpose(1, 2)).mul_(sm_scale)
-    logits = logits + beta.unsqueeze(1)
-    logits = logits.masked_fill(~mask.unsqueeze(1), -math.inf)
-    P = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-    cv = lstsq_values(P, targets.out, ridge=ridge, prior=prior, mask=mask)
+    H, t = mask.shape
+    n = queries.shape[1]
+    # per head: logits / weights, then the solver's [t, t] (or fp64 [n, n] when n < t) copies
+    per_head = 12 * n * t + (24 * n * n + 16 * n * t if n < t else 16 * t * t)
+    hb = max(1, targets.block_bytes // per_head)
+    out = targets.out
+    parts = []
+    for h0 in range(0, H, hb):
+        h1 = min(H, h0 + hb)
+        logits = torch.bmm(queries[h0:h1].float(), ck[h0:h1].float().transpose(1, 2))
+        logits = logits.mul_(sm_scale) + beta[h0:h1].unsqueeze(1)
+        logits = logits.masked_fill(~mask[h0:h1].unsqueeze(1), -math.inf)
+        P = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        pr = None if prior is None else prior[h0:h1]
+        parts.append(lstsq_values(P, out[h0:h1], ridge=ridge, prior=pr, mask=mask[h0:h1]))
+    cv = parts[0] if len(parts) == 1 else torch.cat(parts)
     bad = ~torch.isfinite(cv).all(-1).all(-1)  # [H]: never ship a blown-up head
     fallback = prior if prior is not None else torch.zeros_like(cv)
     return torch.where(bad[:, None, None], fallback.to(cv.dtype), cv)

@@ -153,6 +153,31 @@ def test_lstsq_values_masked_rows_match_subproblem():
     assert (C[~mask] == 0).all()
 
 
+def test_lstsq_values_kernel_form_when_fewer_rows_than_unknowns():
+    """n < t goes through the [n, n] kernel system: the same ridge solution as the normal
+    equations (closed form), padded rows still come back as the prior."""
+    g = torch.Generator().manual_seed(8)
+    P = torch.softmax(torch.randn(2, 9, 20, generator=g, dtype=torch.float64), -1)
+    Y = torch.randn(2, 9, 4, generator=g, dtype=torch.float64)
+    prior = torch.randn(2, 20, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 15:] = False
+    Pm = P * mask.unsqueeze(1)
+    C = lstsq_values(Pm, Y, ridge=0.05, prior=prior, mask=mask)
+    for h in range(2):
+        m = mask[h]
+        Ph = Pm[h][:, m]
+        G = Ph.T @ Ph
+        lam = 0.05 * torch.diagonal(G).mean()
+        ref = torch.linalg.solve(
+            G + lam * torch.eye(int(m.sum()), dtype=G.dtype), Ph.T @ Y[h] + lam * prior[h][m]
+        )
+        torch.testing.assert_close(C[h][m], ref, atol=1e-8, rtol=1e-8)
+        assert torch.equal(C[h][~m], prior[h][~m])
+    C32 = lstsq_values(Pm.float(), Y.float(), ridge=0.05, mask=mask)
+    assert C32.dtype == torch.float32 and (C32[1, 15:] == 0).all()
+
+
 def test_attend_matches_sdpa_and_beta_is_log_weight():
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, n, 16, generator=g) for n in (5, 9, 9))
