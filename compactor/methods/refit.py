@@ -42,7 +42,7 @@ __all__ = [
 # Largest fp32 work block of logits / mass features (bytes): above it, heads and queries
 # are processed in blocks.
 BLOCK_BYTES = 2 << 30
-# Work chunks of the streaming pass over the logits (bytes): cache-sized.
+# Work chunks of the streaming pass over the logits on the CPU (bytes): cache-sized.
 CHUNK_BYTES = 8 << 20
 # Fixed-work active-set rounds of the refit's NNLS (see compactor.solvers.nnls_gram).
 NNLS_ROUNDS = 32
@@ -160,10 +160,13 @@ class Targets:
         return torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(self.sm_scale)
 
     def _chunks(self) -> list[tuple[int, int, int, int]]:
-        """(h0, h1, i0, i1) blocks of heads x queries of at most min(block_bytes,
-        CHUNK_BYTES) fp32 logits each (cache-sized: at least one query row)."""
+        """(h0, h1, i0, i1) blocks of heads x queries of at most block_bytes fp32 logits
+        each, and at most CHUNK_BYTES (cache-sized) on the CPU; at least one query row."""
         H, n, T = self.shape
-        rows = max(1, min(self.block_bytes, CHUNK_BYTES) // max(1, 4 * T))
+        limit = self.block_bytes
+        if self.keys.device.type == "cpu":
+            limit = min(limit, CHUNK_BYTES)
+        rows = max(1, limit // max(1, 4 * T))
         hb, nb = (min(H, rows // n), n) if rows >= n else (1, rows)
         return [
             (h0, min(H, h0 + hb), i0, min(n, i0 + nb))
