@@ -36,12 +36,23 @@ class GramOps:
         G = self.G
         zero = G.new_zeros(())
         rhs = self.c - _mv(G, fixed)
-        both = free.unsqueeze(1) & free.unsqueeze(2)
-        diag = torch.where(free, self.jit[:, None], torch.ones((), dtype=G.dtype, device=G.device))
+        sub = _free_subset(free)
+        if sub is not None:  # the CPU: factor only the free block (padded to the largest)
+            idx, valid = sub
+            f = idx.shape[1]
+            G = torch.gather(G, 1, idx.unsqueeze(-1).expand(-1, -1, G.shape[2]))
+            G = torch.gather(G, 2, idx.unsqueeze(1).expand(-1, f, -1))
+            rhs, part = torch.gather(rhs, 1, idx), valid
+        else:
+            part = free
+        both = part.unsqueeze(1) & part.unsqueeze(2)
+        diag = torch.where(part, self.jit[:, None], torch.ones((), dtype=G.dtype, device=G.device))
         Gf = torch.where(both, G, zero) + torch.diag_embed(diag)
         L, info = torch.linalg.cholesky_ex(Gf)
-        x = torch.cholesky_solve(torch.where(free, rhs, zero).unsqueeze(-1), L).squeeze(-1)
+        x = torch.cholesky_solve(torch.where(part, rhs, zero).unsqueeze(-1), L).squeeze(-1)
         ok = (info == 0) & torch.isfinite(x).all(-1)
+        if sub is not None:
+            x = torch.zeros_like(fixed).scatter_(1, sub[0], torch.where(part, x, zero))
         return torch.where(free, x, fixed), ok
 
     def grad(self, w: torch.Tensor) -> torch.Tensor:
@@ -65,13 +76,21 @@ class DataOps:
     def solve(self, free: torch.Tensor, fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`GramOps.solve`: x_F = A_F' (lam I + A_F A_F')^-1 (b - A fixed)."""
         A = self.A
-        AF = A * free.unsqueeze(1)
+        sub = _free_subset(free)
+        if sub is not None:  # the CPU: only the free columns
+            idx, valid = sub
+            AF = torch.gather(A, 2, idx.unsqueeze(1).expand(-1, A.shape[1], -1))
+            AF = AF * valid.unsqueeze(1)
+        else:
+            AF = A * free.unsqueeze(1)
         K = torch.bmm(AF, AF.transpose(1, 2)) + self.lam[:, None, None] * self.eye
         L, info = torch.linalg.cholesky_ex(K)
         r = self.b - _mv(A, fixed)
         y = torch.cholesky_solve(r.unsqueeze(-1), L)
         x = torch.bmm(AF.transpose(1, 2), y).squeeze(-1)
         ok = (info == 0) & torch.isfinite(x).all(-1)
+        if sub is not None:
+            x = torch.zeros_like(fixed).scatter_(1, sub[0], torch.where(sub[1], x, 0.0))
         return torch.where(free, x, fixed), ok
 
     def grad(self, w: torch.Tensor) -> torch.Tensor:
@@ -105,6 +124,22 @@ def box(
     elif upper is not None and lower > upper:
         raise ValueError(f"nnls: lower bound {lower} above upper bound {upper}")
     return lo, hi
+
+
+def _free_subset(free: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On the CPU, where a host sync costs nothing, when the free entries free [B, k] are
+    at most 3/4 of k: (idx [B, f] the free indices first, then others as padding; valid
+    [B, f]), f = the largest free count; else None (solve at full size, no sync)."""
+    if free.device.type != "cpu":
+        return None
+    counts = free.sum(-1)
+    f = max(1, int(counts.max()))
+    if 4 * f > 3 * free.shape[1]:
+        return None
+    order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices
+    idx = order[:, :f]
+    valid = torch.arange(f, device=free.device).unsqueeze(0) < counts.unsqueeze(1)
+    return idx, valid
 
 
 def _mv(M: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
