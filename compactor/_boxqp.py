@@ -7,8 +7,10 @@ form (:class:`GramOps`: G [B, k, k], c [B, k]) or from the data when there are f
 than unknowns (:class:`DataOps`: A [B, m, k], b [B, m], ridge lam [B]; free-set solves go
 through the [m, m] kernel matrix). :func:`pdas` (primal-dual active set) and :func:`polish`
 (primal active set, monotone) run on either; :func:`fixed_work` chains them with a fixed
-budget of solves and no host sync but sparse convergence tests. Nothing here mutates its
-inputs; every tensor follows the device of an input.
+budget of solves and no host sync but sparse convergence tests. On the CPU, where a host
+sync costs nothing, a free-set solve factors only the free block (padded to the largest
+free count) instead of the whole masked matrix. Nothing here mutates its inputs; every
+tensor follows the device of an input.
 """
 
 from __future__ import annotations
