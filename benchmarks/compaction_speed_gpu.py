@@ -22,7 +22,9 @@ attention) and random weights, directly on the device (nothing is downloaded). T
 
 Writes ``benchmarks/results/compaction_speed_gpu.json`` (``--out``) with the command, git
 commit, machine, device and date. A step that fails (out of memory, say) is recorded with
-its error and the next one runs.
+its error and the next one runs. Where one call may last 10 minutes, run the steps one per
+call into the same file: ``--skip big,layer``, then ``--skip doc,layer --append``, then
+``--skip doc,big --append``.
 """
 
 from __future__ import annotations
@@ -233,6 +235,11 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: doc,big,layer")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--json-name", default="compaction_speed_gpu.json")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the skipped steps' results of an existing JSON (one call per step)",
+    )
     a = ap.parse_args()
     if a.smoke:
         a.device, a.T, a.big_T, a.follow_ups, a.follow_up_tokens = "cpu", 256, 512, 2, 16
@@ -258,6 +265,11 @@ def main() -> int:
         "big": [],
         "layer": None,
     }
+    if a.append and path.is_file():  # the steps skipped now keep their earlier results
+        old = json.loads(path.read_text())
+        for step in skip & {"doc", "big", "layer"}:
+            result[step] = old.get(step, result[step])
+        result["meta"]["earlier_runs"] = [*old["meta"].get("earlier_runs", []), old["meta"]]
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1))
