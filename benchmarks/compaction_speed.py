@@ -1,153 +1,278 @@
-"""Compaction speed per stage vs prefix length, on the real model (CPU unless CUDA is given).
+"""Whole-model compaction speed per stage vs prefix length, on the real model (CPU by default).
 
-    python benchmarks/compaction_speed.py [--lengths 256,512,1024,2048] \
-        [--methods am-highest,am-omp-fast] [--ratio 0.1] [--device cpu]
+    python benchmarks/compaction_speed.py [--lengths 1024,2048,4096,8192] \
+        [--methods am-highest,am-omp-fast] [--omp-max-T 8192] [--ratio 0.1] [--device cpu]
 
-For each prefix length T (a needle document from the shipped filler): one prefill and one
-draw of reference queries (repeat-prefill + self-study, as `compact_prefix` does by default),
-then for each method, summed over all layers and KV heads (batched per layer):
-- selection: the method's key choice (AM: reference targets + top-attention / OMP);
-- beta: the NNLS fit of beta for the kept keys (a refit without values);
-- values: the least-squares value fit (full refit minus the beta-only refit).
-One torch thread (the service's worker setting). Scaling with workers is measured through
-the service by `benchmarks/service.py --workers N`; layers and heads scale linearly here
-(every layer is the same work). Writes benchmarks/results/compaction_speed.{json,png}.
+For each prefix length T (a needle document from the shipped filler): one
+``compact_prefix`` per method with the default spec (reference queries repeat-prefill +
+self-study), the prefill and the reference queries shared through ``Hooks.reuse`` (timed
+on the first method). The method runs inside the pipeline wrapped so that each layer's
+work is timed in three stages (summed over all layers and KV heads, batched per layer):
+
+- selection: the method's pick, with the reference pass it needs (mass, outputs, scores
+  or the mass features);
+- beta: the NNLS fit of beta for the kept keys;
+- values: the least-squares value fit and packing.
+
+``compaction`` is the pipeline's own stage (the three above + assembly), ``total_s`` =
+prefill + queries + compaction. Wall seconds (perf_counter) and process CPU seconds
+(process_time) are both recorded: on a shared machine CPU seconds show the cost without the
+wait for a core. One torch thread (the service's worker setting). Writes
+``benchmarks/results/compaction_speed.{json,png}`` with the command, git commit, machine,
+device and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
+FIT_STAGES = ("selection", "beta", "values")
+STAGES = ("prefill", "queries", *FIT_STAGES)
 
 
-def stage_times(
-    method: Any, pre: Any, queries: dict[int, Any], ratio: float, scale: float
-) -> dict[str, float]:
-    """Seconds of selection / beta / values summed over the layers of one prefill."""
-    from compactor.budgets import head_budgets
-    from compactor.methods.refit import refit
+class StageClock:
+    """Wall and CPU seconds per stage name, summed over :meth:`measure` blocks (mutated)."""
 
-    out = {"selection": 0.0, "beta": 0.0, "values": 0.0}
-    # the method's own refit bounds: am-highest [-3, 3], am-omp beta >= prune_beta
-    bounds = getattr(method, "beta_bounds", None) or (getattr(method, "prune_beta", -7.0), None)
-    for li in range(len(pre.keys)):
-        k, v, q = pre.keys[li], pre.values[li], queries[li]
-        budgets = head_budgets(k.shape[1], k.shape[0], ratio=ratio)
-        sel, t_sel = _timed(method.select, k, v, q, budgets, scale)
-        _, t_beta = _timed(
-            refit, k, v, q, sel, sm_scale=scale, beta_bounds=bounds, fit_values=False
-        )
-        _, t_full = _timed(refit, k, v, q, sel, sm_scale=scale, beta_bounds=bounds)
-        out["selection"] += t_sel
-        out["beta"] += t_beta
-        out["values"] += max(0.0, t_full - t_beta)
-    return out
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    @contextmanager
+    def measure(self, stage: str, sync: Any = None) -> Iterator[None]:
+        """Time the block into `stage`; `sync()` (e.g. a CUDA synchronize) runs at both ends."""
+        if sync is not None:
+            sync()
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync()
+            self.wall[stage] = self.wall.get(stage, 0.0) + time.perf_counter() - t
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + time.process_time() - c
+
+
+def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) -> Any:
+    """The registered AM method `name`, its ``compact`` split into timed stages.
+
+    Same work as ``SelectingMethod.compact`` (pick, then the AM refit of
+    ``compactor.methods.refit``), in a subclass built here so that the pipeline accepts it
+    (``Hooks.method``).
+    """
+    import torch
+
+    from compactor.methods import get_method
+    from compactor.methods.base import MethodResult
+    from compactor.methods.refit import fit_layer_beta, fit_layer_values
+    from compactor.methods.selection import keep_selected, pack_layer
+
+    base = type(get_method(name, **params))
+
+    def compact(self: Any, x: Any) -> Any:
+        with clock.measure("selection", sync):
+            sel, report = self.pick(x)
+        spec = self.refit_spec()
+        if spec is None:
+            with clock.measure("values", sync):
+                return MethodResult(keep_selected(x.keys, x.values, sel), report)
+        idx = sel.indices
+        with clock.measure("beta", sync):
+            g = idx.unsqueeze(-1).expand(-1, -1, x.D)
+            ck, cv0 = torch.gather(x.keys, 1, g), torch.gather(x.values, 1, g).float()
+            beta = fit_layer_beta(x.targets, sel, spec.beta_bounds)
+        with clock.measure("values", sync):
+            cv = cv0
+            if spec.fit_values:
+                cv = fit_layer_values(
+                    x.queries,
+                    ck,
+                    beta,
+                    sel,
+                    x.targets,
+                    sm_scale=x.scale,
+                    ridge=spec.value_ridge,
+                    prior=cv0,
+                )
+            layer = pack_layer(ck, cv, beta, sel, x.keys.dtype)
+        return MethodResult(layer, report)
+
+    timed = dataclasses.dataclass(type(f"Timed{base.__name__}", (base,), {"compact": compact}))
+    return timed(**params)
+
+
+def run_meta(device: str, threads: int) -> dict[str, Any]:
+    """The command, git commit, machine, device and date of this run."""
+    import torch
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    cpu_model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else cpu_model
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "machine": {
+            "cpu": cpu_model,
+            "cores": __import__("os").cpu_count(),
+            "platform": platform.platform(),
+        },
+        "device": device,
+        "device_name": dev_name,
+        "torch": torch.__version__,
+        "threads": threads,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Stacked wall seconds per T (top) and CPU seconds of each stage vs T, log-log (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = sorted({r["method"] for r in records})
-    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.6), squeeze=False)
-    stages = ["prefill", "queries", "selection", "beta", "values"]
-    for ax, m in zip(axes[0], methods):
-        rows = [r for r in records if r["method"] == m]
+    fig, axes = plt.subplots(2, len(methods), figsize=(5 * len(methods), 7), squeeze=False)
+    for col, m in enumerate(methods):
+        rows = sorted((r for r in records if r["method"] == m), key=lambda r: r["T"])
+        ax = axes[0][col]
         xs = [str(r["T"]) for r in rows]
         bottom = [0.0] * len(rows)
-        for st in stages:
-            ys = [r[st] for r in rows]
+        for st in STAGES:
+            ys = [r["wall_s"][st] for r in rows]
             ax.bar(xs, ys, bottom=bottom, label=st)
             bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.set_title(f"{m}: seconds per compaction (all layers)", fontsize=9)
+        ax.set_title(f"{m}: wall s per compaction (all layers)", fontsize=9)
         ax.set_xlabel("prefix tokens T")
-    axes[0][0].legend(fontsize=8)
+        ax = axes[1][col]
+        for st in (*STAGES, "compaction"):
+            ax.plot([r["T"] for r in rows], [r["cpu_s"][st] for r in rows], "o-", label=st)
+        Ts = [r["T"] for r in rows]
+        if Ts:
+            ref = rows[0]["cpu_s"]["compaction"]
+            ax.plot(Ts, [ref * T / Ts[0] for T in Ts], "k:", label="linear")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{m}: process CPU s per stage", fontsize=9)
+        ax.set_xlabel("prefix tokens T")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=120)
+    fig.savefig(str(path), dpi=110)
     plt.close(fig)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", default="256,512,1024,2048")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192")
     ap.add_argument("--methods", default="am-highest,am-omp-fast")
+    ap.add_argument(
+        "--omp-max-T", type=int, default=1 << 30, help="run OMP methods only up to this T"
+    )
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other (T, method) records of an existing JSON (one run per length)",
+    )
     a = ap.parse_args()
 
     import torch
 
     from compactor import hf
-    from compactor.methods import get_method
     from compactor.models import resolve_model
     from compactor.niah import make_niah
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.spec import CompactionSpec
 
     torch.set_num_threads(a.threads)
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else None
     model, tok = hf.load_model(resolve_model(a.model))
     if a.device != "cpu":
         model = model.to(a.device)
-    scale = hf.model_info(model).sm_scale
-    records = []
+    meta = {**run_meta(a.device, a.threads), "model": a.model, "ratio": a.ratio}
+    records: list[dict[str, Any]] = []
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "compaction_speed.json"
+    kept: list[dict[str, Any]] = []
+    if a.append and path.is_file():
+        old = json.loads(path.read_text())
+        kept = old.get("records", [])
+        meta["earlier_runs"] = [*old["meta"].get("earlier_runs", []), old["meta"]]
     for T in [int(x) for x in a.lengths.split(",")]:
         ids = tok(make_niah(tok, T, seed=T).prefix, add_special_tokens=False).input_ids
         reuse: dict[Any, Any] = {}
-        # one full compaction times prefill + queries (and fills `reuse` with them)
-        spec = CompactionSpec(method=a.methods.split(",")[0], ratio=a.ratio)
-        _, times = compact_prefix(model, tok, ids, spec, hooks=Hooks(progress=False, reuse=reuse))
-        ((pre, _plan, queries),) = reuse.values()
+        first = None
         for name in a.methods.split(","):
-            st = stage_times(get_method(name), pre, queries, a.ratio, scale)
+            if "omp" in name and a.omp_max_T < T:
+                continue
+            clock = StageClock()
+            spec = CompactionSpec(method=name, ratio=a.ratio)
+            hooks = Hooks(progress=False, reuse=reuse, method=timed_method(name, clock, sync))
+            _, st = compact_prefix(model, tok, ids, spec, hooks=hooks)
+            first = first or st
+            ((_pre, _plan, queries),) = reuse.values()
+            wall = {"prefill": first.prefill, "queries": first.queries, **clock.wall}
+            cpu = {"prefill": first.cpu_prefill, "queries": first.cpu_queries, **clock.cpu}
+            wall["compaction"], cpu["compaction"] = st.compaction, st.cpu_compaction
+            for d in (wall, cpu):
+                for s in FIT_STAGES:
+                    d.setdefault(s, 0.0)
             rec = {
                 "T": len(ids),
                 "method": name,
-                "ratio": a.ratio,
-                "prefill": times.prefill,
-                "queries": times.queries,
-                **st,
+                "n_queries_per_head": int(queries[0].shape[1]),
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "total_s": wall["prefill"] + wall["queries"] + wall["compaction"],
+                "cpu_total_s": cpu["prefill"] + cpu["queries"] + cpu["compaction"],
+                "slowest_layer_s": max(st.per_layer),
             }
-            rec["total"] = sum(
-                rec[s] for s in ("prefill", "queries", "selection", "beta", "values")
-            )
             records.append(rec)
+            kept = [r for r in kept if (r["T"], r["method"]) != (rec["T"], name)]
             print(
-                f"T={rec['T']:>5} {name:<12} prefill {rec['prefill']:6.2f}  queries {rec['queries']:6.2f}  "
-                f"selection {rec['selection']:6.2f}  beta {rec['beta']:6.2f}  values {rec['values']:6.2f}  "
-                f"total {rec['total']:6.2f} s",
+                f"T={rec['T']:>5} {name:<12} "
+                + "  ".join(f"{s} {wall[s]:6.2f}/{cpu[s]:6.2f}" for s in (*STAGES, "compaction"))
+                + f"  total {rec['total_s']:6.2f}/{rec['cpu_total_s']:6.2f} s (wall/CPU)",
                 flush=True,
             )
-    a.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "machine": platform.processor() or platform.machine(),
-        "threads": a.threads,
-        "device": a.device,
-        "model": a.model,
-    }
-    (a.out / "compaction_speed.json").write_text(
-        json.dumps({"meta": meta, "records": records}, indent=1)
-    )
-    plot(records, a.out / "compaction_speed.png")
-    print(f"wrote {a.out / 'compaction_speed.json'} and .png")
+            every = sorted(kept + records, key=lambda r: (r["method"], r["T"]))
+            out = {"meta": meta, "stages": list(STAGES), "records": every}
+            path.write_text(json.dumps(out, indent=1))
+    plot(sorted(kept + records, key=lambda r: (r["method"], r["T"])), path.with_suffix(".png"))
+    print(f"wrote {path} and .png")
     return 0
 
 

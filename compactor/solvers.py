@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from compactor._boxqp import GramOps, box, fixed_work, nnls_data, pdas, polish
 from kernels.biased_attention.reference import biased_attention
 
 __all__ = ["attend", "lstsq_values", "nnls", "nnls_gram"]
@@ -26,8 +27,7 @@ def nnls(
     upper: float | torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     ridge: float = 0.0,
-    max_iter: int = 300,
-    tol: float = 1e-7,
+    rounds: int | None = None,
     polish_rounds: int | None = None,
 ) -> torch.Tensor:
     """Box-bounded non-negative least squares: argmin_w ||A w - b||^2, lower <= w <= upper.
@@ -39,8 +39,10 @@ def nnls(
             ``upper=None`` means +inf. Default: plain NNLS (w >= 0).
         mask: optional [k] / [B, k] bool; False entries are padding and are returned as 0.
         ridge: Tikhonov term, relative to the mean diagonal of A^T A.
-        max_iter / tol: projected-gradient budget and relative stopping tolerance.
-        polish_rounds: cap on active-set rounds (default 2k + 18: exact on convergence).
+        rounds: None = exact (see :func:`nnls_gram`); an int = fixed work, no host sync
+            per round. With fewer rows than unknowns (m < k) the fixed-work path solves in
+            fp64 through the [m, m] kernel matrices (lam I + A_F A_F'), never forming A'A.
+        polish_rounds: cap on the exact path's active-set rounds (default 2k + 18).
 
     Returns:
         w: [k] or [B, k], dtype of A promoted to at least fp32.
@@ -54,6 +56,10 @@ def nnls(
         raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
     dt = torch.promote_types(A.dtype, torch.float32)
     A, b = A.to(dt), b.to(dt)
+    if rounds is not None and A.shape[1] < A.shape[2]:
+        # fewer rows than unknowns: solve in the rows' space, in fp64 (see _DataOps)
+        w = nnls_data(A, b, lower, upper, mask, ridge, rounds).to(dt)
+        return w if batched else w.squeeze(0)
     G = A.transpose(1, 2) @ A
     c = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
     w = nnls_gram(
@@ -63,8 +69,7 @@ def nnls(
         upper=upper,
         mask=mask,
         ridge=ridge,
-        max_iter=max_iter,
-        tol=tol,
+        rounds=rounds,
         polish_rounds=polish_rounds,
     )
     return w if batched else w.squeeze(0)
@@ -78,15 +83,26 @@ def nnls_gram(
     upper: float | torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     ridge: float = 0.0,
-    max_iter: int = 300,
-    tol: float = 1e-7,
+    rounds: int | None = None,
     polish_rounds: int | None = None,
 ) -> torch.Tensor:
     """Box-bounded QP min 0.5 w'Gw - c'w on the normal equations (G = A'A, c = A'b).
 
-    Warm start: least squares clamped to the box; then accelerated projected gradient
-    (FISTA, step 1/lambda_max); then a few active-set polishing rounds that make the
-    answer exact whenever the active set was identified.
+    Both paths start from the least-squares solution and run primal-dual active-set
+    (PDAS, semismooth Newton) rounds: guess the entries at each bound from the last
+    iterate and its gradient, solve the free entries exactly (one batched Cholesky per
+    round for all B problems), keep the best feasible iterate seen.
+
+    * ``rounds=None`` (exact): 8 such rounds as a warm start, then primal active-set
+      rounds until the KKT conditions hold (a host sync per round to test them); exact up
+      to rounding whenever it converges within ``polish_rounds`` (default 2k + 18).
+    * ``rounds=R`` (fixed work): at most R + 1 Cholesky factorizations: ceil(R/2) PDAS
+      rounds, then primal active-set rounds from the best iterate (monotone). No host
+      sync but a convergence test every round on the CPU (free there) and every 4 rounds
+      elsewhere; feasible by construction. Well-posed attention-mass problems (more
+      queries than kept keys) reach the exact answer in a few rounds; underdetermined
+      ones (fewer queries than keys, where PDAS may cycle) end near it. :func:`nnls`
+      solves those through the [m, m] kernel system instead of the [k, k] Gram matrix.
 
     Args: G [B, k, k] symmetric PSD, c [B, k]; the rest as in :func:`nnls`.
     Returns: w [B, k]; padded (mask False) entries are 0.
@@ -95,12 +111,9 @@ def nnls_gram(
     dt = G.dtype
     if k == 0:
         return G.new_zeros(B, 0)
-    lo = torch.as_tensor(lower, dtype=dt, device=G.device).expand(B, k).clone()
-    hi_val = math.inf if upper is None else upper
-    hi = torch.as_tensor(hi_val, dtype=dt, device=G.device).expand(B, k).clone()
-    if bool((lo > hi).any()):
-        raise ValueError("nnls: lower bound above upper bound")
-    eye = torch.eye(k, dtype=dt, device=G.device).expand(B, k, k)
+    if rounds is not None and (isinstance(rounds, bool) or rounds < 0):
+        raise ValueError(f"nnls: rounds must be None or an int >= 0, got {rounds!r}")
+    lo, hi = box(lower, upper, B, k, G, check_tensors=rounds is None)
     if mask is not None:
         m = mask.to(torch.bool)
         zero = G.new_zeros(())
@@ -109,26 +122,14 @@ def nnls_gram(
         c = torch.where(m, c, zero)
         lo = torch.where(m, lo, zero)
         hi = torch.where(m, hi, zero)
-    diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [B]
     if ridge > 0:
-        G = G + (ridge * diag_mean)[:, None, None] * eye
-    # Warm start: (nearly) unconstrained least squares, clamped into the box.
-    jitter = (1e-7 * diag_mean)[:, None, None] * eye
-    w = _solve_spd(G + jitter, c)
-    w = torch.minimum(torch.maximum(w, lo), hi)
-    L = torch.linalg.eigvalsh(G)[:, -1].clamp_min(1e-30)  # [B]
-    step = (1.0 / L)[:, None]
-    y, w_prev, t_k = w, w, 1.0
-    scale = c.abs().amax(-1).clamp_min(1e-30)  # [B]
-    for _ in range(max_iter):
-        grad = (G @ y.unsqueeze(-1)).squeeze(-1) - c
-        w_new = torch.minimum(torch.maximum(y - step * grad, lo), hi)
-        t_next = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t_k * t_k))
-        y = w_new + ((t_k - 1.0) / t_next) * (w_new - w_prev)
-        w_prev, w, t_k = w, w_new, t_next
-        if bool(((w - w_prev).abs().amax(-1) * L <= tol * scale).all()):
-            break
-    return _polish(G, c, w, lo, hi, polish_rounds)
+        diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [B]
+        G = G + torch.diag_embed((ridge * diag_mean)[:, None].expand(B, k))
+    ops = GramOps(G, c)
+    if rounds is not None:
+        return fixed_work(ops, lo, hi, rounds)
+    w = pdas(ops, lo, hi, 8)
+    return polish(ops, w, lo, hi, polish_rounds if polish_rounds is not None else 2 * k + 18)
 
 
 def lstsq_values(
@@ -154,6 +155,10 @@ def lstsq_values(
 
     Returns:
         C: [t, D] or [B, t, D] (fp32 or wider).
+
+    With fewer rows than unknowns (n < t) the same solution comes from the kernel form
+    C = prior + P'(P P' + lam I)^-1 (Y - P prior), an [n, n] system solved in fp64, instead
+    of the [t, t] normal equations.
     """
     batched = P.dim() == 3
     if not batched:
@@ -164,7 +169,10 @@ def lstsq_values(
         raise ValueError(f"lstsq_values: P {tuple(P.shape)} and Y {tuple(Y.shape)} do not match")
     dt = torch.promote_types(P.dtype, torch.float32)
     P, Y = P.to(dt), Y.to(dt)
-    B, _, t = P.shape
+    B, n, t = P.shape
+    if n < t:
+        C = _lstsq_values_kernel(P, Y, ridge, prior, mask).to(dt)
+        return C if batched else C.squeeze(0)
     G = P.transpose(1, 2) @ P
     R = P.transpose(1, 2) @ Y
     eye = torch.eye(t, dtype=dt, device=P.device).expand(B, t, t)
@@ -187,6 +195,38 @@ def lstsq_values(
         G = G + torch.diag_embed(pad)
     C = _solve_spd(G, R)
     return C if batched else C.squeeze(0)
+
+
+def _lstsq_values_kernel(
+    P: torch.Tensor,
+    Y: torch.Tensor,
+    ridge: float,
+    prior: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`lstsq_values` for P [B, n, t] with n < t, through the [n, n] kernel system
+    in fp64 (same lam: ridge times the mean diagonal of P'P over the valid columns)."""
+    P, Y = P.double(), Y.double()
+    colsq = P.square().sum(1)  # diag of P'P: [B, t]
+    if mask is not None:
+        m = mask.to(torch.bool)
+        P = P * m.unsqueeze(1)
+        diag_mean = torch.where(m, colsq, 0.0).sum(-1) / m.sum(-1).clamp_min(1)
+    else:
+        diag_mean = colsq.mean(-1)
+    lam = max(ridge, 1e-9) * diag_mean.clamp_min(1e-30)
+    B, n, t = P.shape
+    base = (
+        prior.double()
+        if prior is not None
+        else torch.zeros(B, t, Y.shape[-1], dtype=P.dtype, device=P.device)
+    )
+    K = torch.bmm(P, P.transpose(1, 2)) + lam[:, None, None] * torch.eye(
+        n, dtype=P.dtype, device=P.device
+    )
+    resid = Y - torch.bmm(P, base)
+    Z = _solve_spd(K, resid)  # [B, n, D]
+    return base + torch.bmm(P.transpose(1, 2), Z)
 
 
 def attend(
@@ -229,73 +269,3 @@ def _solve_spd(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     else:
         X = torch.linalg.lstsq(G, rhs).solution
     return X.squeeze(-1) if vec else X
-
-
-def _polish(
-    G: torch.Tensor,
-    c: torch.Tensor,
-    w: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    max_rounds: int | None = None,
-) -> torch.Tensor:
-    """Primal active-set refinement of an approximate box-QP solution w [B, k].
-
-    Starts from the bounds w sits on, solves the free entries exactly, steps back to the
-    box when the solve leaves it (fixing the entries that hit a bound), and releases the
-    bound entries with a violated KKT sign (all at first, then the worst one). Returns a new tensor; exact at the end
-    whenever it converges within ``max_rounds`` (default 2k + 10).
-    """
-    B, k = w.shape
-    dt = G.dtype
-    zero = torch.zeros((), dtype=dt, device=G.device)
-    span = (hi - lo).clamp(max=1e30)
-    hi_fin = torch.where(torch.isfinite(hi), hi.abs(), zero)
-    eps = 1e-9 * torch.maximum(lo.abs(), hi_fin).clamp_min(1.0)
-    eps = torch.minimum(eps, 0.25 * span.clamp_min(0))
-    at_lo = w <= lo + eps
-    at_hi = (w >= hi - eps) & ~at_lo
-    w = torch.where(at_lo, lo, torch.where(at_hi, hi, w))
-    done = torch.zeros(B, dtype=torch.bool, device=G.device)
-    gscale = c.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
-    jit = (1e-12 if dt == torch.float64 else 1e-7) * diag_mean
-    block_rounds = 8
-    for rounds in range(max_rounds if max_rounds is not None else 2 * k + 10 + block_rounds):
-        free = ~(at_lo | at_hi)
-        fixed_val = torch.where(at_lo, lo, torch.where(at_hi, hi, zero))
-        rhs = c - (G @ fixed_val.unsqueeze(-1)).squeeze(-1)
-        both = free.unsqueeze(1) & free.unsqueeze(2)
-        Gf = torch.where(both, G, zero) + torch.diag_embed(torch.where(free, jit[:, None], 1.0))
-        x = _solve_spd(Gf, torch.where(free, rhs, zero))
-        x = torch.where(free, x, fixed_val)
-        ok = torch.isfinite(x).all(-1)
-        inside = ((x >= lo) & (x <= hi)).all(-1) & ok
-        # infeasible: move from w towards x as far as the box allows, fix what hits a bound
-        d = x - w
-        with torch.no_grad():
-            a_lo = torch.where(d < 0, (lo - w) / d.clamp(max=-1e-300), torch.full_like(d, 2.0))
-            a_hi = torch.where(d > 0, (hi - w) / d.clamp(min=1e-300), torch.full_like(d, 2.0))
-            alpha = torch.minimum(a_lo, a_hi).amin(-1).clamp(0.0, 1.0)
-        step_rows = ~inside & ok & ~done
-        w_step = w + alpha.unsqueeze(-1) * d
-        hit_lo = step_rows.unsqueeze(-1) & free & (w_step <= lo + eps)
-        hit_hi = step_rows.unsqueeze(-1) & free & (w_step >= hi - eps) & ~hit_lo
-        move = (inside & ~done).unsqueeze(-1)
-        w = torch.where(move, x, torch.where(step_rows.unsqueeze(-1), w_step, w))
-        at_lo, at_hi = at_lo | hit_lo, at_hi | hit_hi
-        w = torch.where(at_lo, lo, torch.where(at_hi, hi, w))
-        # feasible solve: check KKT on the bound entries; release the worst violator
-        grad = (G @ w.unsqueeze(-1)).squeeze(-1) - c
-        viol = torch.where(at_lo, -grad, zero) + torch.where(at_hi, grad, zero)
-        vtol = 1e-9 * gscale
-        release_row = inside & ~done & (viol > vtol).any(-1)
-        done = done | (inside & ~release_row) | ~ok
-        # release every violator early on (fast), only the worst one later (finite)
-        vmax = viol.amax(-1, keepdim=True)
-        pick = (viol > vtol) if rounds < block_rounds else (viol >= vmax) & (viol > vtol)
-        rel = pick & release_row.unsqueeze(-1)
-        at_lo, at_hi = at_lo & ~rel, at_hi & ~rel
-        if bool(done.all()):
-            break
-    return w

@@ -9,13 +9,15 @@ Given kept keys C_k (a subset of the original keys), fit
     (m(q) = row max over the original logits; w box-bounded to exp(beta_bounds));
   * values C_v by ridge least squares so that softmax(q C_k' s + beta) C_v matches the
     original attention output softmax(q K' s) V.
+
+Memory: the [H_kv, n, T] fp32 mass features are never built beyond ``block_bytes`` at once
+(:class:`Targets` works through blocks of heads and queries when they would not fit).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -24,37 +26,195 @@ from compactor.solvers import lstsq_values, nnls, nnls_gram
 from compactor.types import CompactedLayer
 
 __all__ = [
+    "BLOCK_BYTES",
+    "CHUNK_BYTES",
+    "NNLS_ROUNDS",
     "Targets",
     "fit_beta_nnls",
     "fit_beta_nnls_gram",
+    "fit_layer_beta",
+    "fit_layer_values",
     "reference_targets",
     "refit",
     "selection_from_budgets",
 ]
 
+# Largest fp32 work block of logits / mass features (bytes): above it, heads and queries
+# are processed in blocks.
+BLOCK_BYTES = 2 << 30
+# Work chunks of the streaming pass over the logits on the CPU (bytes): cache-sized.
+CHUNK_BYTES = 8 << 20
+# Fixed-work active-set rounds of the refit's NNLS (see compactor.solvers.nnls_gram).
+NNLS_ROUNDS = 32
 
-class Targets(NamedTuple):
+
+class Targets:
     """What the compacted layer must reproduce, per KV head and reference query.
 
-    phi: [H_kv, n, T] fp32 mass features exp(q K' s - rowmax) (in (0, 1]).
-    mass: [H_kv, n] fp32, phi summed over T (>= 1).
-    out: [H_kv, n, D] fp32 original attention outputs.
+    Built from keys/values [H_kv, T, D] and queries [H_kv, n, D]; everything is computed on
+    first use and then kept (nothing is mutated but this cache):
+
+    * ``mass`` [H_kv, n] fp32: sum over T of phi (>= 1), ``rowmax`` [H_kv, n] fp32: m(q),
+      ``out`` [H_kv, n, D] fp32 original attention outputs: one pass over cache-sized
+      blocks of queries (no [H_kv, n, T] tensor is built);
+    * ``key_rms()`` [H_kv, T]: RMS over the queries of each key's attention weight (in the
+      same pass when asked first);
+    * ``phi`` [H_kv, n, T] fp32 mass features exp(q K' s - rowmax) (in (0, 1]), and
+      ``phi_heads(h0, h1)`` the rows of some heads: built on demand and kept when all of
+      phi fits in ``block_bytes`` (else rebuilt per call: use blocks of
+      ``heads_per_block()`` heads);
+    * ``features(idx)`` [H_kv, n, t]: phi at the kept indices (from the kept keys unless
+      phi is kept).
     """
 
-    phi: torch.Tensor
-    mass: torch.Tensor
-    out: torch.Tensor
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        sm_scale: float,
+        block_bytes: int = BLOCK_BYTES,
+    ) -> None:
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes!r}")
+        self.keys, self.values, self.queries = keys, values, queries
+        self.sm_scale = float(sm_scale)
+        self.block_bytes = int(block_bytes)
+        self._phi: torch.Tensor | None = None
+        self._stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._rms: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(H_kv, n, T)."""
+        return (self.keys.shape[0], self.queries.shape[1], self.keys.shape[1])
+
+    @property
+    def mass(self) -> torch.Tensor:
+        """[H_kv, n] fp32."""
+        return self._stats_pass()[0]
+
+    @property
+    def rowmax(self) -> torch.Tensor:
+        """[H_kv, n] fp32."""
+        return self._stats_pass()[1]
+
+    @property
+    def out(self) -> torch.Tensor:
+        """[H_kv, n, D] fp32."""
+        return self._stats_pass()[2]
+
+    def key_rms(self) -> torch.Tensor:
+        """[H_kv, T] RMS over the reference queries of each key's attention weight."""
+        if self._rms is None and self._phi is not None:
+            sq = self._phi.new_zeros(self._phi.shape[0], self._phi.shape[2])
+            for h0, h1, i0, i1 in self._chunks():
+                attn = self._phi[h0:h1, i0:i1] / self.mass[h0:h1, i0:i1].unsqueeze(-1)
+                sq[h0:h1] += attn.square_().sum(1)
+            self._rms = sq.div_(self.shape[1]).sqrt_()
+        return self._rms if self._rms is not None else self._stats_pass(want_rms=True)[3]
+
+    @property
+    def phi(self) -> torch.Tensor:
+        """[H_kv, n, T] fp32, whatever its size (prefer :meth:`phi_heads` in blocks)."""
+        return self.phi_heads(0, self.shape[0]) if self._phi is None else self._phi
+
+    def heads_per_block(self) -> int:
+        """How many heads' phi [n, T] fit in ``block_bytes`` (at least 1)."""
+        _, n, T = self.shape
+        return max(1, self.block_bytes // max(1, 4 * n * T))
+
+    def phi_heads(self, h0: int, h1: int) -> torch.Tensor:
+        """phi of heads h0..h1-1: [h1 - h0, n, T] fp32 (a view when phi is kept)."""
+        H, n, T = self.shape
+        if self._phi is None and 4 * H * n * T <= self.block_bytes:
+            phi = self._logits(self.keys, self.queries)
+            if self._stats is None:  # the stats come with it
+                m = phi.amax(-1)
+                phi.sub_(m.unsqueeze(-1)).exp_()
+                s = phi.sum(-1)
+                out = torch.bmm(phi, self.values.float()).div_(s.unsqueeze(-1))
+                self._stats = (s, m, out)
+            else:
+                phi.sub_(self.rowmax.unsqueeze(-1)).exp_()
+            self._phi = phi
+        if self._phi is not None:
+            return self._phi[h0:h1]
+        phi = self._logits(self.keys[h0:h1], self.queries[h0:h1])
+        return phi.sub_(self.rowmax[h0:h1].unsqueeze(-1)).exp_()
+
+    def features(self, idx: torch.Tensor, h0: int = 0, h1: int | None = None) -> torch.Tensor:
+        """phi of heads h0..h1-1 (default all) at the indices idx [h1 - h0, t] (padding: any
+        valid index): [h1 - h0, n, t]."""
+        h1 = self.shape[0] if h1 is None else h1
+        if self._phi is not None:
+            phi = self._phi[h0:h1]
+            return torch.gather(phi, 2, idx.unsqueeze(1).expand(-1, phi.shape[1], -1))
+        keys = self.keys[h0:h1]
+        ck = torch.gather(keys, 1, idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1]))
+        logits = self._logits(ck, self.queries[h0:h1])
+        return logits.sub_(self.rowmax[h0:h1].unsqueeze(-1)).exp_()
+
+    # ---- private -----------------------------------------------------------------------
+    def _logits(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(self.sm_scale)
+
+    def _chunks(self) -> list[tuple[int, int, int, int]]:
+        """(h0, h1, i0, i1) blocks of heads x queries of at most block_bytes fp32 logits
+        each, and at most CHUNK_BYTES (cache-sized) on the CPU; at least one query row."""
+        H, n, T = self.shape
+        limit = self.block_bytes
+        if self.keys.device.type == "cpu":
+            limit = min(limit, CHUNK_BYTES)
+        rows = max(1, limit // max(1, 4 * T))
+        hb, nb = (min(H, rows // n), n) if rows >= n else (1, rows)
+        return [
+            (h0, min(H, h0 + hb), i0, min(n, i0 + nb))
+            for h0 in range(0, H, hb)
+            for i0 in range(0, n, nb)
+        ]
+
+    def _stats_pass(
+        self, want_rms: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mass, rowmax, out, key_rms) from one pass over :meth:`_chunks` (key_rms is
+        computed only when asked, else it is an empty tensor)."""
+        if self._stats is not None and (self._rms is not None or not want_rms):
+            return (*self._stats, self._rms if self._rms is not None else self._stats[0][:0])
+        H, n, T = self.shape
+        dev = self.keys.device
+        mass = torch.empty(H, n, device=dev)
+        rowmax = torch.empty(H, n, device=dev)
+        out = torch.empty(H, n, self.keys.shape[-1], device=dev)
+        sq = torch.zeros(H, T, device=dev) if want_rms else None
+        for h0, h1, i0, i1 in self._chunks():
+            phi = self._logits(self.keys[h0:h1], self.queries[h0:h1, i0:i1])
+            m = phi.amax(-1)
+            phi.sub_(m.unsqueeze(-1)).exp_()
+            s = phi.sum(-1)
+            rowmax[h0:h1, i0:i1], mass[h0:h1, i0:i1] = m, s
+            v = self.values[h0:h1].float()
+            out[h0:h1, i0:i1] = torch.bmm(phi, v).div_(s.unsqueeze(-1))
+            if sq is not None:
+                sq[h0:h1] += phi.div_(s.unsqueeze(-1)).square_().sum(1)
+        self._stats = (mass, rowmax, out)
+        if sq is not None:
+            self._rms = sq.div_(n).sqrt_()
+        return self._stats_pass(want_rms)
 
 
 def reference_targets(
-    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, sm_scale: float
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    sm_scale: float,
+    block_bytes: int = BLOCK_BYTES,
 ) -> Targets:
-    """Targets of the original layer. keys/values [H_kv, T, D], queries [H_kv, n, D]."""
-    phi = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(sm_scale)
-    phi.sub_(phi.amax(-1, keepdim=True)).exp_()
-    mass = phi.sum(-1)
-    out = torch.bmm(phi, values.float()).div_(mass.unsqueeze(-1))
-    return Targets(phi, mass, out)
+    """Targets of the original layer. keys/values [H_kv, T, D], queries [H_kv, n, D].
+
+    Lazy: nothing is computed until a field is read (see :class:`Targets`).
+    """
+    return Targets(keys, values, queries, sm_scale, block_bytes)
 
 
 def refit(
@@ -69,6 +229,7 @@ def refit(
     fit_values: bool = True,
     value_ridge: float = 1e-3,
     nnls_ridge: float = 1e-6,
+    nnls_rounds: int | None = NNLS_ROUNDS,
     targets: Targets | None = None,
 ) -> CompactedLayer:
     """NNLS beta + least-squares values for the kept keys of ``selection``.
@@ -82,6 +243,7 @@ def refit(
         value_ridge: ridge of the value solve, relative to mean diag(P'P), shrinking
             towards the original values of the kept keys.
         nnls_ridge: ridge of the mass NNLS (relative).
+        nnls_rounds: fixed active-set rounds of the NNLS (None: exact, with host syncs).
         targets: precomputed :func:`reference_targets` (saves one q K' product).
 
     Returns:
@@ -89,7 +251,7 @@ def refit(
         the input dtype, beta fp32, kept_indices = selection indices).
     """
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(keys.shape[-1])
-    idx, mask = selection.indices, selection.mask
+    idx = selection.indices
     gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
     ck = torch.gather(keys, 1, gather)  # [H, t_max, D]
     cv0 = torch.gather(values, 1, gather).float()
@@ -99,18 +261,82 @@ def refit(
     if tg is None and (fit_beta or fit_values):
         tg = reference_targets(keys, values, queries, scale)
     if fit_beta and tg is not None and idx.shape[1] > 0:
-        A = torch.gather(tg.phi, 2, idx.unsqueeze(1).expand(-1, tg.phi.shape[1], -1))
-        beta = fit_beta_nnls(A, tg.mass, mask, beta_bounds, ridge=nnls_ridge)
+        beta = fit_layer_beta(tg, selection, beta_bounds, ridge=nnls_ridge, rounds=nnls_rounds)
     if fit_values and tg is not None and idx.shape[1] > 0:
-        logits = torch.bmm(queries.float(), ck.float().transpose(1, 2)).mul_(scale)
-        logits = logits + beta.unsqueeze(1)
-        logits = logits.masked_fill(~mask.unsqueeze(1), -math.inf)
-        P = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-        cv = lstsq_values(P, tg.out, ridge=value_ridge, prior=cv0, mask=mask)
-        bad = ~torch.isfinite(cv).all(-1).all(-1)  # [H]: never ship a blown-up head
-        if bool(bad.any()):
-            cv = torch.where(bad[:, None, None], cv0, cv)
+        cv = fit_layer_values(
+            queries, ck, beta, selection, tg, sm_scale=scale, ridge=value_ridge, prior=cv0
+        )
     return pack_layer(ck, cv, beta, selection, keys.dtype)
+
+
+def fit_layer_beta(
+    targets: Targets,
+    selection: Selection,
+    beta_bounds: tuple[float | None, float | None],
+    *,
+    ridge: float = 1e-6,
+    rounds: int | None = NNLS_ROUNDS,
+) -> torch.Tensor:
+    """beta [H, t_max] of the kept keys: box-NNLS of the mass on their mass features.
+
+    rounds: fixed-work solver rounds (None: exact, see :func:`compactor.solvers.nnls_gram`).
+    Heads are solved in blocks whose features and solver matrices stay within
+    ``targets.block_bytes``. Padded entries get beta = 0.
+    """
+    idx, mask = selection.indices, selection.mask
+    H, t = idx.shape
+    n = targets.shape[1]
+    # per head: the features, then the solver's copies (fp64 kernel form when n < t)
+    per_head = 4 * n * t + (24 * n * t + 32 * n * n if n < t else 20 * t * t)
+    hb = max(1, targets.block_bytes // per_head)
+    if hb >= H:
+        return fit_beta_nnls(
+            targets.features(idx), targets.mass, mask, beta_bounds, ridge=ridge, rounds=rounds
+        )
+    parts = []
+    for h0 in range(0, H, hb):
+        h1 = min(H, h0 + hb)
+        A = targets.features(idx[h0:h1], h0, h1)
+        mass = targets.mass[h0:h1]
+        parts.append(fit_beta_nnls(A, mass, mask[h0:h1], beta_bounds, ridge=ridge, rounds=rounds))
+    return torch.cat(parts)
+
+
+def fit_layer_values(
+    queries: torch.Tensor,
+    ck: torch.Tensor,
+    beta: torch.Tensor,
+    selection: Selection,
+    targets: Targets,
+    *,
+    sm_scale: float,
+    ridge: float = 1e-3,
+    prior: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Values [H, t_max, D] fp32 of the kept keys ck [H, t_max, D] with beta [H, t_max]:
+    ridge least squares of the original outputs on the compacted attention weights,
+    shrunk towards ``prior`` (the original values), in blocks of heads within
+    ``targets.block_bytes``. A head whose solve is not finite keeps ``prior`` (or 0)."""
+    mask = selection.mask
+    H, t = mask.shape
+    n = queries.shape[1]
+    # per head: logits / weights, then the solver's [t, t] (or fp64 [n, n] when n < t) copies
+    per_head = 12 * n * t + (24 * n * n + 16 * n * t if n < t else 16 * t * t)
+    hb = max(1, targets.block_bytes // per_head)
+    out = targets.out
+    parts = []
+    for h0 in range(0, H, hb):
+        h1 = min(H, h0 + hb)
+        logits = torch.bmm(queries[h0:h1].float(), ck[h0:h1].float().transpose(1, 2))
+        logits = logits.mul_(sm_scale) + beta[h0:h1].unsqueeze(1)
+        logits = logits.masked_fill(~mask[h0:h1].unsqueeze(1), -math.inf)
+        P = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        pr = None if prior is None else prior[h0:h1]
+        parts.append(lstsq_values(P, out[h0:h1], ridge=ridge, prior=pr, mask=mask[h0:h1]))
+    cv = parts[0] if len(parts) == 1 else torch.cat(parts)
+    bad = ~torch.isfinite(cv).all(-1).all(-1)  # [H]: never ship a blown-up head
+    fallback = prior if prior is not None else torch.zeros_like(cv)
+    return torch.where(bad[:, None, None], fallback.to(cv.dtype), cv)
 
 
 def fit_beta_nnls(
@@ -120,11 +346,12 @@ def fit_beta_nnls(
     beta_bounds: tuple[float | None, float | None],
     *,
     ridge: float = 1e-6,
-    max_iter: int = 100,
+    rounds: int | None = NNLS_ROUNDS,
     polish_rounds: int | None = None,
 ) -> torch.Tensor:
     """beta [H, t_max] = log w, w = box-NNLS of mass [H, n] on features A [H, n, t_max].
 
+    rounds: fixed active-set rounds (None: exact, see :func:`compactor.solvers.nnls_gram`).
     Padded (mask False) entries get beta = 0 (they are dropped by pack_layer).
     """
     lo, hi = _weight_bounds(beta_bounds)
@@ -135,7 +362,7 @@ def fit_beta_nnls(
         upper=hi,
         mask=mask,
         ridge=ridge,
-        max_iter=max_iter,
+        rounds=rounds,
         polish_rounds=polish_rounds,
     )
     beta = torch.log(w.float())
@@ -149,7 +376,7 @@ def fit_beta_nnls_gram(
     beta_bounds: tuple[float | None, float | None],
     *,
     ridge: float = 1e-6,
-    max_iter: int = 100,
+    rounds: int | None = NNLS_ROUNDS,
     polish_rounds: int | None = None,
 ) -> torch.Tensor:
     """As :func:`fit_beta_nnls` from the normal equations G [H, t, t] = A'A, c [H, t] = A'mass."""
@@ -161,7 +388,7 @@ def fit_beta_nnls_gram(
         upper=hi,
         mask=mask,
         ridge=ridge,
-        max_iter=max_iter,
+        rounds=rounds,
         polish_rounds=polish_rounds,
     )
     beta = torch.log(w.float())
@@ -176,6 +403,9 @@ def selection_from_budgets(indices: torch.Tensor, budgets: Sequence[int]) -> Sel
     mask = ar < torch.as_tensor(list(budgets), device=dev).unsqueeze(1)
     idx = torch.where(mask, indices[:, :t_max], indices.new_zeros(()))
     return Selection(idx, mask)
+
+
+# ---- private helpers -------------------------------------------------------------------
 
 
 def _weight_bounds(beta_bounds: tuple[float | None, float | None]) -> tuple[float, float | None]:

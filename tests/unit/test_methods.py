@@ -315,3 +315,31 @@ def test_describe_methods_reads_the_dataclasses():
     assert [m.name for m in describe_methods(["kvzip"])] == ["kvzip"]
     with pytest.raises(ValueError, match="unknown compaction method"):
         describe_methods(["no-such-method"])
+
+
+def test_blocked_targets_and_fits_match_the_one_block_path():
+    """A tiny work budget (blocks of heads and queries, phi never kept) gives the same
+    reference statistics, selections and refit as the one-block path."""
+    from compactor.methods.attention_matching import highest_attention_select, omp_select
+    from compactor.methods.refit import Targets
+
+    keys, values, q, _ = clustered(H=3, T=120, n=150, seed=7)
+    scale = 32**-0.5
+    big = Targets(keys, values, q, scale)
+    small = Targets(keys, values, q, scale, block_bytes=4 * 120 * 40)  # 40 query rows
+    for a, b in ((big.mass, small.mass), (big.out, small.out), (big.rowmax, small.rowmax)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(big.key_rms(), small.key_rms(), atol=1e-6, rtol=1e-5)
+    assert small._phi is None and small.heads_per_block() == 1
+    torch.testing.assert_close(big.phi[1:3], small.phi_heads(1, 3), atol=1e-6, rtol=1e-5)
+    budgets = [12, 7, 12]
+    sel = highest_attention_select(big, budgets)
+    assert torch.equal(sel.indices, highest_attention_select(small, budgets).indices)
+    omp_big = omp_select(big, budgets, k=4, tau=2)
+    omp_small = omp_select(small, budgets, k=4, tau=2)
+    assert torch.equal(omp_big.indices, omp_small.indices)
+    assert torch.equal(omp_big.mask, omp_small.mask)
+    a = refit(keys, values, q, sel, beta_bounds=(-3.0, 3.0), targets=big)
+    b = refit(keys, values, q, sel, beta_bounds=(-3.0, 3.0), targets=small)
+    torch.testing.assert_close(a.beta, b.beta, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)

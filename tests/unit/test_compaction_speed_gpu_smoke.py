@@ -1,0 +1,42 @@
+"""benchmarks/compaction_speed_gpu.py --smoke: the GPU benchmark's code path, tiny, on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "compaction_speed_gpu", ROOT / "benchmarks" / "compaction_speed_gpu.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load_benchmark()
+    argv = ["compaction_speed_gpu.py", "--smoke", "--skip", "layer", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    out = json.loads((tmp_path / "compaction_speed_gpu_smoke.json").read_text())
+    assert out["meta"]["device"] == "cpu" and out["meta"]["git_commit"]
+    assert [r["method"] for r in out["doc"]] == ["am-highest", "am-omp-fast"]
+    assert [(r["method"], r["T"]) for r in out["big"]] == [("am-highest", 512)]
+    for rec in (*out["doc"], *out["big"]):
+        assert "error" not in rec
+        assert rec["spec"]["queries"]["sources"] == ["follow-up"] and rec["spec"]["on_policy"]
+        stages = rec["wall_s"]
+        assert {"prefill", "queries", "selection", "beta", "values", "compaction"} <= set(stages)
+        fit = stages["selection"] + stages["beta"] + stages["values"]
+        assert 0 < fit <= stages["compaction"] + 1e-6
+        assert rec["total_s"] >= stages["prefill"] + stages["queries"]
+        assert 0 < rec["kept_per_head_mean"] <= rec["budget_per_head"]
