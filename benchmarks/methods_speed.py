@@ -6,7 +6,7 @@ Shape legend: T prefix tokens, t kept, n reference queries, H_kv KV heads, D hea
         --methods am-omp-fast am-omp am-highest --json out.json [--device cuda]
 
 Keys/queries are drawn with a few dominant directions plus noise so attention is peaked
-(like real heads); single-threaded by default (one torch thread per worker, see DESIGN.md).
+(like real heads); single-threaded by default (one torch thread per worker, as the service runs them).
 The layer is drawn on the CPU (the same data on every device) and moved to ``--device``,
 where the fit runs; on CUDA the timer reads after a synchronize and the peak memory of each
 method's fit is recorded. ``--exact-check`` also refits each selecting method's keys with the
