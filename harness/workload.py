@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.launch import SGLangServer
+from harness.pool import parse_metrics
 
 _FILLER = [
     "The harbour town kept its records in a blue ledger.",
@@ -184,11 +185,7 @@ def stream_all(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[
 def metric(server: SGLangServer, name: str) -> float:
     """Sum of a Prometheus series on /metrics (0 when absent)."""
     text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return parse_metrics(text).get(name, 0.0)
 
 
 def compaction_args(
