@@ -42,7 +42,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="require 'authorization: Bearer <token>'; re-read when the file changes",
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
-    p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: how long compactions in flight may take to finish before "
+        "they are cancelled (new ones get UNAVAILABLE at once); exit 0 at most ~10 s later",
+    )
+    # test-only: sleep this long before each layer, to make compactions deterministically slow
+    p.add_argument("--test-layer-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 
 
@@ -78,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
                 mode="local" if args.in_process else "ray",
                 ray_address=args.ray_address,
                 max_queue=args.max_queue,
+                layer_delay_s=args.test_layer_delay_s,
             ),
             max_prefix_tokens=args.max_prefix_tokens,
             cache_bytes=args.cache_mb << 20,
@@ -106,13 +115,18 @@ async def _run(config: object) -> None:
     print(f"compactor serving on {server.address}", flush=True)
     if server.metrics_port is not None:
         print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: draining in-flight requests (up to %.0f s)", config.drain_seconds)
+        loop.add_signal_handler(sig, _first, received, sig)
+    sig = await received
+    log.info("%s: shutting down gracefully (drain up to %.3g s)", sig.name, config.drain_seconds)
     await server.stop()
+
+
+def _first(received: asyncio.Future[signal.Signals], sig: signal.Signals) -> None:
+    if not received.done():
+        received.set_result(sig)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -136,6 +136,15 @@ class CompactionService:
             self.metrics.singleflight_joins.inc()
         return CompactOutcome(encoded, False, shared, seconds=time.perf_counter() - t0)
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no compaction runs (cancelled ones stopped), False after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while len(self.flights) or self.pool.busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def close(self) -> None:
         await self.pool.close()
 

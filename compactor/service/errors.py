@@ -16,9 +16,14 @@ from compactor.workers.errors import (
     WorkerLost,
 )
 
-__all__ = ["STATUS_TABLE", "status_for"]
+__all__ = ["STATUS_TABLE", "ServerDraining", "status_for"]
 
 log = logging.getLogger(__name__)
+
+
+class ServerDraining(Exception):
+    """The server is shutting down: it takes no new compactions (or gave up on this one)."""
+
 
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -28,6 +33,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Cancelled, grpc.StatusCode.CANCELLED),
     (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+    (ServerDraining, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from compactor.service.auth import TokenAuthInterceptor, TokenFile
+from compactor.service.drain import DrainGate
 from compactor.service.engine import CompactionService, ServiceConfig
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
@@ -29,6 +30,9 @@ __all__ = ["SERVICE_NAME", "CompactorServer", "PortInUseError", "ServerConfig", 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Compactor"].full_name
+# After the drain: how long cancelled compactions may take to stop, and then responses still
+# being streamed (and other short calls) to finish. Exit comes <= drain + 2 * _SETTLE_S + close.
+_SETTLE_S = 5.0
 
 
 class PortInUseError(OSError):
@@ -68,12 +72,18 @@ class CompactorServer:
     """A running server; `port` is the bound port, `service` the engine behind it."""
 
     def __init__(
-        self, server: grpc.aio.Server, service: CompactionService, port: int, config: ServerConfig
+        self,
+        server: grpc.aio.Server,
+        service: CompactionService,
+        port: int,
+        config: ServerConfig,
+        gate: DrainGate | None = None,
     ) -> None:
         self.server = server
         self.service = service
         self.port = port
         self.config = config
+        self.gate = gate or DrainGate()
         self.health: health.aio.HealthServicer | None = None
         self.metrics_port: int | None = None
 
@@ -104,7 +114,8 @@ class CompactorServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_CompactorServicer_to_server(CompactorServicer(service), server)
+        gate = DrainGate()
+        pb_grpc.add_CompactorServicer_to_server(CompactorServicer(service, gate), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
@@ -121,7 +132,7 @@ class CompactorServer:
         if port == 0:
             raise PortInUseError(f"cannot bind {target} (address in use or not available)")
         await server.start()
-        self = cls(server, service, port, config)
+        self = cls(server, service, port, config, gate)
         self.health = health_servicer
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -139,13 +150,31 @@ class CompactorServer:
         return self
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish (up to
-        `grace` s, default drain_seconds), then stop the workers."""
+        """Drain, then stop. Health reports NOT_SERVING at once and new Compact calls get
+        UNAVAILABLE ("draining") while the port stays open; in-flight calls may finish for up
+        to `grace` s (default drain_seconds). Those still running then end with UNAVAILABLE
+        and their compactions are cancelled; once their workers have stopped (or after a few
+        seconds), the workers are shut down with the server."""
+        grace = self.config.drain_seconds if grace is None else grace
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.drain_seconds if grace is None else grace)
+        log.info(
+            "draining: %d Compact call(s) in flight may finish within %.3g s; "
+            "new calls get UNAVAILABLE",
+            self.gate.active,
+            grace,
+        )
+        if await self.gate.drain(grace):
+            log.info("drained: no Compact call in flight")
+        else:
+            log.warning("drain time (%.3g s) is up: cancelled the compaction(s) in flight", grace)
+            await self.gate.wait_idle(_SETTLE_S)
+        if not await self.service.wait_idle(_SETTLE_S):
+            log.warning("a cancelled compaction did not stop in %.3g s; stopping anyway", _SETTLE_S)
+        await self.server.stop(_SETTLE_S)
         await self.service.close()
         self.service.metrics.close()
+        log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compactor.service.convert import job_from_request
+from compactor.service.drain import DrainGate
 from compactor.service.engine import CompactionService
 from compactor.service.errors import status_for
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
@@ -21,8 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class CompactorServicer(pb_grpc.CompactorServicer):
-    def __init__(self, service: CompactionService) -> None:
+    """`gate` refuses Compact calls (UNAVAILABLE) once the server drains."""
+
+    def __init__(self, service: CompactionService, gate: DrainGate | None = None) -> None:
         self.service = service
+        self.gate = gate or DrainGate()
 
     async def Compact(
         self, request: pb.CompactRequest, context: grpc.aio.ServicerContext
@@ -31,22 +35,25 @@ class CompactorServicer(pb_grpc.CompactorServicer):
         m = self.service.metrics
         status = "OK"
         try:
-            job = job_from_request(request, self.service.config.auto_ratio)
-            out = await self.service.compact(job, timeout=context.time_remaining())
-            trailer = pb.Trailer(
-                sha256=out.encoded.sha256,
-                payload_bytes=len(out.encoded.payload),
-                cache_hit=out.cache_hit,
-                shared=out.shared,
-                compute_seconds=out.encoded.compute_seconds,
-                worker=out.encoded.worker,
-                stage_seconds=out.encoded.stage_seconds,
-            )
-            for msg in out.encoded.messages(self.service.config.chunk_bytes, trailer):
-                if msg.HasField("trailer"):
-                    msg.trailer.server_seconds = time.perf_counter() - t0
-                yield msg
-            m.bytes_streamed.inc(len(out.encoded.payload))
+            with self.gate.track():
+                job = job_from_request(request, self.service.config.auto_ratio)
+                out = await self.gate.run(
+                    self.service.compact(job, timeout=context.time_remaining())
+                )
+                trailer = pb.Trailer(
+                    sha256=out.encoded.sha256,
+                    payload_bytes=len(out.encoded.payload),
+                    cache_hit=out.cache_hit,
+                    shared=out.shared,
+                    compute_seconds=out.encoded.compute_seconds,
+                    worker=out.encoded.worker,
+                    stage_seconds=out.encoded.stage_seconds,
+                )
+                for msg in out.encoded.messages(self.service.config.chunk_bytes, trailer):
+                    if msg.HasField("trailer"):
+                        msg.trailer.server_seconds = time.perf_counter() - t0
+                    yield msg
+                m.bytes_streamed.inc(len(out.encoded.payload))
         except asyncio.CancelledError:
             status = "CANCELLED"
             log.info("request %r cancelled by the client", request.request_id)
