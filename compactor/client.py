@@ -9,6 +9,12 @@ backoff inside the call's deadline (`timeout` seconds).
 
 A spec whose ratio and tokens are both None asks for the server's auto budget. The server
 validates the spec (INVALID_ARGUMENT naming the field); the client sends it as is.
+
+`kv_dtype` (torch.float16 / torch.bfloat16 / None = float32) asks for keys/values in the
+serving model's KV dtype (beta stays float32): about half the bytes of float32 for the same
+installed cache. `max_result_bytes` (see :func:`compactor.service.convert.max_result_bytes`)
+bounds what one call may receive: a stream announcing or sending more is cancelled at once
+and raises ResultTooLarge (a ChecksumError, never retried).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from compactor.service.auth import TOKEN_HEADER
-from compactor.service.convert import Assembler, compact_request
+from compactor.service.convert import Assembler, ChecksumError, compact_request
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
 from compactor.spec import CompactionSpec
-from compactor.types import CompactedPrefix
+from compactor.types import CompactedPrefix, dtype_name
 
 __all__ = ["AsyncCompactorClient", "CompactResult", "CompactorClient", "RetryPolicy", "TlsFiles"]
 
@@ -119,8 +126,13 @@ class _Base:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
 
-    def _result(self, asm: Assembler, fingerprint: str, t0: float, attempts: int) -> CompactResult:
-        prefix = asm.result(expected_fingerprint=fingerprint)
+    def _result(
+        self, asm: Assembler, req: pb.CompactRequest, t0: float, attempts: int
+    ) -> CompactResult:
+        prefix = asm.result(expected_fingerprint=req.model_fingerprint)
+        want = req.kv_dtype or "float32"
+        if dtype_name(prefix.dtype) != want:
+            raise ValueError(f"asked for {want} keys/values, got {dtype_name(prefix.dtype)}")
         tr = asm.trailer
         assert tr is not None  # result() checked it
         return CompactResult(
@@ -187,26 +199,47 @@ class CompactorClient(_Base):
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        kv_dtype: torch.dtype | str | None = None,
+        max_result_bytes: int | None = None,
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says; raises grpc.RpcError or ChecksumError."""
+        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32).
+
+        Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
+        ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
+        float32 / float16 / bfloat16).
+        """
         req = compact_request(
-            token_ids, model_fingerprint, spec, follow_ups, request_id or uuid.uuid4().hex
+            token_ids,
+            model_fingerprint,
+            spec,
+            follow_ups,
+            request_id or uuid.uuid4().hex,
+            kv_dtype,
         )
-        return self.compact_request(req, timeout=timeout)
+        return self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
 
     def compact_request(
-        self, req: pb.CompactRequest, timeout: float | None = None
+        self,
+        req: pb.CompactRequest,
+        timeout: float | None = None,
+        max_result_bytes: int | None = None,
     ) -> CompactResult:
+        """Send `req`; retries UNAVAILABLE within `timeout` (see :meth:`compact`)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout if timeout is not None else None
         attempt = 0
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            asm = Assembler()
+            asm = Assembler(max_result_bytes)
             try:
-                for msg in self.stub.Compact(req, timeout=left, metadata=self.metadata):
-                    asm.add(msg)
-                return self._result(asm, req.model_fingerprint, t0, attempt + 1)
+                call = self.stub.Compact(req, timeout=left, metadata=self.metadata)
+                try:
+                    for msg in call:
+                        asm.add(msg)
+                except ChecksumError:
+                    call.cancel()  # stop receiving: nothing more of this stream is wanted
+                    raise
+                return self._result(asm, req, t0, attempt + 1)
             except grpc.RpcError as err:
                 delay = self._retry_delay(err, attempt, deadline)
                 if delay is None:
@@ -255,29 +288,47 @@ class AsyncCompactorClient(_Base):
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        kv_dtype: torch.dtype | str | None = None,
+        max_result_bytes: int | None = None,
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says; raises grpc.RpcError or ChecksumError."""
+        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32).
+
+        Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
+        ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
+        float32 / float16 / bfloat16).
+        """
         req = compact_request(
-            token_ids, model_fingerprint, spec, follow_ups, request_id or uuid.uuid4().hex
+            token_ids,
+            model_fingerprint,
+            spec,
+            follow_ups,
+            request_id or uuid.uuid4().hex,
+            kv_dtype,
         )
-        return await self.compact_request(req, timeout=timeout)
+        return await self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
 
     async def compact_request(
-        self, req: pb.CompactRequest, timeout: float | None = None
+        self,
+        req: pb.CompactRequest,
+        timeout: float | None = None,
+        max_result_bytes: int | None = None,
     ) -> CompactResult:
+        """Send `req`; retries UNAVAILABLE within `timeout` (see :meth:`compact`)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout if timeout is not None else None
         attempt = 0
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            asm = Assembler()
+            asm = Assembler(max_result_bytes)
             try:
                 call = self.stub.Compact(req, timeout=left, metadata=self.metadata)
-                async for msg in call:
-                    asm.add(msg)
-                return await asyncio.to_thread(
-                    self._result, asm, req.model_fingerprint, t0, attempt + 1
-                )
+                try:
+                    async for msg in call:
+                        asm.add(msg)
+                except ChecksumError:
+                    call.cancel()  # stop receiving: nothing more of this stream is wanted
+                    raise
+                return await asyncio.to_thread(self._result, asm, req, t0, attempt + 1)
             except grpc.RpcError as err:
                 delay = self._retry_delay(err, attempt, deadline)
                 if delay is None:

@@ -1,35 +1,47 @@
 """The one place where protobuf messages and domain types meet.
 
 Wire format of a request: the CompactionSpec as one JSON object (``spec_json``, see
-:meth:`CompactionSpec.to_dict`) next to the model fingerprint, the prefix and its follow-ups.
+:meth:`CompactionSpec.to_dict`) next to the model fingerprint, the prefix, its follow-ups
+and the keys/values dtype asked for (``kv_dtype``, "" = float32).
 
 Wire format of a result: a Header (metadata JSON + tensor table), the payload (every tensor
 of :meth:`CompactedPrefix.tensors`, raw bytes, concatenated in table order) in
 TensorChunks, and a Trailer whose sha256 covers metadata JSON + payload.
+
+Shape legend: L layers, H_kv KV heads, D head dim, T prefix tokens (the logical length),
+N kept rows of one layer (sum over its heads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.spec import CompactionSpec
-from compactor.types import CompactedPrefix
+from compactor.types import CompactedPrefix, dtype_from_name, dtype_name
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob
 
 __all__ = [
+    "METADATA_ALLOWANCE",
     "Assembler",
     "ChecksumError",
     "EncodedPrefix",
+    "ResultTooLarge",
+    "cast_prefix",
     "compact_request",
     "encode_prefix",
     "job_from_request",
+    "kv_dtype_field",
+    "max_result_bytes",
     "request_from_job",
 ]
 
@@ -41,10 +53,85 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+# Header allowance of max_result_bytes: the metadata JSON and tensor table travel in the one
+# Header message, which the client's default gRPC message cap (16 MiB) already bounds.
+METADATA_ALLOWANCE = 16 << 20
 
 
 class ChecksumError(ValueError):
     """A streamed result is incomplete, out of order or fails its checksum."""
+
+
+class ResultTooLarge(ChecksumError):
+    """A streamed result announces more bytes than the caller's limit (`limit`), or more
+    than can be allocated (`limit` None)."""
+
+    def __init__(self, nbytes: int, limit: int | None, what: str = "result") -> None:
+        why = f"exceeds the limit of {limit} bytes" if limit is not None else "cannot be allocated"
+        super().__init__(f"{what} of {nbytes} bytes {why}")
+        self.nbytes = nbytes
+        self.limit = limit
+
+
+def max_result_bytes(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    logical_length: int,
+    kv_dtype: torch.dtype = torch.float32,
+    budget_tokens: int | None = None,
+    *,
+    metadata_allowance: int = METADATA_ALLOWANCE,
+) -> int:
+    """The most bytes (metadata JSON + payload) a valid result for this model and prefix has.
+
+    A valid result (:meth:`CompactedPrefix.validate`) keeps at most T entries per (layer,
+    KV head); each entry costs keys + values [D] in `kv_dtype`, beta fp32 and kept_indices
+    int64; each layer adds indptr [H_kv+1] int32. `metadata_allowance` covers the metadata
+    JSON (method reports grow with L and the chunk count).
+
+    `budget_tokens` (t, the spec's per-head budget, :meth:`CompactionSpec.budget_per_head`)
+    bounds the total instead: at most L * H_kv * min(T, 2t) entries. Uniform and sensitivity
+    budgets keep exactly L * H_kv * t in total (redistribution moves entries between heads,
+    a head may reach T); per-layer planners (KVCompose with min_per_layer <= t, CompressKV)
+    stay within rounding and floors of that, well inside 2t. Pass None for methods that pick
+    their own budget (GVote ignores the spec's), or per-layer floors above t.
+
+    Args:
+        num_layers: L. num_kv_heads: H_kv. head_dim: D. logical_length: T (all >= 1).
+        kv_dtype: keys/values dtype of the result (float32, float16, bfloat16).
+        budget_tokens: t >= 1, or None (bound by T alone).
+    Raises ValueError naming a nonsense input.
+    """
+    for name, v in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("logical_length", logical_length),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if budget_tokens is not None and (
+        isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1
+    ):
+        raise ValueError(f"budget_tokens must be an int >= 1 or None, got {budget_tokens!r}")
+    if isinstance(metadata_allowance, bool) or metadata_allowance < 0:
+        raise ValueError(f"metadata_allowance must be >= 0, got {metadata_allowance!r}")
+    kv_size = torch.empty(0, dtype=dtype_from_name(dtype_name(kv_dtype))).element_size()
+    per_head = logical_length if budget_tokens is None else min(logical_length, 2 * budget_tokens)
+    entries = num_layers * num_kv_heads * per_head
+    per_entry = 2 * head_dim * kv_size + 4 + 8  # keys + values, beta fp32, kept_indices int64
+    indptrs = num_layers * (num_kv_heads + 1) * 4
+    return entries * per_entry + indptrs + metadata_allowance
+
+
+def kv_dtype_field(kv_dtype: torch.dtype | str | None) -> str:
+    """The request's ``kv_dtype`` string ("" for None / float32); ValueError if unsupported."""
+    if kv_dtype is None:
+        return ""
+    name = kv_dtype if isinstance(kv_dtype, str) else dtype_name(kv_dtype)
+    dtype_from_name(name)  # ValueError naming the supported dtypes
+    return "" if name == "float32" else name
 
 
 # ---- requests --------------------------------------------------------------------------
@@ -61,12 +148,17 @@ def job_from_request(req: pb.CompactRequest, auto_ratio: float) -> CompactJob:
         raise InvalidRequest(f"spec_json is not valid JSON: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"spec_json: {exc}") from None
+    try:
+        kv_dtype = kv_dtype_field(req.kv_dtype or None)
+    except ValueError as exc:
+        raise InvalidRequest(f"kv_dtype: {exc}") from None
     return CompactJob(
         model_fingerprint=req.model_fingerprint,
         token_ids=tuple(req.token_ids),
         spec=spec.resolve_auto(auto_ratio),
         follow_ups=tuple(tuple(f.token_ids) for f in req.follow_ups),
         request_id=req.request_id,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -76,21 +168,30 @@ def compact_request(
     spec: CompactionSpec,
     follow_ups: Sequence[Sequence[int]] = (),
     request_id: str = "",
+    kv_dtype: torch.dtype | str | None = None,
 ) -> pb.CompactRequest:
-    """The CompactRequest for a spec (its ratio and tokens both None = budget 'auto')."""
+    """The CompactRequest for a spec (its ratio and tokens both None = budget 'auto');
+    `kv_dtype` asks for keys/values in that dtype (None = float32). ValueError if it is not
+    float32, float16 or bfloat16."""
     return pb.CompactRequest(
         model_fingerprint=model_fingerprint,
         token_ids=[int(t) for t in token_ids],
         spec_json=json.dumps(spec.to_dict(), sort_keys=True),
         follow_ups=[pb.TokenSequence(token_ids=[int(t) for t in f]) for f in follow_ups],
         request_id=request_id,
+        kv_dtype=kv_dtype_field(kv_dtype),
     )
 
 
 def request_from_job(job: CompactJob) -> pb.CompactRequest:
     """Inverse of :func:`job_from_request`."""
     return compact_request(
-        job.token_ids, job.model_fingerprint, job.spec, job.follow_ups, job.request_id
+        job.token_ids,
+        job.model_fingerprint,
+        job.spec,
+        job.follow_ups,
+        job.request_id,
+        job.kv_dtype or None,
     )
 
 
@@ -119,8 +220,30 @@ class EncodedPrefix:
         yield pb.CompactChunk(trailer=trailer)
 
 
-def encode_prefix(prefix: CompactedPrefix) -> tuple[pb.Header, bytes, str]:
-    """(header, payload, sha256 hex) of a compacted prefix."""
+def cast_prefix(prefix: CompactedPrefix, kv_dtype: torch.dtype) -> CompactedPrefix:
+    """`prefix` with keys/values [N, D] cast to `kv_dtype` (beta, indptr, kept_indices as
+    they are); `prefix` itself when already in that dtype. Mutates nothing.
+
+    Raises ValueError if a cast key/value overflows `kv_dtype` (float16 past 65504).
+    """
+    if prefix.dtype == kv_dtype:
+        return prefix
+    layers = []
+    for i, layer in enumerate(prefix.layers):
+        k, v = layer.keys.to(kv_dtype), layer.values.to(kv_dtype)
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise ValueError(f"layer {i}: keys/values overflow {dtype_name(kv_dtype)}")
+        layers.append(dataclasses.replace(layer, keys=k, values=v))
+    return dataclasses.replace(prefix, layers=layers, dtype=kv_dtype)
+
+
+def encode_prefix(
+    prefix: CompactedPrefix, kv_dtype: torch.dtype | None = None
+) -> tuple[pb.Header, bytes, str]:
+    """(header, payload, sha256 hex) of a compacted prefix, keys/values cast to `kv_dtype`
+    first when given (:func:`cast_prefix`; ValueError on overflow)."""
+    if kv_dtype is not None:
+        prefix = cast_prefix(prefix, kv_dtype)
     meta = json.dumps(prefix.metadata(), sort_keys=True)
     infos, parts, offset = [], [], 0
     for name, t in prefix.tensors().items():
@@ -150,28 +273,37 @@ def encode_prefix(prefix: CompactedPrefix) -> tuple[pb.Header, bytes, str]:
 
 
 class Assembler:
-    """Rebuilds a CompactedPrefix from a Compact stream; feed every message to :meth:`add`."""
+    """Rebuilds a CompactedPrefix from a Compact stream; feed every message to :meth:`add`.
 
-    def __init__(self) -> None:
+    Memory: the header's tensor table is checked and, with `max_bytes`, its size (metadata
+    JSON + payload_bytes) before anything is allocated (ResultTooLarge); then one buffer of
+    payload_bytes receives the chunks (a chunk past payload_bytes is refused) while the
+    sha256 is updated chunk by chunk. :meth:`result` returns tensors that are views of that
+    buffer, except tensors whose offset is not a multiple of their element size, which are
+    copied (at most one extra copy of the payload in total).
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self.max_bytes = max_bytes
         self.header: pb.Header | None = None
         self.trailer: pb.Trailer | None = None
-        self._buf = bytearray()
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._filled = 0
+        self._sha = hashlib.sha256()
 
     def add(self, msg: pb.CompactChunk) -> None:
+        """Take the next message; ResultTooLarge / ChecksumError if it cannot be accepted."""
         kind = msg.WhichOneof("kind")
         if kind == "header":
             if self.header is not None:
                 raise ChecksumError("second header in stream")
-            self.header = msg.header
-            self._buf = bytearray()
+            self._start(msg.header)
         elif self.header is None or self.trailer is not None:
             raise ChecksumError(f"unexpected {kind} message")
         elif kind == "chunk":
-            if msg.chunk.offset != len(self._buf):
-                raise ChecksumError(
-                    f"chunk at offset {msg.chunk.offset}, expected {len(self._buf)}"
-                )
-            self._buf += msg.chunk.data
+            self._chunk(msg.chunk, self.header.payload_bytes)
         elif kind == "trailer":
             self.trailer = msg.trailer
 
@@ -180,23 +312,60 @@ class Assembler:
         h, tr = self.header, self.trailer
         if h is None or tr is None:
             raise ChecksumError("stream ended before its trailer")
-        if len(self._buf) != h.payload_bytes or tr.payload_bytes != h.payload_bytes:
-            raise ChecksumError(f"payload has {len(self._buf)} bytes, expected {h.payload_bytes}")
-        if _checksum(h.metadata_json, bytes(self._buf)) != tr.sha256:
+        if self._filled != h.payload_bytes or tr.payload_bytes != h.payload_bytes:
+            raise ChecksumError(f"payload has {self._filled} bytes, expected {h.payload_bytes}")
+        if self._sha.hexdigest() != tr.sha256:
             raise ChecksumError("sha256 mismatch")
         tensors = {}
         for info in h.tensors:
-            raw = self._buf[info.offset : info.offset + info.nbytes]
             dtype = _TORCH_DTYPES[info.dtype]
-            flat = (
-                torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-                if raw
-                else torch.empty(0, dtype=dtype)
-            )
-            tensors[info.name] = flat.reshape(list(info.shape)).clone()
+            raw = self._buf[info.offset : info.offset + info.nbytes]
+            if info.offset % dtype.itemsize:
+                raw = raw.clone()  # an aligned copy: a view must start on an element boundary
+            tensors[info.name] = raw.view(dtype).reshape(list(info.shape))
         prefix = CompactedPrefix.from_parts(json.loads(h.metadata_json), tensors)
         prefix.validate(expected_fingerprint=expected_fingerprint)
         return prefix
+
+    # ---- private ---------------------------------------------------------------------
+    def _start(self, h: pb.Header) -> None:
+        size = h.payload_bytes + len(h.metadata_json.encode())
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise ResultTooLarge(size, self.max_bytes, "announced result")
+        for info in h.tensors:
+            dtype = _TORCH_DTYPES.get(info.dtype)
+            if dtype is None:
+                raise ChecksumError(f"tensor {info.name!r} has unknown dtype {info.dtype!r}")
+            if any(d < 0 for d in info.shape):
+                raise ChecksumError(f"tensor {info.name!r} has shape {list(info.shape)}")
+            numel = math.prod(info.shape)
+            if info.nbytes != numel * dtype.itemsize:
+                raise ChecksumError(
+                    f"tensor {info.name!r}: {info.nbytes} bytes for shape {list(info.shape)} "
+                    f"{info.dtype}"
+                )
+            if info.offset + info.nbytes > h.payload_bytes:
+                raise ChecksumError(
+                    f"tensor {info.name!r} ends at {info.offset + info.nbytes} > payload_bytes "
+                    f"{h.payload_bytes}"
+                )
+        try:
+            self._buf = torch.empty(h.payload_bytes, dtype=torch.uint8)
+        except RuntimeError:  # only reachable without max_bytes
+            raise ResultTooLarge(h.payload_bytes, None, "announced payload") from None
+        self.header = h
+        self._sha = hashlib.sha256(h.metadata_json.encode())
+
+    def _chunk(self, chunk: pb.TensorChunk, payload_bytes: int) -> None:
+        if chunk.offset != self._filled:
+            raise ChecksumError(f"chunk at offset {chunk.offset}, expected {self._filled}")
+        end = self._filled + len(chunk.data)
+        if end > payload_bytes:
+            raise ChecksumError(f"chunk ends at {end} > payload_bytes {payload_bytes}")
+        if chunk.data:
+            self._buf.numpy()[self._filled : end] = np.frombuffer(chunk.data, dtype=np.uint8)
+            self._sha.update(chunk.data)
+        self._filled = end
 
 
 def _checksum(meta_json: str, payload: bytes) -> str:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
+from compactor.types import dtype_from_name
 from compactor.workers.cache import ResultCache
-from compactor.workers.errors import DeadlineExceeded, ModelMismatch
+from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch
 from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob
 from compactor.workers.pool import PoolConfig, WorkerPool
 from compactor.workers.singleflight import SingleFlight
@@ -154,18 +155,25 @@ class CompactionService:
             return cached
         self.metrics.compactions.inc()
         result = await self.pool.run(job)
-        header, payload, digest = await asyncio.to_thread(encode_prefix, result.prefix)
+        kv_dtype = dtype_from_name(job.kv_dtype) if job.kv_dtype else None
+        try:
+            header, payload, digest = await asyncio.to_thread(
+                encode_prefix, result.prefix, kv_dtype
+            )
+        except ValueError as exc:  # keys/values overflow the requested dtype
+            raise InvalidRequest(f"kv_dtype {job.kv_dtype}: {exc}") from None
         encoded = EncodedPrefix(
             header, payload, digest, result.worker, result.compute_seconds, result.stage_seconds
         )
         self.cache.put(key, encoded)
         self.metrics.cache_bytes.set(self.cache.nbytes)
         log.info(
-            "compacted %s: T=%d method=%s %d bytes in %.2f s on %s",
+            "compacted %s: T=%d method=%s %d bytes (%s) in %.2f s on %s",
             job.request_id or key[:12],
             len(job.token_ids),
             job.spec.method,
             len(payload),
+            job.kv_dtype or "float32",
             result.compute_seconds,
             result.worker,
         )

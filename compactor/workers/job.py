@@ -13,6 +13,7 @@ from compactor.workers.errors import InvalidRequest
 __all__ = [
     "DEFAULT_AUTO_RATIO",
     "HEAD_BUDGET_CHOICES",
+    "KV_DTYPE_CHOICES",
     "MAX_FOLLOW_UP_ANSWER_TOKENS",
     "CompactJob",
     "JobResult",
@@ -25,6 +26,8 @@ DEFAULT_AUTO_RATIO = 0.1
 HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
 # Bound on generated answer tokens per follow-up (work the request may ask of a worker).
 MAX_FOLLOW_UP_ANSWER_TOKENS = 256
+# Result keys/values dtypes a request may ask for ("" = float32, as computed).
+KV_DTYPE_CHOICES: tuple[str, ...] = ("", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class CompactJob:
 
     `spec` has its budget set (budget "auto" is resolved to a ratio before the job is
     built). `follow_ups` are the token sequences of the ``follow-up`` query source.
-    `request_id` is for logs only and is not part of :meth:`key`.
+    `request_id` is for logs only and is not part of :meth:`key`. `kv_dtype` is the dtype
+    the service casts the result's keys/values to before encoding (one of
+    KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it.
     """
 
     model_fingerprint: str
@@ -41,15 +46,18 @@ class CompactJob:
     spec: CompactionSpec
     follow_ups: tuple[tuple[int, ...], ...] = ()
     request_id: str = ""
+    kv_dtype: str = ""
 
     def key(self) -> str:
-        """Identity of the result: (model, prefix hash, spec, follow-up hashes)."""
-        ident = {
+        """Identity of the result: (model, prefix hash, spec, follow-up hashes, kv dtype)."""
+        ident: dict[str, object] = {
             "model": self.model_fingerprint,
             "prefix": prefix_hash(self.token_ids),
             "spec": self.spec.key(),
             "follow_ups": [prefix_hash(f) for f in self.follow_ups],
         }
+        if self.kv_dtype:  # absent for float32: keys of float32 results stay as they were
+            ident["kv_dtype"] = self.kv_dtype
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
@@ -86,6 +94,11 @@ class CompactJob:
                 raise InvalidRequest(f"token id outside [0, vocab_size={vocab_size})")
         if any(not f for f in self.follow_ups):
             raise InvalidRequest("a follow-up token sequence is empty")
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise InvalidRequest(
+                f"kv_dtype must be one of {['float32', *KV_DTYPE_CHOICES[1:]]}, got "
+                f"{self.kv_dtype!r}"
+            )
         try:
             self.check_spec(self.spec)
         except ValueError as exc:

@@ -13,18 +13,20 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "token_ids", "request_id", "spec_json", "follow_ups")
+    __slots__ = ("model_fingerprint", "token_ids", "request_id", "spec_json", "follow_ups", "kv_dtype")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_UPS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     spec_json: str
     follow_ups: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
