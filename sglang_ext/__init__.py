@@ -13,7 +13,12 @@ which applies them after all plugins have run:
   (`compaction-triton` on CUDA, `compaction` elsewhere); without it, nothing changes and
   SGLang runs stock.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
-  compactions are installed (`CompactionRadixCache.poll`); a no-op for other caches.
+  compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
+  caches.
+- AFTER each `update_weights_from_*` of SGLang's scheduler weight updater: compacted
+  prefixes and results in flight are dropped (`CompactionRadixCache.on_weights_updated`);
+  compaction goes on only after a disk update that reloaded the very same checkpoint
+  (same fingerprint), since the service holds the weights it was started with.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ PLUGIN_NAME = "compaction"
 ANNOUNCEMENT = "sglang_ext: compaction plugin active"
 logger = logging.getLogger(__name__)
 _registered = False
+_WEIGHT_UPDATER = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+)
+_SOURCES = ("disk", "tensor", "distributed", "ipc")
 
 
 def register() -> None:
@@ -44,6 +53,7 @@ def register() -> None:
         ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
         ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
+        *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
     )
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
@@ -77,3 +87,30 @@ def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     poll = getattr(getattr(scheduler, "tree_cache", None), "poll_compactions", None)
     if callable(poll):
         poll()
+
+
+def _weights_updated(result: Any, manager: Any, recv_req: Any = None, *a: Any, **kw: Any) -> None:
+    """AFTER hook on SGLang's `update_weights_from_*`: tell the compaction cache, with the
+    fingerprint results must carry from now on (None: compaction off)."""
+    cache = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
+    update = getattr(cache, "on_weights_updated", None)
+    if not callable(update):
+        return
+    update(weights_fingerprint(getattr(cache, "fingerprint", None), result, recv_req))
+
+
+def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str | None:
+    """`current` when a successful disk update reloaded the same checkpoint, else None.
+
+    A failed update may have changed some weights (SGLang reports a refused cache flush
+    after new weights as a failure), and other sources bring weights no service holds."""
+    path = getattr(recv_req, "model_path", None)
+    if current is None or not getattr(result, "success", False) or not path:
+        return None
+    from compactor import fingerprint
+
+    try:
+        return current if fingerprint(str(path)) == current else None
+    except (OSError, ValueError) as exc:
+        logger.warning("sglang_ext: cannot fingerprint %s after a weight update: %s", path, exc)
+        return None

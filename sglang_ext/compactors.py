@@ -9,6 +9,8 @@
   `compactor.client` (imported lazily; a missing client counts as a failed compaction).
 - `CompactionRunner`: owns a background thread with an asyncio loop. The scheduler calls
   `submit()` (returns at once) and `drain()` at a safe point; it never waits on a compaction.
+  A result is checked (`check`, e.g. its shapes against the KV pool) on the runner's thread,
+  not the scheduler's; results of an older `epoch` (weights updated since) are marked so.
 
 Both compactors send `config.spec.for_follow_ups(follow_ups)`: the configured spec, less the
 ``follow-up`` source when a prefix arrives without follow-ups. Only the public surface of
@@ -24,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +40,7 @@ __all__ = [
     "GrpcCompactor",
     "InProcessCompactor",
     "JobResult",
+    "PoolShape",
     "make_compactor",
 ]
 
@@ -52,12 +55,14 @@ class Compactor(Protocol):
 
 @dataclass(frozen=True)
 class JobResult:
-    """One finished compaction: exactly one of `prefix` and `error` is set."""
+    """One finished compaction: exactly one of `prefix` and `error` is set; `epoch` is the
+    runner's epoch when it was submitted."""
 
     token_ids: tuple[int, ...]
     prefix: CompactedPrefix | None
     error: BaseException | None
     latency_s: float
+    epoch: int = 0
 
 
 class InProcessCompactor:
@@ -122,16 +127,45 @@ def _worker_compact(
     return _WORKER.compact(uuid.uuid4().hex, job).prefix
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """What a result must fit: the KV pool's L, H_kv, D and dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # torch.dtype
+
+    @classmethod
+    def of(cls, kvcache: Any) -> PoolShape:
+        k0 = kvcache.get_key_buffer(kvcache.start_layer)  # [S, H_kv, D]
+        return cls(int(kvcache.layer_num), int(k0.shape[1]), int(k0.shape[2]), k0.dtype)
+
+    def max_result_bytes(self, logical_length: int) -> int:
+        """The largest valid result for a prefix of T = `logical_length` tokens (keys and
+        values in the pool's dtype; every head may keep up to T entries)."""
+        from compactor.service.convert import max_result_bytes
+
+        return max_result_bytes(
+            self.num_layers, self.num_kv_heads, self.head_dim, logical_length, self.dtype
+        )
+
+
 class GrpcCompactor:
     """Asks the gRPC compaction service through `compactor.client.AsyncCompactorClient`.
+
+    With a `pool` shape, results come in the pool's dtype (the install casts to it anyway:
+    the same bits, half the bytes of fp32 for a bf16 pool) and a stream larger than the
+    largest valid result for the prefix is cut off while it arrives.
 
     The token comes from `config.token` or `config.token_file`; the file is checked before
     every request (`compactor.service.auth.TokenFile`: one stat, re-read only when it
     changed) and a new token replaces the client's call metadata."""
 
-    def __init__(self, config: CompactionConfig, fingerprint: str):
+    def __init__(self, config: CompactionConfig, fingerprint: str, pool: PoolShape | None = None):
         self.config = config
         self.fingerprint = fingerprint
+        self.pool = pool
         self.target = config.endpoint.split("://", 1)[-1]
         self._client: Any = None
         self._token_file: Any = None
@@ -182,12 +216,15 @@ class GrpcCompactor:
     ) -> CompactedPrefix:
         client = self._client_for(self._token())
         fus = [[int(t) for t in f] for f in follow_ups]
+        pool = self.pool
         result = await client.compact(
             [int(t) for t in token_ids],
             self.fingerprint,
             self.config.spec.for_follow_ups(fus),
             fus,
             timeout=self.config.timeout,
+            kv_dtype=pool.dtype if pool else None,
+            max_result_bytes=pool.max_result_bytes(len(token_ids)) if pool else None,
         )
         prefix = getattr(result, "prefix", result)
         if not isinstance(prefix, CompactedPrefix):
@@ -195,19 +232,33 @@ class GrpcCompactor:
         return prefix
 
 
-def make_compactor(config: CompactionConfig, model_path: str, fingerprint: str) -> Compactor:
-    """The compactor `config.endpoint` names (inproc:// or gRPC)."""
+def make_compactor(
+    config: CompactionConfig, model_path: str, fingerprint: str, pool: PoolShape | None = None
+) -> Compactor:
+    """The compactor `config.endpoint` names (inproc:// or gRPC; `pool`: see GrpcCompactor)."""
     if config.in_process:
         return InProcessCompactor(model_path, config, fingerprint)
-    return GrpcCompactor(config, fingerprint)
+    return GrpcCompactor(config, fingerprint, pool)
 
 
 class CompactionRunner:
-    """Runs compactions on a background event loop; results wait in a queue for `drain()`."""
+    """Runs compactions on a background event loop; results wait in a queue for `drain()`.
 
-    def __init__(self, compactor: Compactor, timeout: float):
+    `check(prefix)`, when set, runs on the runner's thread for every result; a raised
+    ValueError turns the result into a failed job carrying it (the scheduler counts it as
+    invalid). `new_epoch()` marks every job submitted so far as stale.
+    """
+
+    def __init__(
+        self,
+        compactor: Compactor,
+        timeout: float,
+        check: Callable[[CompactedPrefix], None] | None = None,
+    ):
         self.compactor = compactor
         self.timeout = timeout
+        self.check = check
+        self.epoch = 0
         self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -222,16 +273,28 @@ class CompactionRunner:
         with self._lock:
             return self._in_flight
 
+    @property
+    def pending(self) -> int:
+        """Jobs in flight plus finished ones not drained yet."""
+        return self.in_flight + self._results.qsize()
+
+    def new_epoch(self) -> int:
+        """Mark every job submitted so far as stale (their results carry the old epoch)."""
+        self.epoch += 1
+        return self.epoch
+
     def submit(self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]) -> None:
         """Start one compaction; returns at once (thread-safe)."""
         with self._lock:
             self._in_flight += 1
         asyncio.run_coroutine_threadsafe(
-            self._run(tuple(int(t) for t in token_ids), [list(f) for f in follow_ups]),
+            self._run(tuple(int(t) for t in token_ids), [list(f) for f in follow_ups], self.epoch),
             self._loop,
         )
 
-    async def _run(self, token_ids: tuple[int, ...], follow_ups: list[list[int]]) -> None:
+    async def _run(
+        self, token_ids: tuple[int, ...], follow_ups: list[list[int]], epoch: int
+    ) -> None:
         t0 = time.perf_counter()
         prefix: CompactedPrefix | None = None
         error: BaseException | None = None
@@ -239,11 +302,14 @@ class CompactionRunner:
             prefix = await asyncio.wait_for(
                 self.compactor.compact(token_ids, follow_ups), self.timeout
             )
+            if self.check is not None:
+                self.check(prefix)
         except BaseException as e:  # every failure becomes a fallback, never a crash
-            error = e
+            prefix, error = None, e
         with self._lock:
             self._in_flight -= 1
-        self._results.put(JobResult(token_ids, prefix, error, time.perf_counter() - t0))
+        latency = time.perf_counter() - t0
+        self._results.put(JobResult(token_ids, prefix, error, latency, epoch))
 
     def drain(self) -> list[JobResult]:
         """Finished jobs since the last call (non-blocking)."""

@@ -69,6 +69,12 @@ class CompactionConfig:
             it was found at (later requests may diverge a little earlier).
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
             at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
+        max_in_flight: compactions asked for and not yet installed (in flight, waiting or
+            being written); a path found while this many are pending is not sent (it is
+            found again at its next hit). Bounds the results held in the scheduler's memory.
+        install_chunk_mb: at most this many MiB of a result are cast, checked and written
+            into the KV pool per scheduler iteration (a large install is spread out instead
+            of stalling every running request).
         tls / tls_ca / tls_cert / tls_key / token / token_file / allow_plaintext_token: gRPC
             channel options (``sglang_ext.channel``, checked at startup). `token` is set from
             ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict;
@@ -85,6 +91,8 @@ class CompactionConfig:
     boundary_margin: int = 32
     max_retries: int = 2
     retry_backoff_s: float = 30.0
+    max_in_flight: int = 2
+    install_chunk_mb: int = 64
     tls: bool = False
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -114,6 +122,12 @@ class CompactionConfig:
             raise ValueError(
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
                 f"{self.max_retries} and {self.retry_backoff_s}"
+            )
+        if self.max_in_flight < 1:
+            raise ValueError(f"--compaction-max-in-flight must be >= 1, got {self.max_in_flight}")
+        if self.install_chunk_mb < 1:
+            raise ValueError(
+                f"--compaction-install-chunk-mb must be >= 1, got {self.install_chunk_mb}"
             )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
@@ -148,51 +162,64 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compaction-min-prefix-tokens",
         type=int,
-        default=256,
+        default=CompactionConfig.min_prefix_tokens,
         help="A shared path shorter than this is never compacted.",
     )
     g.add_argument(
         "--compaction-min-hits",
         type=int,
-        default=2,
+        default=CompactionConfig.min_hits,
         help="Requests that must have shared a path before it is compacted.",
     )
     g.add_argument(
         "--compaction-timeout",
         type=float,
-        default=120.0,
+        default=CompactionConfig.timeout,
         help="Seconds one compaction may take; then the prefix stays uncompacted.",
     )
     g.add_argument(
         "--compaction-max-follow-ups",
         type=int,
-        default=8,
+        default=CompactionConfig.max_follow_ups,
         help="Sharing requests' suffixes sent as follow-up queries (the follow-up source; "
         "a prefix with none falls back to repeat-prefill).",
     )
     g.add_argument(
         "--compaction-follow-up-tokens",
         type=int,
-        default=128,
+        default=CompactionConfig.follow_up_tokens,
         help="Each follow-up suffix is cut to this many tokens.",
     )
     g.add_argument(
         "--compaction-boundary-margin",
         type=int,
-        default=32,
+        default=CompactionConfig.boundary_margin,
         help="Tokens before the shared path's branch point that stay uncompacted.",
     )
     g.add_argument(
         "--compaction-max-retries",
         type=int,
-        default=2,
+        default=CompactionConfig.max_retries,
         help="Times a failed compaction is sent again (after new hits).",
     )
     g.add_argument(
         "--compaction-retry-backoff",
         type=float,
-        default=30.0,
+        default=CompactionConfig.retry_backoff_s,
         help="Seconds before the first retry; doubles each time.",
+    )
+    g.add_argument(
+        "--compaction-max-in-flight",
+        type=int,
+        default=CompactionConfig.max_in_flight,
+        help="Compactions pending at once (asked for, not yet installed); paths found "
+        "beyond it wait for their next hit.",
+    )
+    g.add_argument(
+        "--compaction-install-chunk-mb",
+        type=int,
+        default=CompactionConfig.install_chunk_mb,
+        help="MiB of a compacted prefix written into the KV pool per scheduler iteration.",
     )
     add_channel_args(g)
 
@@ -238,6 +265,8 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         boundary_margin=ns.compaction_boundary_margin,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,
+        max_in_flight=ns.compaction_max_in_flight,
+        install_chunk_mb=ns.compaction_install_chunk_mb,
         **channel,
     )
 

@@ -72,7 +72,7 @@ def create_compaction_cache(ctx: Any) -> Any:
             model/cache layout the plugin does not serve (hybrid SWA/SSM, paging).
     """
     from compactor import fingerprint
-    from sglang_ext.compactors import CompactionRunner, make_compactor
+    from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
     from sglang_ext.metrics import PrometheusExporter
     from sglang_ext.radix_cache import CompactionRadixCache
 
@@ -90,7 +90,8 @@ def create_compaction_cache(ctx: Any) -> Any:
         )
     model_path = str(ctx.server_args.model_path)
     fp = fingerprint(model_path)
-    runner = CompactionRunner(make_compactor(cfg, model_path, fp), cfg.timeout)
+    pool = PoolShape.of(ctx.params.token_to_kv_pool_allocator.get_kvcache())
+    runner = CompactionRunner(make_compactor(cfg, model_path, fp, pool), cfg.timeout)
     exporter = PrometheusExporter() if ctx.params.enable_metrics else None
     cache = CompactionRadixCache(ctx.params, cfg, fp, runner=runner, exporter=exporter)
     logger.info("sglang_ext: compaction radix cache ready: %s fingerprint=%s", cfg.as_dict(), fp)

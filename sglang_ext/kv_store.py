@@ -15,13 +15,14 @@ radix cache (writer, scheduler) and the attention backend (reader, same process)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from compactor import CompactedPrefix
 
-__all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_prefix"]
+__all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_layers"]
 
 ALIAS_SLOT = 0
 _ATTR = "compaction_beta"
@@ -82,10 +83,19 @@ def head_counts(prefix: CompactedPrefix) -> torch.Tensor:
     return torch.tensor([layer.head_lengths() for layer in prefix.layers], dtype=torch.int64)
 
 
-def write_prefix(
-    kvcache: Any, store: BetaStore, prefix: CompactedPrefix, slots: torch.Tensor
+def write_layers(
+    kvcache: Any,
+    store: BetaStore,
+    prefix: CompactedPrefix,
+    slots: torch.Tensor,
+    layers: range | None = None,
+    check: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
-    """Write `prefix` into `slots` [t_max] int64 of `kvcache` and `store` (mutates both).
+    """Write `layers` (default all) of `prefix` into `slots` [t_max] int64 of `kvcache` and
+    `store` (mutates both; marks `slots` compacted).
+
+    `check(i, k, v, beta)` sees each layer cast to the pool's dtype (k, v [H_kv, t_max, D],
+    beta [H_kv, t_max]) before it is written; what it raises stops the write there.
 
     Raises:
         ValueError: `slots` is not exactly t_max long, or the prefix does not fit the pool.
@@ -98,7 +108,8 @@ def write_prefix(
         raise ValueError(f"prefix has {prefix.num_layers} layers, pool {kvcache.layer_num}")
     if not store.alias_ready:
         store.enable_alias()
-    for i, layer in enumerate(prefix.layers):
+    dev_slots = slots.to(kvcache.get_key_buffer(kvcache.start_layer).device)
+    for i in range(prefix.num_layers) if layers is None else layers:
         layer_id = kvcache.start_layer + i
         k_buf = kvcache.get_key_buffer(layer_id)  # [S, H_kv, D]
         v_buf = kvcache.get_value_buffer(layer_id)
@@ -107,9 +118,11 @@ def write_prefix(
                 f"pool layer {layer_id} holds [S, {k_buf.shape[1]}, {k_buf.shape[2]}], prefix "
                 f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
             )
-        k, v, beta = layer.padded(t_max, k_buf.dtype)  # [H_kv, t_max, D], [H_kv, t_max]
-        dev_slots = slots.to(k_buf.device)
-        k_buf[dev_slots] = k.transpose(0, 1).to(k_buf.device)
-        v_buf[dev_slots] = v.transpose(0, 1).to(v_buf.device, v_buf.dtype)
+        k, v, beta = prefix.layers[i].padded(t_max, k_buf.dtype)  # [H_kv, t_max, D], [H_kv, t_max]
+        k, v = k.to(k_buf.device), v.to(v_buf.device, v_buf.dtype)
+        if check is not None:
+            check(i, k, v, beta)
+        k_buf[dev_slots] = k.transpose(0, 1)
+        v_buf[dev_slots] = v.transpose(0, 1)
         store.beta[i, dev_slots] = beta.t().to(store.beta.device)
     store.compacted[slots.to(store.compacted.device)] = True

@@ -33,7 +33,9 @@ class CompactionStats:
     requested: int = 0
     installed: int = 0
     failures: int = 0  # the compactor raised, timed out or was unreachable
-    invalid: int = 0  # a result failed validation
+    invalid: int = 0  # a result failed a check (checksum, shape, echo, magnitude)
+    stale: int = 0  # a result computed for weights that were updated since
+    deferred: int = 0  # a path not sent because max_in_flight compactions were pending
     fallbacks: int = 0  # a prefix stayed uncompacted for any reason
     double_installs: int = 0
     skipped_checkpoints: int = 0  # requests that started before an install, kept off it
@@ -69,7 +71,16 @@ class CompactionStats:
 class PrometheusExporter:
     """Mirror `CompactionStats` into prometheus_client series (create in the scheduler)."""
 
-    _COUNTERS = ("requested", "installed", "failures", "invalid", "fallbacks", "evicted")
+    _COUNTERS = (
+        "requested",
+        "installed",
+        "failures",
+        "invalid",
+        "stale",
+        "deferred",
+        "fallbacks",
+        "evicted",
+    )
     _GAUGES = (
         "logical_tokens",
         "physical_tokens",

@@ -36,18 +36,19 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from compactor.types import CompactedPrefix, prefix_hash
+from compactor.types import prefix_hash
 from sglang_ext.compacted_node import (
     CompactionInfo,
     child_key,
     compaction_info,
     covering,
-    new_compacted_node,
     path_tokens,
     physical_size,
 )
 from sglang_ext.config import CompactionConfig
-from sglang_ext.kv_store import BetaStore, head_counts, write_prefix
+from sglang_ext.installer import PendingInstall
+from sglang_ext.kv_store import BetaStore
+from sglang_ext.lifecycle import InstallLifecycle
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.trigger import CompactionTrigger
 
@@ -56,14 +57,14 @@ __all__ = ["CompactionInfo", "CompactionRadixCache"]
 logger = logging.getLogger(__name__)
 
 
-class CompactionRadixCache(RadixCache):
+class CompactionRadixCache(InstallLifecycle, RadixCache):
     """RadixCache + compacted prefixes (see the module docstring)."""
 
     def __init__(
         self,
         params: Any,
         config: CompactionConfig,
-        fingerprint: str,
+        fingerprint: str | None,
         runner: Any = None,
         exporter: PrometheusExporter | None = None,
     ):
@@ -73,104 +74,23 @@ class CompactionRadixCache(RadixCache):
                 f"page_size={params.page_size} is_eagle={params.is_eagle}"
             )
         self.config = config
-        self.fingerprint = fingerprint
+        self.fingerprint: str | None = fingerprint
         self.runner = runner
         self.exporter = exporter
         self.stats = CompactionStats()
         self.trigger = CompactionTrigger(config)
         self._compacted: dict[str, TreeNode] = {}
         self._retired: set[TreeNode] = set()
+        self._dropped: dict[str, TreeNode] = {}  # compacted for old weights, freed when unlocked
+        self._pending: list[PendingInstall] = []
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         self.kvcache = kvcache
         self.beta_store = BetaStore.for_pool(kvcache)
+        if runner is not None:
+            runner.check = self.check_result
 
-    # ---- public: compaction lifecycle -------------------------------------------------
-    def poll_compactions(self) -> int:
-        """Install finished compactions, free retired nodes, read pool gauges; returns installs."""
-        done = 0
-        if self.runner is not None:
-            for job in self.runner.drain():
-                self.stats.last_latency_s = job.latency_s
-                if job.prefix is None:
-                    self.stats.failures += 1
-                    self.stats.fallbacks += 1
-                    retry = self.trigger.failed(job.token_ids)
-                    logger.warning(
-                        "compaction failed, prefix stays uncompacted%s: %r",
-                        " (may be retried)" if retry else "", job.error,
-                    )  # fmt: skip
-                else:
-                    try:
-                        self.install(job.token_ids, job.prefix)
-                        done += 1
-                    except (ValueError, RuntimeError) as e:
-                        self.stats.invalid += isinstance(e, ValueError)
-                        self.stats.fallbacks += 1
-                        self.trigger.failed(job.token_ids)
-                        logger.warning("compacted prefix rejected, stays uncompacted: %s", e)
-                self._export(job.latency_s)
-        self._reap()
-        alloc = self.token_to_kv_pool_allocator
-        tree = self.evictable_size_ + self.protected_size_
-        if self.stats.read_pool(alloc.available_size(), tree, alloc.size):
-            self._export()
-        return done
-
-    def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:
-        """Validate `prefix` for `token_ids` [T], write it into the pool, add its node.
-
-        Mutates the KV pool, the beta store and the tree; returns the compacted node
-        (the existing one for a prefix installed before).
-        Raises:
-            ValueError: the prefix is for another model, tokens or pool shape.
-            RuntimeError: the pool cannot give t_max slots even after eviction.
-        """
-        ids = [int(t) for t in token_ids]
-        T = len(ids)
-        kv = self.kvcache
-        k0 = kv.get_key_buffer(kv.start_layer)
-        prefix.validate(
-            expected_fingerprint=self.fingerprint,
-            num_layers=kv.layer_num,
-            num_kv_heads=int(k0.shape[1]),
-            head_dim=int(k0.shape[2]),
-        )
-        if prefix.logical_length != T:
-            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
-        phash = prefix_hash(ids)
-        if prefix.prefix_hash != phash:
-            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
-        if phash in self._compacted:
-            self.stats.double_installs += 1
-            return self._compacted[phash]
-        t_max = int(head_counts(prefix).max())
-        if not 0 < t_max < T:
-            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
-        slots = self._alloc(t_max)
-        try:
-            write_prefix(kv, self.beta_store, prefix, slots)
-        except BaseException:
-            self.beta_store.clear(slots)
-            self.token_to_kv_pool_allocator.free(slots)
-            raise
-        node = new_compacted_node(self.root_node, ids, slots, phash, prefix.method)
-        self._compacted[phash] = node
-        self.evictable_size_ += t_max
-        self._update_leaf_status(node)
-        self._update_leaf_status(self.root_node)
-        self._retire_original(node.key)
-        self._reap()
-        self.stats.installed += 1
-        self._refresh_gauges()
-        logger.info(
-            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
-            "heads(min/max)=%d/%d",
-            phash[:12], prefix.method, T, t_max, T / t_max,
-            int(head_counts(prefix).min()), t_max,
-        )  # fmt: skip
-        return node
-
+    # ---- public: compaction lifecycle (install steps: sglang_ext.lifecycle) --------
     def compacted_nodes(self) -> list[TreeNode]:
         return list(self._compacted.values())
 
@@ -181,8 +101,13 @@ class CompactionRadixCache(RadixCache):
             info = compaction_info(node)
             if store is not None and info is not None:
                 store.clear(info.slots)
+        for pending in getattr(self, "_pending", []):
+            if store is not None:
+                store.clear(pending.slots)
         if hasattr(self, "_compacted"):
             self._compacted.clear()
+            self._dropped.clear()
+            self._pending.clear()
             self._retired.clear()
             self.trigger.reset()
         super().reset()
@@ -191,7 +116,11 @@ class CompactionRadixCache(RadixCache):
         if self.disable:
             return
         token_ids = req.full_untruncated_fill_ids[:up_to]
-        k = self._covering(RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt))
+        rkey = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt)
+        if self._dropped and covering(self._dropped.values(), rkey) is not None:
+            self.stats.skipped_checkpoints += 1  # computed on a prefix of the old weights
+            return
+        k = self._covering(rkey)
         if k is not None:
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(k.value)]
             if not torch.equal(row.to(torch.int64), k.value.to(row.device)):
@@ -294,6 +223,7 @@ class CompactionRadixCache(RadixCache):
             return
         node.parent.children.pop(child_key(info.prefix_hash), None)
         self._compacted.pop(info.prefix_hash, None)
+        self._dropped.pop(info.prefix_hash, None)
         self.evictable_size_ -= info.t_max
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
@@ -354,7 +284,11 @@ class CompactionRadixCache(RadixCache):
                 stack.extend(n.children.values())
 
     def _reap(self) -> None:
-        """Free retired nodes that are now unlocked leaves (repeats up the path)."""
+        """Free retired nodes and dropped compacted ones that are now unlocked leaves
+        (repeats up the path)."""
+        for node in list(self._dropped.values()):
+            if node.lock_ref == 0 and not node.children:
+                self._free_node(node)
         progress = True
         while progress and self._retired:
             progress = False
@@ -372,7 +306,11 @@ class CompactionRadixCache(RadixCache):
                     progress = True
 
     def _maybe_submit(self) -> None:
-        if self.runner is None or not self.trigger.candidates:
+        if self.runner is None or self.fingerprint is None or not self.trigger.candidates:
+            return
+        if self.runner.pending + len(self._pending) >= self.config.max_in_flight:
+            self.trigger.candidates.clear()  # back-pressure: found again at its next hit
+            self.stats.deferred += 1
             return
         picked = self.trigger.pick(lambda node: path_tokens(node, self.root_node))
         if picked is None:

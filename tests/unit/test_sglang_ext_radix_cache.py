@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from compactor.types import CompactedPrefix
+from sglang_ext.compactors import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import ALIAS_SLOT, head_counts
 from sglang_ext.radix_cache import CompactionRadixCache
@@ -42,13 +43,32 @@ def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
         method="am-highest", ratio=0.25, queries=QueryConfig(sources=("context-prefill",))
     )
     prefix, _ = compact_prefix(model, tok, ids, spec, hooks=Hooks(progress=False))
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    ORIGINAL_KV[tuple(ids)] = [
+        (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers
+    ]  # per layer [T, H_kv, D], post-RoPE, as SGLang's pool holds them
     return ids, prefix, fingerprint(prepared_model)
 
 
+# The real KV of the fixture's prefix, by token ids: `insert_fresh` writes it into the slots
+# it allocates, as a prefill would (installs check magnitudes against the original's KV).
+ORIGINAL_KV: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
 class FakeRunner:
+    """The CompactionRunner surface the cache uses; results are queued by the test."""
+
     def __init__(self) -> None:
         self.submitted: list[tuple[list[int], list[list[int]]]] = []
         self.results: list[Any] = []
+        self.epoch = 0
+        self.pending = 0
+        self.check: Any = None
+
+    def new_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
 
     def submit(self, token_ids: list[int], follow_ups: list[list[int]]) -> None:
         self.submitted.append((list(token_ids), follow_ups))
@@ -58,9 +78,11 @@ class FakeRunner:
         return out
 
 
-def make_cache(fp: str, runner: Any = None, **cfg: Any) -> CompactionRadixCache:
-    kv = MHATokenToKVPool(POOL, 1, torch.float32, 3, 64, 30, "cpu", False)
-    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", kv, False)
+def make_cache(
+    fp: str, runner: Any = None, dtype: torch.dtype = torch.float32, **cfg: Any
+) -> CompactionRadixCache:
+    kv = MHATokenToKVPool(POOL, 1, dtype, 3, 64, 30, "cpu", False)
+    alloc = TokenToKVPoolAllocator(POOL, dtype, "cpu", kv, False)
     r2t = ReqToTokenPool(8, 1024, "cpu", False)
     params = CacheInitParams(
         disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
@@ -75,8 +97,15 @@ def key(ids: list[int]) -> RadixKey:
 
 
 def insert_fresh(cache: CompactionRadixCache, ids: list[int]) -> torch.Tensor:
-    """Insert `ids` with freshly allocated slots (as a finished request would)."""
+    """Insert `ids` with freshly allocated slots holding the fixture prefix's real KV where
+    `ids` starts with it (as a finished request would)."""
     slots = cache.token_to_kv_pool_allocator.alloc(len(ids)).to(torch.int64)
+    for prefix_ids, layers in ORIGINAL_KV.items():
+        if tuple(ids[: len(prefix_ids)]) == prefix_ids:
+            for i, (k, v) in enumerate(layers):
+                k_buf, v_buf = cache.kvcache.get_key_buffer(i), cache.kvcache.get_value_buffer(i)
+                k_buf[slots[: len(prefix_ids)]] = k.to(k_buf.dtype)
+                v_buf[slots[: len(prefix_ids)]] = v.to(v_buf.dtype)
     res = cache.insert(InsertParams(key=key(ids), value=slots))
     cache.token_to_kv_pool_allocator.free(slots[: res.prefix_len])  # duplicates
     return slots
@@ -121,6 +150,7 @@ def test_install_matches_whole_prefix_and_frees_original(compacted: Any) -> None
 def test_divergence_inside_compacted_node_misses_it(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
+    insert_fresh(cache, ids)
     cache.install(ids, prefix)
     diverged = [*ids[: T - 5], 999, 998, 997, 996, 995, 994]
     assert cache.match_prefix(MatchPrefixParams(key=key(diverged))).device_prefix_len == 0
@@ -158,6 +188,7 @@ def test_locked_original_is_freed_only_after_unlock(compacted: Any) -> None:
 def test_locked_compacted_node_survives_eviction_then_evicts(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
+    insert_fresh(cache, ids)
     node = cache.install(ids, prefix)
     slots = node.compaction.slots.clone()
     cache.inc_lock_ref(node)
@@ -175,6 +206,7 @@ def test_locked_compacted_node_survives_eviction_then_evicts(compacted: Any) -> 
 def test_double_install_keeps_one_copy(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
+    insert_fresh(cache, ids)
     first = cache.install(ids, prefix)
     avail = cache.token_to_kv_pool_allocator.available_size()
     assert cache.install(ids, prefix) is first
@@ -192,8 +224,7 @@ def test_invalid_result_falls_back_without_leak(compacted: Any, what: str) -> No
         tokens[3] += 1
     elif what == "length":
         tokens = tokens[:-1]
-    runner.results.append(SimpleNamespace(token_ids=tuple(tokens), prefix=prefix, error=None,
-                                          latency_s=0.1))  # fmt: skip
+    runner.results.append(JobResult(tuple(tokens), prefix, None, 0.1))
     assert cache.poll_compactions() == 0
     assert cache.stats.invalid == 1 and cache.stats.fallbacks == 1
     assert cache.token_to_kv_pool_allocator.available_size() == POOL
@@ -204,8 +235,7 @@ def test_failed_compaction_counts_a_fallback(compacted: Any) -> None:
     _, _, fp = compacted
     runner = FakeRunner()
     cache = make_cache(fp, runner=runner)
-    runner.results.append(SimpleNamespace(token_ids=(1, 2), prefix=None,
-                                          error=TimeoutError(), latency_s=1.0))  # fmt: skip
+    runner.results.append(JobResult((1, 2), None, TimeoutError(), 1.0))
     cache.poll_compactions()
     assert cache.stats.failures == 1 and cache.stats.fallbacks == 1
 

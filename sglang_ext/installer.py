@@ -1,0 +1,162 @@
+"""Installing a compacted prefix: checks in the KV pool's dtype, writes spread over iterations.
+
+Legend: L layers, H_kv KV heads, D head dim, T logical length, t_max physical slots.
+
+A result reaches the scheduler already checked for structure (`CompactedPrefix.validate`
+against the pool's shape, on the runner's thread). The radix cache then installs it at its
+poll point in three steps:
+
+1. `PendingInstall` is made by the cache after the echo checks (T, prefix hash; the client
+   checked the fingerprint) with t_max freshly allocated slots and the magnitude bounds read
+   from the original prefix's KV, still in the pool (`original_bounds`).
+2. `step(max_bytes)` casts, checks and writes the next layers, at most `max_bytes` of pool
+   writes per call (one layer at least), so a large result does not stall every running
+   request for one long copy. `check_layer` runs on the cast tensors: finite in the pool's
+   dtype (fp32 -> fp16 overflows to inf), |K| <= KEY_SLACK x and |V| <= VALUE_SLACK x the
+   original's max in that layer, beta <= ln T + BETA_SLACK. A failed check raises ValueError
+   and the cache frees the slots: nothing of the result was reachable by a request.
+3. once every layer is written the cache adds the node.
+
+The slack is measured (`benchmarks/magnitudes.py`, SmolLM2-135M, T=600, ratios 0.05-0.3,
+four methods): kept keys are original keys (1.00x) for every method; least-squares values
+reach 9.9x the original max (am-highest); beta stays below ln T. The bounds stop
+overflow-class damage (values x 3e4 are finite in fp32 and wreck every answer on the
+prefix); they cannot tell a plausible wrong result from a right one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compactor import CompactedPrefix
+from sglang_ext.kv_store import BetaStore, write_layers
+
+__all__ = [
+    "BETA_SLACK",
+    "KEY_SLACK",
+    "VALUE_SLACK",
+    "LayerBounds",
+    "PendingInstall",
+    "check_layer",
+    "original_bounds",
+]
+
+KEY_SLACK = 4.0
+VALUE_SLACK = 64.0
+BETA_SLACK = 16.0
+
+
+@dataclass(frozen=True)
+class LayerBounds:
+    """The largest |K| and |V| a compacted layer may hold, in the pool's units."""
+
+    key_abs: float
+    value_abs: float
+
+
+def original_bounds(kvcache: Any, slots: torch.Tensor) -> list[LayerBounds]:
+    """Per layer: KEY_SLACK x max |K| and VALUE_SLACK x max |V| over `slots` [n] int64 of
+    `kvcache` (the original prefix's KV). Two host syncs, whatever L.
+
+    Raises:
+        ValueError: `slots` is empty (the original prefix is no longer cached).
+    """
+    if slots.numel() == 0:
+        raise ValueError(
+            "the original prefix is no longer cached, so the result's magnitudes cannot be "
+            "checked against it"
+        )
+    layers = range(kvcache.start_layer, kvcache.start_layer + kvcache.layer_num)
+    dev = kvcache.get_key_buffer(kvcache.start_layer).device
+    idx = slots.to(dev)
+    k = torch.stack([kvcache.get_key_buffer(i)[idx].abs().amax().float() for i in layers])
+    v = torch.stack([kvcache.get_value_buffer(i)[idx].abs().amax().float() for i in layers])
+    return [
+        LayerBounds(KEY_SLACK * kk, VALUE_SLACK * vv)
+        for kk, vv in zip(k.tolist(), v.tolist(), strict=True)
+    ]
+
+
+def check_layer(
+    layer: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    beta: torch.Tensor,
+    bounds: LayerBounds,
+    logical_length: int,
+) -> None:
+    """Raise ValueError naming the layer and the value when a cast layer is out of range.
+
+    Args:
+        keys, values: [H_kv, t_max, D] in the pool's dtype. beta: [H_kv, t_max] fp32
+            (-inf marks padding). One host sync.
+    """
+    stats = torch.stack(
+        [keys.abs().amax().float(), values.abs().amax().float(), beta.amax().float()]
+    ).tolist()
+    k_max, v_max, b_max = stats
+    beta_max = math.log(logical_length) + BETA_SLACK
+    for name, got, limit, slack in (
+        ("keys", k_max, bounds.key_abs, KEY_SLACK),
+        ("values", v_max, bounds.value_abs, VALUE_SLACK),
+    ):
+        if not math.isfinite(got):
+            raise ValueError(f"layer {layer}: {name} are not finite in {keys.dtype}")
+        if got > limit:
+            raise ValueError(
+                f"layer {layer}: max |{name}| {got:.4g} > {limit:.4g} "
+                f"({slack:g}x the original prefix's)"
+            )
+    if math.isnan(b_max) or b_max > beta_max:
+        raise ValueError(
+            f"layer {layer}: max beta {b_max:.4g} > ln T + {BETA_SLACK:g} = {beta_max:.4g}"
+        )
+
+
+@dataclass
+class PendingInstall:
+    """A result being written into the pool, `next_layer` onwards still to do.
+
+    Attributes:
+        token_ids: the prefix [T]. phash: its prefix hash. slots: [t_max] int64, allocated
+            for it and in no tree node yet. bounds: `original_bounds` of the prefix.
+    """
+
+    token_ids: list[int]
+    phash: str
+    prefix: CompactedPrefix
+    slots: torch.Tensor
+    bounds: list[LayerBounds]
+    next_layer: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next_layer >= self.prefix.num_layers
+
+    def layer_bytes(self, kvcache: Any) -> int:
+        """Pool bytes one layer of this prefix writes (K and V)."""
+        k0 = kvcache.get_key_buffer(kvcache.start_layer)
+        return 2 * int(self.slots.numel()) * k0.shape[1] * k0.shape[2] * k0.element_size()
+
+    def step(self, kvcache: Any, store: BetaStore, max_bytes: int) -> int:
+        """Cast, check and write the next layers, about `max_bytes` of pool writes (one layer
+        at least); returns the bytes written. Mutates the pool, `store` and `next_layer`.
+
+        Raises:
+            ValueError: a layer fails `check_layer` (nothing of it was written).
+        """
+        per_layer = self.layer_bytes(kvcache)
+        n = max(1, max_bytes // max(per_layer, 1))
+        layers = range(self.next_layer, min(self.prefix.num_layers, self.next_layer + n))
+        T = len(self.token_ids)
+
+        def check(i: int, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> None:
+            check_layer(i, k, v, beta, self.bounds[i], T)
+
+        write_layers(kvcache, store, self.prefix, self.slots, layers, check)
+        self.next_layer = layers.stop
+        return per_layer * len(layers)

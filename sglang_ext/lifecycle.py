@@ -1,0 +1,244 @@
+"""How results become installed compacted prefixes (a mixin of `CompactionRadixCache`).
+
+At the scheduler's poll point (`poll_compactions`) finished jobs are taken from the runner:
+a job of an older epoch (submitted before a weight update) is dropped as `stale`, a failed
+one is counted (`invalid` for a ValueError: a checksum, shape, echo or magnitude check;
+`failures` otherwise) and the path may be retried; a result starts a `PendingInstall`
+(`sglang_ext.installer`) whose layers are written `install_chunk_mb` at a time across
+iterations, then becomes a node. Structure checks (`check_result`) run on the runner's
+thread, never the scheduler's.
+
+`on_weights_updated` (called by the plugin's hooks on SGLang's `update_weights_*`) drops
+every compacted prefix (unmatchable at once, freed when their requests let go), pending
+installs and results in flight, and sets the fingerprint results must carry from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from compactor.types import CompactedPrefix, prefix_hash
+from sglang_ext.compacted_node import new_compacted_node
+from sglang_ext.installer import PendingInstall, original_bounds
+from sglang_ext.kv_store import head_counts
+
+if TYPE_CHECKING:
+    from sglang_ext.config import CompactionConfig
+    from sglang_ext.kv_store import BetaStore
+    from sglang_ext.metrics import CompactionStats
+    from sglang_ext.trigger import CompactionTrigger
+
+__all__ = ["InstallLifecycle"]
+
+logger = logging.getLogger("sglang_ext.radix_cache")
+
+
+class InstallLifecycle:
+    """Result intake, chunked installs and weight updates of `CompactionRadixCache`."""
+
+    if TYPE_CHECKING:  # what the cache (and SGLang's RadixCache under it) provides
+        config: CompactionConfig
+        fingerprint: str | None
+        runner: Any
+        stats: CompactionStats
+        trigger: CompactionTrigger
+        kvcache: Any
+        beta_store: BetaStore
+        root_node: TreeNode
+        token_to_kv_pool_allocator: Any
+        evictable_size_: int
+        protected_size_: int
+        _compacted: dict[str, TreeNode]
+        _dropped: dict[str, TreeNode]
+        _pending: list[PendingInstall]
+        _retired: set[TreeNode]
+
+        def _alloc(self, n: int) -> torch.Tensor: ...
+        def _reap(self) -> None: ...
+        def _retire_original(self, key: RadixKey) -> None: ...
+        def _refresh_gauges(self) -> None: ...
+        def _export(self, latency_s: float | None = None) -> None: ...
+        def _update_leaf_status(self, node: TreeNode) -> None: ...
+
+    def poll_compactions(self) -> int:
+        """Take finished compactions, write pending installs (at most `install_chunk_mb` per
+        call), free retired nodes, read pool gauges; returns the installs completed."""
+        if self.runner is not None:
+            for job in self.runner.drain():
+                self._take(job)
+        done = self._advance_installs()
+        self._reap()
+        alloc = self.token_to_kv_pool_allocator
+        tree = self.evictable_size_ + self.protected_size_
+        if self.stats.read_pool(alloc.available_size(), tree, alloc.size):
+            self._export()
+        return done
+
+    def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:
+        """Check `prefix` for `token_ids` [T], write it into the pool at once, add its node.
+
+        Mutates the KV pool, the beta store and the tree; returns the compacted node (the
+        existing one for a prefix installed before). The scheduler's path is the same, its
+        writes spread over iterations (`poll_compactions`).
+        Raises:
+            ValueError: the prefix is for another model, tokens or pool shape, or out of range.
+            RuntimeError: the pool cannot give t_max slots even after eviction.
+        """
+        self.check_result(prefix)
+        pending = self._begin(token_ids, prefix)
+        if pending is None:
+            node = self._compacted.get(prefix.prefix_hash)
+            if node is None:
+                raise RuntimeError(f"prefix {prefix.prefix_hash[:12]} is being installed already")
+            return node
+        try:
+            while not pending.done:
+                pending.step(self.kvcache, self.beta_store, 1 << 62)
+        finally:
+            self._pending.remove(pending)
+            if not pending.done:
+                self._abort(pending)
+        return self._finish(pending)
+
+    def check_result(self, prefix: CompactedPrefix) -> None:
+        """Structure checks of a result against this pool and model (ValueError); run on
+        the compaction runner's thread for results that arrive through it."""
+        kv = self.kvcache
+        k0 = kv.get_key_buffer(kv.start_layer)
+        if self.fingerprint is None:
+            raise ValueError("compaction is off since the weights were updated")
+        prefix.validate(
+            expected_fingerprint=self.fingerprint,
+            num_layers=kv.layer_num,
+            num_kv_heads=int(k0.shape[1]),
+            head_dim=int(k0.shape[2]),
+        )
+
+    def on_weights_updated(self, fingerprint: str | None) -> None:
+        """The served weights changed: compacted prefixes stop matching at once (freed when
+        their requests let go), pending installs and results in flight are dropped, and
+        `fingerprint` (None: weights no service holds) is what results must carry now."""
+        if self.runner is not None:
+            self.runner.new_epoch()
+        for pending in self._pending:
+            self._abort(pending)
+        self._pending.clear()
+        dropped = len(self._compacted)
+        for phash, node in list(self._compacted.items()):
+            del self._compacted[phash]
+            self._dropped[phash] = node
+            stack = list(node.children.values())
+            while stack:
+                child = stack.pop()
+                self._retired.add(child)
+                stack.extend(child.children.values())
+        self.trigger.reset()
+        old, self.fingerprint = self.fingerprint, fingerprint
+        logger.warning(
+            "sglang_ext: weights updated: %d compacted prefix(es) dropped, fingerprint %s -> %s%s",
+            dropped, old, fingerprint,
+            "" if fingerprint else " (compaction off: no service holds these weights)",
+        )  # fmt: skip
+        self._reap()
+
+    def _take(self, job: Any) -> None:
+        """One finished job from the runner: start its install or count why not."""
+        self.stats.last_latency_s = job.latency_s
+        if self.runner is not None and job.epoch != self.runner.epoch:
+            self.stats.stale += 1
+            logger.info("sglang_ext: dropped a compaction started before a weight update")
+        elif job.prefix is None:
+            self._fallback(job.token_ids, job.error)
+        else:
+            try:
+                self._begin(job.token_ids, job.prefix)
+            except (ValueError, RuntimeError) as e:
+                self._fallback(job.token_ids, e)
+        self._export(job.latency_s)
+
+    def _fallback(self, token_ids: Any, error: BaseException | None) -> None:
+        """Count a result that will not be installed: `invalid` for a ValueError (it failed a
+        check: checksum, shape, echo, magnitude), `failures` otherwise."""
+        invalid = isinstance(error, ValueError)
+        self.stats.invalid += invalid
+        self.stats.failures += not invalid
+        self.stats.fallbacks += 1
+        retry = self.trigger.failed(token_ids)
+        logger.warning(
+            "compaction %s, prefix stays uncompacted%s: %r",
+            "result rejected" if invalid else "failed", " (may be retried)" if retry else "", error,
+        )  # fmt: skip
+
+    def _begin(self, token_ids: Any, prefix: CompactedPrefix) -> PendingInstall | None:
+        """Echo checks (fingerprint, T, prefix hash), bounds from the original prefix, slots;
+        None if installed or being installed already."""
+        ids = [int(t) for t in token_ids]
+        T = len(ids)
+        if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"model fingerprint {prefix.model_fingerprint!r} != {self.fingerprint!r} served"
+            )
+        if prefix.logical_length != T:
+            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
+        phash = prefix_hash(ids)
+        if prefix.prefix_hash != phash:
+            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
+        if phash in self._compacted or any(p.phash == phash for p in self._pending):
+            self.stats.double_installs += 1
+            return None
+        t_max = int(head_counts(prefix).max())
+        if not 0 < t_max < T:
+            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
+        original, _ = RadixCache._match_prefix_helper(
+            self, self.root_node, RadixKey(array("q", ids), None)
+        )
+        slots = torch.cat(original).to(torch.int64) if original else torch.empty(0)
+        bounds = original_bounds(self.kvcache, slots)
+        pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds)
+        self._pending.append(pending)
+        return pending
+
+    def _advance_installs(self) -> int:
+        """Write pending installs, `install_chunk_mb` at most; returns how many finished."""
+        budget, done = self.config.install_chunk_mb << 20, 0
+        while self._pending and budget > 0:
+            pending = self._pending[0]
+            try:
+                budget -= pending.step(self.kvcache, self.beta_store, budget)
+            except ValueError as e:
+                self._pending.pop(0)
+                self._abort(pending)
+                self._fallback(pending.token_ids, e)
+                continue
+            if pending.done:
+                self._pending.pop(0)
+                self._finish(pending)
+                done += 1
+        return done
+
+    def _abort(self, pending: PendingInstall) -> None:
+        self.beta_store.clear(pending.slots)
+        self.token_to_kv_pool_allocator.free(pending.slots)
+
+    def _finish(self, pending: PendingInstall) -> TreeNode:
+        """Add the node of a fully written prefix and retire its original path."""
+        prefix, ids, t_max = pending.prefix, pending.token_ids, int(pending.slots.numel())
+        node = new_compacted_node(self.root_node, ids, pending.slots, pending.phash, prefix.method)
+        self._compacted[pending.phash] = node
+        self.evictable_size_ += t_max
+        self._update_leaf_status(node)
+        self._update_leaf_status(self.root_node)
+        self._retire_original(node.key)
+        self._reap()
+        self.stats.installed += 1
+        self._refresh_gauges()
+        logger.info(
+            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx)",
+            pending.phash[:12], prefix.method, len(ids), t_max, len(ids) / t_max,
+        )  # fmt: skip
+        return node

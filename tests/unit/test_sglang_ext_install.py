@@ -1,0 +1,220 @@
+"""Installs on SGLang's real CPU pools: range checks in the pool's dtype, writes spread over
+scheduler iterations, back-pressure, weight updates and the runner's own checks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+from compactor.types import CompactedPrefix
+from sglang_ext import weights_fingerprint
+from sglang_ext.compactors import CompactionRunner, JobResult
+from sglang_ext.installer import VALUE_SLACK, PendingInstall
+from sglang_ext.kv_store import head_counts
+from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
+    POOL,
+    FakeRunner,
+    T,
+    _release,
+    _req,
+    check_accounting,
+    compacted,
+    insert_fresh,
+    key,
+    make_cache,
+)
+
+__all__ = ["compacted"]  # the module fixture, re-exported for pytest
+
+
+def tampered(prefix: CompactedPrefix, name: str, fn: Any) -> CompactedPrefix:
+    """`prefix` with tensor `name` (e.g. ``layers.3.values``) replaced by fn(tensor)."""
+    tensors = {k: v.clone() for k, v in prefix.tensors().items()}
+    tensors[name] = fn(tensors[name])
+    return CompactedPrefix.from_parts(prefix.metadata(), tensors)
+
+
+def _nan(x: torch.Tensor) -> torch.Tensor:
+    x[0, 0] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "dtype", "why"),
+    [
+        ("layers.5.values", lambda x: x * 3e4, torch.float32, "max |values|"),
+        ("layers.2.keys", lambda x: x * 10, torch.float32, "max |keys|"),
+        ("layers.7.beta", lambda x: x + 40, torch.float32, "max beta"),
+        ("layers.1.values", _nan, torch.float32, "finite"),
+        # finite in fp32, inf once cast to the fp16 pool
+        ("layers.4.values", lambda x: x * 3e4, torch.float16, "not finite in torch.float16"),
+    ],
+)
+def test_out_of_range_result_is_rejected_and_leaves_nothing(
+    compacted: Any, name: str, fn: Any, dtype: torch.dtype, why: str
+) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, dtype=dtype)
+    insert_fresh(cache, ids)
+    runner.results.append(JobResult(tuple(ids), tampered(prefix, name, fn), None, 0.1))
+    assert cache.poll_compactions() == 0
+    assert cache.stats.invalid == 1 and cache.stats.failures == 0 and cache.stats.installed == 0
+    assert not cache.compacted_nodes()
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL - T  # the original only
+    assert not cache.beta_store.compacted[1:].any()
+    assert (cache.beta_store.beta[:, 1:] == 0).all()
+    with pytest.raises(ValueError, match=why):
+        cache.install(ids, tampered(prefix, name, fn))
+    check_accounting(cache)
+    # the original still serves the whole prefix
+    assert cache.match_prefix(MatchPrefixParams(key=key(ids))).device_prefix_len == T
+
+
+def test_the_real_result_passes_the_checks_in_an_fp16_pool(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp, dtype=torch.float16)
+    insert_fresh(cache, ids)
+    node = cache.install(ids, prefix)
+    assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).last_device_node is node
+    # values up to the measured 9.9x of the original max pass (VALUE_SLACK leaves room)
+    assert VALUE_SLACK > 9.9
+
+
+def test_install_without_the_original_is_refused(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    with pytest.raises(ValueError, match="no longer cached"):
+        cache.install(ids, prefix)
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL
+
+
+def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, install_chunk_mb=1)
+    insert_fresh(cache, ids)
+    t_max = int(head_counts(prefix).max())
+    per_layer = 2 * t_max * 3 * 64 * 4  # K and V of one layer in the fp32 pool
+    per_poll = max(1, (1 << 20) // per_layer)
+    polls = math.ceil(prefix.num_layers / per_poll)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    for _ in range(polls - 1):
+        assert cache.poll_compactions() == 0
+        assert not cache.compacted_nodes()  # not matchable while half written
+        assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == T
+    assert cache.poll_compactions() == 1
+    assert cache.stats.installed == 1
+    check_accounting(cache)
+
+
+def test_pending_step_writes_at_least_one_layer(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    p = cache._begin(ids, prefix)
+    assert isinstance(p, PendingInstall)
+    assert p.step(cache.kvcache, cache.beta_store, max_bytes=1) == p.layer_bytes(cache.kvcache)
+    assert p.next_layer == 1 and not p.done
+
+
+def test_back_pressure_defers_new_paths_while_results_are_pending(compacted: Any) -> None:
+    ids, _prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, min_hits=2, max_in_flight=1)
+    runner.pending = 1  # one compaction already in flight
+    for rid, extra, n in (("a", [501, 502], 0), ("b", [601, 602], T)):
+        r = _req(cache, rid, [*ids, *extra], n)
+        cache.checkpoint(r, up_to=T + 2)
+        _release(cache, r, T + 2)
+    assert runner.submitted == [] and cache.stats.deferred == 1
+    runner.pending = 0  # it finished: the next hit sends the path
+    r = _req(cache, "c", [*ids, 701], T)
+    cache.checkpoint(r, up_to=T + 1)
+    _release(cache, r, T + 1)
+    assert [tokens for tokens, _ in runner.submitted] == [ids]
+
+
+def test_weight_update_drops_compacted_prefixes_and_stale_results(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    insert_fresh(cache, ids)
+    node = cache.install(ids, prefix)
+    slots = node.compaction.slots.clone()
+    running = _req(cache, "running", [*ids, 9, 9], T)  # a request on the compacted prefix
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1, epoch=0))
+
+    cache.on_weights_updated(fp)
+    assert runner.epoch == 1
+    assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == 0
+    cache.poll_compactions()  # the result computed for the old weights
+    assert cache.stats.stale == 1 and cache.stats.installed == 1
+    assert not cache.compacted_nodes()
+    assert cache.token_to_kv_pool_allocator.available_size() < POOL  # still held by the request
+    cache.checkpoint(running, up_to=T + 2)  # computed on old weights: kept off the tree
+    assert cache.stats.skipped_checkpoints == 1
+    _release(cache, running, T + 2)
+    cache.poll_compactions()
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL
+    assert not cache.beta_store.compacted[slots].any()
+    check_accounting(cache)
+
+    cache.on_weights_updated(None)  # weights no service holds: compaction off
+    insert_fresh(cache, ids)
+    with pytest.raises(ValueError, match="weights were updated"):
+        cache.install(ids, prefix)
+
+
+def test_weights_fingerprint_continues_only_for_the_same_checkpoint(
+    compacted: Any, prepared_model: Any
+) -> None:
+    _, _, fp = compacted
+    ok = SimpleNamespace(success=True)
+    same = SimpleNamespace(model_path=str(prepared_model))
+    assert weights_fingerprint(fp, ok, same) == fp
+    assert weights_fingerprint(fp, SimpleNamespace(success=False), same) is None
+    assert weights_fingerprint(fp, ok, SimpleNamespace(serialized_named_tensors=[])) is None
+    assert weights_fingerprint(fp, ok, SimpleNamespace(model_path="/nonexistent")) is None
+    assert weights_fingerprint("0" * 32, ok, same) is None
+
+
+def test_runner_checks_results_on_its_own_thread(compacted: Any) -> None:
+    _, prefix, _ = compacted
+    seen: list[str] = []
+
+    class Instant:
+        async def compact(self, token_ids: Any, follow_ups: Any) -> CompactedPrefix:
+            await asyncio.sleep(0)
+            return prefix
+
+    def check(p: CompactedPrefix) -> None:
+        import threading
+
+        seen.append(threading.current_thread().name)
+        raise ValueError("shape mismatch")
+
+    runner = CompactionRunner(Instant(), timeout=10, check=check)
+    try:
+        runner.submit([1, 2, 3], [])
+        assert runner.wait_idle(10)
+        (job,) = runner.drain()
+        assert job.prefix is None and isinstance(job.error, ValueError)
+        assert seen == ["compaction-runner"]
+        runner.new_epoch()
+        runner.check = None
+        runner.submit([1, 2, 3], [])
+        assert runner.wait_idle(10)
+        (job,) = runner.drain()
+        assert job.prefix is prefix and job.epoch == 1
+    finally:
+        runner.close()
