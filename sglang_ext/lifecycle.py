@@ -224,6 +224,7 @@ class InstallLifecycle:
     def _abort(self, pending: PendingInstall) -> None:
         self.beta_store.clear(pending.slots)
         self.token_to_kv_pool_allocator.free(pending.slots)
+        self._refresh_gauges()
 
     def _finish(self, pending: PendingInstall) -> TreeNode:
         """Add the node of a fully written prefix and retire its original path."""

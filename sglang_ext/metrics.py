@@ -44,6 +44,7 @@ class CompactionStats:
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
     physical_tokens: int = 0  # gauge: slots those prefixes hold
     bytes_saved: int = 0  # gauge: KV bytes not held thanks to compaction
+    beta_slots: int = 0  # gauge: pool slots the beta store marks compacted (alias excluded)
     tree_slots: int = 0  # gauge: slots held by ordinary (uncompacted) tree nodes
     free_slots: int = 0  # gauge: free slots in SGLang's KV pool
     pool_slots: int = 0  # gauge: the KV pool's size
@@ -85,6 +86,7 @@ class PrometheusExporter:
         "logical_tokens",
         "physical_tokens",
         "bytes_saved",
+        "beta_slots",
         "tree_slots",
         "free_slots",
         "pool_slots",

@@ -96,21 +96,21 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
 
     # ---- SGLang API overrides ---------------------------------------------------------
     def reset(self) -> None:
-        store = getattr(self, "beta_store", None)
-        for node in getattr(self, "_compacted", {}).values():
-            info = compaction_info(node)
-            if store is not None and info is not None:
-                store.clear(info.slots)
-        for pending in getattr(self, "_pending", []):
-            if store is not None:
+        store = getattr(self, "beta_store", None)  # None during __init__
+        if store is not None:
+            for node in [*self._compacted.values(), *self._dropped.values()]:
+                info = compaction_info(node)
+                if info is not None:
+                    store.clear(info.slots)
+            for pending in self._pending:
                 store.clear(pending.slots)
-        if hasattr(self, "_compacted"):
-            self._compacted.clear()
-            self._dropped.clear()
-            self._pending.clear()
-            self._retired.clear()
+            for held in (self._compacted, self._dropped, self._pending, self._retired):
+                held.clear()
             self.trigger.reset()
         super().reset()
+        if store is not None:
+            self._refresh_gauges()
+            self._export()
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         if self.disable:
@@ -332,6 +332,8 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         physical = sum(physical_size(n) for n in self._compacted.values())
         self.stats.logical_tokens, self.stats.physical_tokens = logical, physical
         self.stats.bytes_saved = (logical - physical) * per_slot
+        store = self.beta_store
+        self.stats.beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
 
     def _export(self, latency_s: float | None = None) -> None:
         if self.exporter is not None:
