@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from benchmarks._meta import ROOT, provenance
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.workload import compaction_args, document, metric, prompt
 
-__all__ = ["run_soak", "scheduler_rss_bytes"]
+__all__ = ["QUESTIONS", "run_soak", "scheduler_rss_bytes"]
 
 RESULT = ROOT / "benchmarks" / "results" / "soak.json"
 QUESTIONS = ("What is the first room?", "Who wrote the report?", "How many rooms are there?")
@@ -61,9 +62,15 @@ def _wait(server: SGLangServer, name: str, target: float, timeout_s: float) -> f
 
 
 def run_soak(
-    model: Path, workdir: Path, cycles: int, warmup: int = 3, sentences: int = 16
+    model: Path,
+    workdir: Path,
+    cycles: int,
+    warmup: int = 3,
+    sentences: int = 16,
+    after: Callable[[SGLangServer, str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the soak; returns per-cycle samples and the summary (see the module docstring)."""
+    """Run the soak; returns per-cycle samples and the summary (see the module docstring).
+    `after(server, doc)` runs on the live server once the cycles are done."""
     if cycles <= warmup:
         raise ValueError(f"cycles must be > warmup={warmup}, got {cycles}")
     doc = document(sentences)
@@ -114,6 +121,8 @@ def run_soak(
                     f"beta_slots {s['beta_slots']} rss {(s['scheduler_rss_bytes'] or 0) >> 20} MiB",
                     flush=True,
                 )
+        if after is not None:
+            after(server, doc)
         invalid = metric(server, "sglang:compaction_invalid_total")
         failures = metric(server, "sglang:compaction_failures_total")
     return {"samples": samples, "summary": summarize(samples, warmup, invalid, failures)}
