@@ -1,0 +1,171 @@
+"""Fault suite: whatever the compaction service does, every request is answered, nothing hangs,
+and the answers equal the stock server's.
+
+A real CPU SGLang server with the plugin asks a `harness.hostile.HostileProxy` (loopback, a
+port the OS picks) which forwards to a real `compactor serve` and then misbehaves, one mode
+per document (`--compaction-max-retries 0`: each document asks once; a mode's document is
+its own, so no case sees another's prefix). Per case: three questions (the second one's
+insert triggers the compaction, `--compaction-min-hits 2`), a bounded wait until the
+compaction ended, the same three questions again; all six answers must equal a stock
+server's for that document, and the plugin's counters must have moved by exactly:
+
+- requested +1, fallbacks +1, installed 0, and
+- `failures` +1 when the service delivered no complete result (garbage bytes, a stream
+  cut before its trailer, one over the size limit, a timeout, a killed service), or
+- `invalid` +1 when it delivered a complete, checksummed result with wrong content (random
+  payload, wrong shapes, NaN, huge magnitudes, another model's fingerprint, another
+  prefix's hash).
+
+The `honest` control goes through the same proxy untampered and must install, so the
+fault cases fail because of their fault. `kill` SIGKILLs the real service and runs last.
+Cases marked xfail(strict) need plugin features not merged yet (see `_NEEDS_*`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.hostile import HostileProxy
+from harness.launch import CompactorService, SGLangServer, free_port, start_all
+from harness.workload import compaction_args, document, metric, prompt, questions
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TIMEOUT_S = 30.0  # --compaction-timeout; a real compaction here takes 4-10 s on 2 busy cores
+QUESTIONS = questions()[:3]
+COUNTERS = ("requested", "installed", "failures", "invalid", "fallbacks")
+
+_NEEDS_INVALID = pytest.mark.xfail(
+    strict=True,
+    reason="a result that fails the client's checksum-verified validation is counted as a "
+    "failure, not invalid (today any error raised inside the client is a failure)",
+)
+_NEEDS_MAGNITUDE = pytest.mark.xfail(
+    strict=True, reason="no magnitude check after the dtype cast yet: the huge prefix installs"
+)
+_NEEDS_SIZE_LIMIT = pytest.mark.xfail(
+    strict=True, reason="no streaming size limit yet: the oversized result installs"
+)
+
+CASES = [  # (mode, the counter that must move); run in this order, `kill` last
+    pytest.param("honest", "installed", id="honest"),
+    pytest.param("garbage", "failures", id="garbage"),
+    pytest.param("truncated", "failures", id="truncated"),
+    pytest.param("random", "invalid", id="random", marks=_NEEDS_INVALID),
+    pytest.param("shape", "invalid", id="shape", marks=_NEEDS_INVALID),
+    pytest.param("nan", "invalid", id="nan", marks=_NEEDS_INVALID),
+    pytest.param("huge", "invalid", id="huge", marks=_NEEDS_MAGNITUDE),
+    pytest.param("fingerprint", "invalid", id="fingerprint", marks=_NEEDS_INVALID),
+    pytest.param("prefix_hash", "invalid", id="prefix_hash"),
+    pytest.param("oversize", "failures", id="oversize", marks=_NEEDS_SIZE_LIMIT),
+    pytest.param("slow", "failures", id="slow"),
+    pytest.param("kill", "failures", id="kill"),
+]
+MODES: list[str] = [str(p.values[0]) for p in CASES]
+
+
+def _doc(mode: str) -> str:
+    """The case's own document (~440 tokens; its first line differs from every other's)."""
+    i = MODES.index(mode)
+    return f"Fault case {i}: {mode}. " + document(24, i % 4)
+
+
+def _ask(srv: SGLangServer, doc: str) -> list[list[int]]:
+    """Greedy output ids of QUESTIONS, in order (each request bounded by 120 s)."""
+    outs = []
+    for q in QUESTIONS:
+        params = {"max_new_tokens": 12, "temperature": 0.0}
+        out = srv.post("/generate", {"text": prompt(doc, q), "sampling_params": params}, 120.0)
+        outs.append(list(out["output_ids"]))
+    return outs
+
+
+def _counters(srv: SGLangServer) -> dict[str, int]:
+    return {n: int(metric(srv, f"sglang:compaction_{n}_total")) for n in COUNTERS}
+
+
+@pytest.fixture(scope="module")
+def stock(
+    prepared_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[list[int]]]:
+    """Stock SGLang's output ids per mode's document (its server stops before the rig starts:
+    the test asks for `stock` first)."""
+    log = tmp_path_factory.mktemp("stock") / "stock.log"
+    with SGLangServer(prepared_model, log_path=log, max_total_tokens=8192) as srv:
+        return {mode: _ask(srv, _doc(mode)) for mode in MODES}
+
+
+@dataclass
+class Rig:
+    server: SGLangServer
+    proxy: HostileProxy
+
+
+@pytest.fixture(scope="module")
+def rig(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """The plugin's server against the hostile proxy in front of a real compactor."""
+    logs = tmp_path_factory.mktemp("faults")
+    svc = CompactorService(
+        prepared_model, logs / "compactor.log", in_process=True, port=free_port()
+    )
+
+    def kill_service() -> None:
+        if svc.pid is not None:
+            os.killpg(svc.pid, signal.SIGKILL)  # its own session: the group is the service
+
+    with contextlib.ExitStack() as stack:
+        proxy = stack.enter_context(HostileProxy(svc.endpoint, kill_service, 3 * TIMEOUT_S))
+        flags = compaction_args(
+            proxy.address, 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=TIMEOUT_S
+        )
+        srv = SGLangServer(
+            prepared_model,
+            log_path=logs / "plugin.log",
+            max_total_tokens=8192,
+            extra_args=[*flags, "--compaction-max-retries", "0", "--enable-metrics"],
+        )
+        start_all(stack, [svc, srv])
+        yield Rig(srv, proxy)
+
+
+@pytest.mark.parametrize(("mode", "counter"), CASES)
+def test_fault_gives_stock_answers(
+    mode: str, counter: str, stock: dict[str, list[list[int]]], rig: Rig
+) -> None:
+    srv, proxy = rig.server, rig.proxy
+    doc = _doc(mode)
+    before = _counters(srv)
+    seen = len(proxy.calls)
+    proxy.expect(mode)
+    t0 = time.monotonic()
+    first = _ask(srv, doc)
+    deadline = time.monotonic() + TIMEOUT_S + 60
+    while time.monotonic() < deadline:
+        now = _counters(srv)
+        if now["installed"] + now["fallbacks"] > before["installed"] + before["fallbacks"]:
+            break
+        time.sleep(0.5)
+    ended_s = time.monotonic() - t0
+    again = _ask(srv, doc)
+    delta = {n: v - before[n] for n, v in _counters(srv).items()}
+    calls = proxy.calls[seen:]
+    print(f"\n{mode}: compaction ended after {ended_s:.1f} s, counters moved {delta}")
+
+    assert {c.mode for c in calls} == {mode} and len({c.request_id for c in calls}) == 1, (
+        calls,
+        srv.log_tail(),
+    )
+    expected = dict.fromkeys(COUNTERS, 0) | {"requested": 1, counter: 1}
+    if mode != "honest":
+        expected["fallbacks"] = 1
+        assert first == stock[mode], "answers while the faulty compaction was in flight"
+        assert again == stock[mode], "answers after the faulty compaction"
+    assert delta == expected, srv.log_tail()
