@@ -294,7 +294,10 @@ class Assembler:
         self._sha = hashlib.sha256()
 
     def add(self, msg: pb.CompactChunk) -> None:
-        """Take the next message; ResultTooLarge / ChecksumError if it cannot be accepted."""
+        """Take the next message; ResultTooLarge / ChecksumError if it cannot be accepted
+        (grpc.aio yields None for a message it could not decode)."""
+        if not isinstance(msg, pb.CompactChunk):
+            raise ChecksumError(f"undecodable message in stream ({type(msg).__name__})")
         kind = msg.WhichOneof("kind")
         if kind == "header":
             if self.header is not None:
