@@ -127,6 +127,11 @@ def _worker_compact(
     return _WORKER.compact(uuid.uuid4().hex, job).prefix
 
 
+# The metadata JSON a result may carry: ~1 KB for the plugin's methods on SmolLM2; GVote's
+# per-(layer, chunk) reports reach ~1 MiB on large models.
+METADATA_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class PoolShape:
     """What a result must fit: the KV pool's L, H_kv, D and dtype."""
@@ -147,7 +152,12 @@ class PoolShape:
         from compactor.service.convert import max_result_bytes
 
         return max_result_bytes(
-            self.num_layers, self.num_kv_heads, self.head_dim, logical_length, self.dtype
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            logical_length,
+            self.dtype,
+            metadata_allowance=METADATA_BYTES,
         )
 
 

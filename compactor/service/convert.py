@@ -335,7 +335,11 @@ class Assembler:
         size = h.payload_bytes + len(h.metadata_json.encode())
         if self.max_bytes is not None and size > self.max_bytes:
             raise ResultTooLarge(size, self.max_bytes, "announced result")
+        end = 0  # tensors tile the payload in table order, as encode_prefix writes them
         for info in h.tensors:
+            if info.offset != end:
+                raise ChecksumError(f"tensor {info.name!r} at offset {info.offset}, expected {end}")
+            end += info.nbytes
             dtype = _TORCH_DTYPES.get(info.dtype)
             if dtype is None:
                 raise ChecksumError(f"tensor {info.name!r} has unknown dtype {info.dtype!r}")
@@ -352,6 +356,8 @@ class Assembler:
                     f"tensor {info.name!r} ends at {info.offset + info.nbytes} > payload_bytes "
                     f"{h.payload_bytes}"
                 )
+        if end != h.payload_bytes:
+            raise ChecksumError(f"tensors cover {end} of payload_bytes {h.payload_bytes}")
         try:
             self._buf = torch.empty(h.payload_bytes, dtype=torch.uint8)
         except RuntimeError:  # only reachable without max_bytes

@@ -176,13 +176,21 @@ def test_chunk_beyond_payload_bytes_is_refused():
     [
         (lambda i: setattr(i, "dtype", "complex64"), "unknown dtype"),
         (lambda i: setattr(i, "nbytes", i.nbytes + 4), "bytes for shape"),
-        (lambda i: setattr(i, "offset", i.offset + 10**6), "> payload_bytes"),
+        (lambda i: setattr(i, "offset", i.offset + 10**6), "at offset 1000000, expected 0"),
     ],
 )
 def test_bad_tensor_table_is_refused_at_the_header(change, match):
     msgs = stream(make_prefix([[1, 2]]))
     change(msgs[0].header.tensors[0])
     with pytest.raises(ChecksumError, match=match):
+        Assembler().add(msgs[0])
+
+
+def test_payload_bytes_no_tensor_covers_are_refused_at_the_header():
+    """Trailing bytes (a valid result padded, resealed) would pass every later check."""
+    msgs = stream(make_prefix([[1, 2]]))
+    msgs[0].header.payload_bytes += 16
+    with pytest.raises(ChecksumError, match="tensors cover"):
         Assembler().add(msgs[0])
 
 
