@@ -23,17 +23,17 @@ from compactor.models import (
 )
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def make_hub_cache(cache: Path, repo: str, source: Path, commit: str = COMMIT) -> Path:
-    """A hub cache entry as huggingface_hub writes it: blobs, a snapshot of symlinks into
-    them, and refs/main naming the commit. Returns the snapshot directory."""
+    """A hub cache entry as huggingface_hub writes it for checkpoint directory `source`:
+    blobs, a snapshot of symlinks into them, and refs/main naming the commit. Returns the
+    snapshot directory."""
     root = cache / ("models--" + repo.replace("/", "--"))
     snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (root / "blobs").mkdir(exist_ok=True)
-    for name in _FILES:
+    for name in sorted(p.name for p in source.iterdir() if p.name != "prepared.json"):
         blob = root / "blobs" / hashlib.sha256(f"{commit}/{name}".encode()).hexdigest()
         if name.endswith(".safetensors"):
             blob.symlink_to(source / name)  # no 500 MB copy
