@@ -10,8 +10,9 @@ which applies them after all plugins have run:
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
   record and select the `compaction` radix-cache backend and attention backend
-  (`compaction-triton` on CUDA, `compaction` elsewhere); without it, nothing changes and
-  SGLang runs stock.
+  (`compaction-triton` on CUDA, `compaction` elsewhere), and resolve and fingerprint the
+  checkpoint (a directory or a Hub ID in the local cache) before any weights load; without
+  it, nothing changes and SGLang runs stock.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches.
@@ -80,6 +81,9 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     cfg = config_from_namespace(namespace) if namespace is not None else None
     if cfg is not None:
         apply_to_server_args(server_args, cfg)
+        from sglang_ext.factory import check_model
+
+        check_model(server_args)  # a missing or weightless checkpoint fails before loading
 
 
 def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -4,12 +4,16 @@
 attention backends `compaction` (torch_native + beta) and `compaction-triton` (triton + beta,
 CUDA) to its attention-backend registry and `--attention-backend` choices (called from
 `register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
-model fingerprint and a `CompactionRunner` for the configured endpoint.
+model fingerprint and a `CompactionRunner` for the configured endpoint; `check_model` resolves
+and fingerprints the checkpoint (a directory, or a Hub ID in the local Hugging Face cache)
+right after argument parsing, before any weights load.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from sglang_ext.config import (
@@ -19,7 +23,7 @@ from sglang_ext.config import (
     get_config,
 )
 
-__all__ = ["create_compaction_cache", "register_backends"]
+__all__ = ["check_model", "create_compaction_cache", "register_backends", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +73,10 @@ def create_compaction_cache(ctx: Any) -> Any:
 
     Raises:
         ValueError: the backend was selected without `--compaction-endpoint`, or with a
-            model/cache layout the plugin does not serve (hybrid SWA/SSM, paging).
+            model/cache layout the plugin does not serve (hybrid SWA/SSM, paging), or the
+            checkpoint cannot be found or fingerprinted (see `resolve_model_dir`).
     """
-    from compactor import fingerprint
+    from compactor.models import fingerprint
     from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
     from sglang_ext.metrics import PrometheusExporter
     from sglang_ext.radix_cache import CompactionRadixCache
@@ -88,11 +93,59 @@ def create_compaction_cache(ctx: Any) -> Any:
             f"hybrid_swa={ctx.is_hybrid_swa} hybrid_ssm={ctx.is_hybrid_ssm} "
             f"hierarchical={ctx.enable_hierarchical_cache}"
         )
-    model_path = str(ctx.server_args.model_path)
-    fp = fingerprint(model_path)
+    model_dir = str(resolve_model_dir(ctx.server_args))
+    fp = fingerprint(model_dir)
     pool = PoolShape.of(ctx.params.token_to_kv_pool_allocator.get_kvcache())
-    runner = CompactionRunner(make_compactor(cfg, model_path, fp, pool), cfg.timeout)
+    runner = CompactionRunner(make_compactor(cfg, model_dir, fp, pool), cfg.timeout)
     exporter = PrometheusExporter() if ctx.params.enable_metrics else None
     cache = CompactionRadixCache(ctx.params, cfg, fp, runner=runner, exporter=exporter)
     logger.info("sglang_ext: compaction radix cache ready: %s fingerprint=%s", cfg.as_dict(), fp)
     return cache
+
+
+def resolve_model_dir(server_args: Any) -> Path:
+    """The local checkpoint directory SGLang loads `server_args.model_path` from.
+
+    A directory as given, or a Hugging Face Hub ID's snapshot in `--download-dir` or the
+    local hub cache at `--revision` (SGLang's own lookup; nothing is downloaded).
+
+    Raises:
+        ValueError: not a directory, and no snapshot in the cache (names where it looked).
+    """
+    from compactor.models import resolve_checkpoint
+
+    return resolve_checkpoint(
+        str(server_args.model_path),
+        revision=getattr(server_args, "revision", None),
+        cache_dir=getattr(server_args, "download_dir", None),
+    )
+
+
+def check_model(server_args: Any) -> str | None:
+    """Resolve and fingerprint the checkpoint before SGLang loads its weights.
+
+    Returns the fingerprint, or None for a Hub ID not yet in the local cache while the hub
+    may be reached (SGLang downloads it while loading; the cache factory checks it then), or
+    when `server_args` names no model path (yet).
+
+    Raises:
+        ValueError: the checkpoint has no config.json or no weight file SGLang loads, or it is
+            a Hub ID missing from the cache with HF_HUB_OFFLINE set.
+    """
+    from compactor.models import fingerprint
+
+    if not getattr(server_args, "model_path", None):
+        return None
+    try:
+        model_dir = resolve_model_dir(server_args)
+    except ValueError as exc:
+        if _hub_offline():
+            raise
+        logger.info("sglang_ext: %s; checking it again once SGLang has fetched it", exc)
+        return None
+    return fingerprint(model_dir)
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (1/ON/YES/TRUE)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")

@@ -24,12 +24,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 = any free port")
-    p.add_argument("--model", required=True, help="known model name or checkpoint directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="known model name (e.g. smollm2-135m), checkpoint directory, or Hugging Face Hub "
+        "ID already in the local hub cache ($HF_HUB_CACHE / $HF_HOME; never downloaded)",
+    )
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
     p.add_argument("--in-process", action="store_true", help="no Ray: workers are threads here")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--max-queue", type=int, default=64)
-    p.add_argument("--max-prefix-tokens", type=int, default=16384)
+    p.add_argument(
+        "--max-prefix-tokens",
+        type=int,
+        default=None,
+        help="longest prefix accepted (default: the model's context length, config.json "
+        "max_position_embeddings)",
+    )
     p.add_argument("--max-message-mb", type=int, default=16)
     p.add_argument("--cache-mb", type=int, default=1024)
     p.add_argument("--auto-ratio", type=float, default=0.1, help="ratio used for budget 'auto'")
@@ -64,6 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit("compactor serve: error: --tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise SystemExit("compactor serve: error: --tls-client-ca needs --tls-cert/--tls-key")
+    if args.max_prefix_tokens is not None and args.max_prefix_tokens < 2:
+        raise SystemExit(
+            f"compactor serve: error: --max-prefix-tokens must be >= 2, got {args.max_prefix_tokens}"
+        )
     _check_port(args.host, args.port)
     token = None
     if args.auth_token_file:

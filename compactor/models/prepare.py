@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from compactor.models.fingerprint import fingerprint
+from compactor.models.paths import resolve_checkpoint
 from compactor.models.registry import KNOWN_MODELS, ModelSpec, get_spec
 
 _DTYPES = ("float32", "bfloat16")
@@ -69,20 +70,26 @@ def read_prepared(name: str, dtype: str = "float32") -> PreparedModel | None:
 
 
 def resolve_model(name_or_path: str | Path, dtype: str = "float32") -> Path:
-    """A model directory for a known name (prepared on demand) or an existing path.
+    """A model directory for a known name (prepared on demand), a checkpoint directory, or a
+    Hugging Face Hub ID whose snapshot is in the local cache (never downloaded; see
+    :func:`compactor.models.paths.resolve_checkpoint`).
 
     Raises:
-        ValueError: neither a known name nor a directory with a config.json.
+        ValueError: none of these, or the directory has no config.json; the message lists the
+            known names and what was looked for.
     """
     if str(name_or_path) in KNOWN_MODELS:
         return prepare_model(str(name_or_path), dtype=dtype)
-    path = Path(name_or_path).expanduser()
+    known = ", ".join(sorted(KNOWN_MODELS))
+    try:
+        path = resolve_checkpoint(name_or_path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; it is neither a known model ({known})") from None
     if (path / "config.json").is_file():
         return path
-    known = ", ".join(sorted(KNOWN_MODELS))
     raise ValueError(
         f"model {str(name_or_path)!r} is neither a known model ({known}) "
-        "nor a directory containing config.json"
+        f"nor a directory containing config.json ({path} has none)"
     )
 
 

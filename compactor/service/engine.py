@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from compactor.service.convert import EncodedPrefix, encode_prefix
@@ -18,17 +18,31 @@ from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob
 from compactor.workers.pool import PoolConfig, WorkerPool
 from compactor.workers.singleflight import SingleFlight
 
-__all__ = ["CompactOutcome", "CompactionService", "ModelSummary", "ServiceConfig"]
+__all__ = [
+    "FALLBACK_MAX_PREFIX_TOKENS",
+    "CompactOutcome",
+    "CompactionService",
+    "ModelSummary",
+    "ServiceConfig",
+]
 
 log = logging.getLogger(__name__)
 
 
+# The prefix limit for a model whose config.json gives no max_position_embeddings.
+FALLBACK_MAX_PREFIX_TOKENS = 16384
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Limits and policy of one service instance (see PoolConfig for the workers)."""
+    """Limits and policy of one service instance (see PoolConfig for the workers).
+
+    `max_prefix_tokens` None: the model's context length (config.json
+    max_position_embeddings; FALLBACK_MAX_PREFIX_TOKENS when it has none).
+    """
 
     pool: PoolConfig
-    max_prefix_tokens: int = 16384
+    max_prefix_tokens: int | None = None
     cache_bytes: int = 1 << 30
     auto_ratio: float = DEFAULT_AUTO_RATIO
     chunk_bytes: int = 1 << 20
@@ -45,6 +59,7 @@ class ModelSummary:
     head_dim: int
     dtype: str
     vocab_size: int | None
+    context_length: int | None = None
 
     @classmethod
     def read(cls, model_dir: str | Path) -> ModelSummary:
@@ -61,6 +76,7 @@ class ModelSummary:
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             vocab_size=int(cfg["vocab_size"]) if "vocab_size" in cfg else None,
+            context_length=int(n) if (n := cfg.get("max_position_embeddings")) else None,
         )
 
 
@@ -81,6 +97,9 @@ class CompactionService:
     def __init__(
         self, config: ServiceConfig, model: ModelSummary, pool: WorkerPool, metrics: ServiceMetrics
     ) -> None:
+        if config.max_prefix_tokens is None:
+            limit = model.context_length or FALLBACK_MAX_PREFIX_TOKENS
+            config = replace(config, max_prefix_tokens=limit)
         self.config = config
         self.model = model
         self.pool = pool
@@ -108,7 +127,12 @@ class CompactionService:
                 f"model fingerprint {job.model_fingerprint!r} is not this server's model "
                 f"{self.model.fingerprint!r} ({self.model.name})"
             )
-        job.validate(self.config.max_prefix_tokens, self.model.vocab_size)
+        job.validate(self.max_prefix_tokens, self.model.vocab_size)
+
+    @property
+    def max_prefix_tokens(self) -> int:
+        """The longest prefix accepted: the configured limit, else the model's context."""
+        return self.config.max_prefix_tokens or FALLBACK_MAX_PREFIX_TOKENS
 
     async def compact(self, job: CompactJob, timeout: float | None = None) -> CompactOutcome:
         """The encoded result for `job` (cache, else shared or new compaction).

@@ -35,8 +35,10 @@ class CompactJob:
     """One compaction request, already decoded from the wire.
 
     `spec` has its budget set (budget "auto" is resolved to a ratio before the job is
-    built). `follow_ups` are the token sequences of the ``follow-up`` query source.
-    `request_id` is for logs only and is not part of :meth:`key`. `kv_dtype` is the dtype
+    built). `follow_ups` are the token sequences of the ``follow-up`` query source: hints
+    the request that starts a compaction brings, not part of :meth:`key`, so requests for
+    the same prefix with other follow-ups (another replica's questions) share its result.
+    `request_id` is for logs only and is not part of :meth:`key` either. `kv_dtype` is the dtype
     the service casts the result's keys/values to before encoding (one of
     KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it.
     """
@@ -49,12 +51,12 @@ class CompactJob:
     kv_dtype: str = ""
 
     def key(self) -> str:
-        """Identity of the result: (model, prefix hash, spec, follow-up hashes, kv dtype)."""
+        """Identity of the result: what determines it, i.e. the model, the prefix tokens, the
+        spec (method, budget, query policy, ...) and the kv dtype; not the follow-ups."""
         ident: dict[str, object] = {
             "model": self.model_fingerprint,
             "prefix": prefix_hash(self.token_ids),
             "spec": self.spec.key(),
-            "follow_ups": [prefix_hash(f) for f in self.follow_ups],
         }
         if self.kv_dtype:  # absent for float32: keys of float32 results stay as they were
             ident["kv_dtype"] = self.kv_dtype

@@ -124,6 +124,44 @@ def test_32_identical_requests_share_one_compaction(server: Any, model_fp: str) 
         assert_same_prefix(r.prefix, results[0].prefix)
 
 
+def test_other_follow_ups_share_the_result(server: Any, model_fp: str) -> None:
+    """Follow-ups are hints the first request brings, not part of the result's identity:
+    two replicas asking for the same document with their own questions share one result."""
+    spec = FAST.replace(queries={"sources": ("follow-up",), "follow_up_answer_tokens": 0})
+    ep = f"127.0.0.1:{server.port}"
+    before = _metric(server, "compactor_compactions_total")
+    with CompactorClient(ep) as c:
+        first = c.compact(_prefix(20), model_fp, spec, [[101, 102, 103]], timeout=120)
+        second = c.compact(_prefix(20), model_fp, spec, [[201, 202], [203, 204]], timeout=120)
+        other = c.compact(_prefix(20), model_fp, FAST, timeout=120)  # another query policy
+    assert not first.cache_hit and second.cache_hit and not other.cache_hit
+    assert_same_prefix(second.prefix, first.prefix)
+    assert _metric(server, "compactor_compactions_total") - before == 2
+
+    async def at_once() -> list[Any]:  # two replicas asking together: one compaction
+        async with AsyncCompactorClient(ep) as ac:
+            return await asyncio.gather(
+                *(ac.compact(_prefix(21), model_fp, spec, [[300 + i]], timeout=120) for i in (1, 2))
+            )
+
+    a, b = asyncio.run(at_once())
+    assert _metric(server, "compactor_compactions_total") - before == 3
+    assert a.shared or a.cache_hit or b.shared or b.cache_hit
+    assert_same_prefix(a.prefix, b.prefix)
+
+
+def test_prefix_limit_defaults_to_the_model_context(prepared_model: Path, model_fp: str) -> None:
+    """No limit configured: the model's max_position_embeddings (8192 for SmolLM2); the
+    module's server, configured with 4096, refuses 5000 tokens (the flag overrides it)."""
+    with running_server(prepared_model, max_prefix_tokens=None) as (srv, _lt):
+        c = CompactorClient(f"127.0.0.1:{srv.port}")
+        with c, pytest.raises(grpc.RpcError) as info:
+            assert c.model_info().max_prefix_tokens == 8192
+            c.compact(_prefix(6, 8193), model_fp, FAST, timeout=60)
+    assert info.value.code() == INVALID
+    assert info.value.details() == "prefix has 8193 tokens; this server's limit is 8192"
+
+
 def test_cancellation_frees_the_worker(server: Any, model_fp: str) -> None:
     pool = server.service.pool
     cancelled = _metric(server, "compactor_requests_total", status="CANCELLED")

@@ -76,7 +76,11 @@ def test_spec_crosses_the_wire_and_reaches_the_pipeline(monkeypatch: Any) -> Non
             != job.key()
         )
     assert CompactJob("fp", job.token_ids, spec, job.follow_ups).key() == job.key()
-    assert CompactJob("fp", job.token_ids, spec).key() != job.key()  # follow-ups count
+    # follow-ups are hints, not identity: the same prefix and spec share one result
+    assert CompactJob("fp", job.token_ids, spec).key() == job.key()
+    assert CompactJob("fp", job.token_ids, spec, ((7, 8, 9),)).key() == job.key()
+    assert CompactJob("fp", job.token_ids[:-1], spec, job.follow_ups).key() != job.key()
+    assert CompactJob("fp2", job.token_ids, spec, job.follow_ups).key() != job.key()
     # budget auto (neither ratio nor tokens) is resolved to the server's auto ratio
     auto = CompactJob("fp", (1, 2), spec.with_budget())
     assert job_from_request(request_from_job(auto), auto_ratio=0.3).spec.ratio == 0.3
