@@ -53,6 +53,8 @@ def test_labels_follow_window_priority_and_ratios_use_steady_median() -> None:
     assert out["install"]["gaps"] == 2  # the two 30 ms steps overlap [2.0, 2.04]
     assert out["install"]["max_ms"] == pytest.approx(30.0)
     assert out["install"]["max_over_steady"] == pytest.approx(3.0)
+    assert out["install"]["steady_share_at_least_max"] == 0.0
+    assert out["steady"]["steady_share_at_least_max"] > 0
     assert out["trigger"]["max_ms"] == pytest.approx(200.0)
     # the install window wins over compaction where both overlap one gap
     assert bench.label(bench.Gap(1.99, 2.01, 1), windows) == "install"
