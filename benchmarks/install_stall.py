@@ -21,11 +21,14 @@ the install is not mixed with the compaction's compute). On each server:
 Every inter-token gap (a chunk's arrival minus the previous one's, over the chunk's tokens) is
 labelled by the first window it overlaps:
 
-- `install`: from the result's arrival (`requested` stamp + the plugin's own submit-to-result
-  latency, `sglang:compaction_latency_seconds_sum`) to the `installed` stamp, widened by
-  `--install-margin-s` (default 0) each side; `prefill_in_install_gaps` flags a `Prefill
-  batch` stamp in or one steady step before those gaps (a heuristic: the stamp can trail the
-  prefill's forward);
+- `install`: the gaps that hold the install's writes: after the gap the result arrived in,
+  up to the one holding the `installed` stamp (the result's arrival: the `requested` stamp +
+  the plugin's own submit-to-result latency, `sglang:compaction_latency_seconds_sum`),
+  widened by `--install-margin-s` (default 0); `prefill_in_install_gaps` flags a `Prefill
+  batch` stamp in or one steady step before those gaps (a heuristic: the stamp can trail
+  the prefill's forward);
+- `result`: the gap the result arrived in (the scheduler process receives and checks it on
+  the runner's thread; its token was due before the next poll point);
 - `trigger`: from sending the first question to the second's answer (their prefills share
   the batch: ordinary prefill interference, not install cost);
 - `compaction`: from `requested` to the result's arrival;
@@ -64,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-LABELS = ("install", "trigger", "compaction", "steady")
+LABELS = ("install", "result", "trigger", "compaction", "steady")
 TARGET_RATIO = 1.10
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})")
 _INSTALLED = re.compile(r"installed compacted prefix hash=\S+ method=\S+ T=(\d+) slots=(\d+)")
@@ -102,6 +105,17 @@ def label(gap: Gap, windows: dict[str, tuple[float, float]]) -> str:
         if gap.start < hi and gap.end > lo:
             return name
     return "steady"
+
+
+def install_window(
+    gs: list[Gap], result_at: float, installed: float, margin: float = 0.0
+) -> tuple[float, float]:
+    """The span whose gaps hold the install's writes: from the end of the gap the result
+    arrived in (its token was due before the next poll point; that gap is labelled
+    `result`) to the `installed` stamp; from `result_at` when both fall in one gap."""
+    holder = next((g for g in gs if g.end >= result_at), None)
+    lo = holder.end if holder is not None and holder.end < installed else result_at
+    return lo - margin, installed + margin
 
 
 def summarize(gs: list[Gap], windows: dict[str, tuple[float, float]]) -> dict[str, Any]:
@@ -251,15 +265,16 @@ def run_one(srv: Any, chunk_mb: int, service: str, a: argparse.Namespace) -> dic
     saved = metric(srv, "sglang:compaction_bytes_saved")
     per_slot = saved / max(inst["T"] - inst["slots"], 1)
     m = a.install_margin_s
+    gs = gaps(stream.arrivals)
+    if not gs or gs[-1].end < installed + a.after_s / 2:
+        raise RuntimeError("the decode ended before the install; raise --max-decode-tokens")
     windows = {
-        "install": (result_at - m, installed + m),
+        "install": install_window(gs, result_at, installed, m),
+        "result": (result_at, result_at),
         "trigger": (trigger_start, trigger_end),
         "compaction": (requested, result_at),
         "steady": (0.0, 0.0),
     }
-    gs = gaps(stream.arrivals)
-    if not gs or gs[-1].end < installed + a.after_s / 2:
-        raise RuntimeError("the decode ended before the install; raise --max-decode-tokens")
     t0 = stream.arrivals[0][0]
     summary = summarize(gs, windows)
     held = [g for g in gs if label(g, windows) == "install"]
@@ -306,7 +321,12 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"install": "tab:red", "trigger": "tab:orange", "compaction": "tab:gray"}
+    colors = {
+        "install": "tab:red",
+        "result": "tab:purple",
+        "trigger": "tab:orange",
+        "compaction": "tab:gray",
+    }
     fig, axes = plt.subplots(len(records), 1, figsize=(11, 3.2 * len(records)), squeeze=False)
     for ax, r in zip(axes[:, 0], records):
         for name, (lo, hi) in r["windows_s"].items():

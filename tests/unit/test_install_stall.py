@@ -44,6 +44,7 @@ def test_labels_follow_window_priority_and_ratios_use_steady_median() -> None:
     arrivals = [(t, i + 1) for i, t in enumerate(times)]
     windows = {
         "install": (2.0, 2.04),
+        "result": (1.995, 1.995),
         "trigger": (0.995, 1.2),
         "compaction": (1.9, 2.0),
         "steady": (0.0, 0.0),
@@ -59,6 +60,19 @@ def test_labels_follow_window_priority_and_ratios_use_steady_median() -> None:
     # the install window wins over compaction where both overlap one gap
     assert bench.label(bench.Gap(1.99, 2.01, 1), windows) == "install"
     assert bench.label(bench.Gap(1.95, 1.96, 1), windows) == "compaction"
+    assert bench.label(bench.Gap(1.98, 1.999, 1), windows) == "result"
+
+
+def test_install_window_starts_after_the_gap_the_result_arrived_in() -> None:
+    gs = [bench.Gap(0.0, 1.0, 1), bench.Gap(1.0, 1.5, 1), bench.Gap(1.5, 1.6, 1)]
+    # the result lands late in a long (prefill) gap; the install finishes in the next one
+    lo, hi = bench.install_window(gs, result_at=0.99, installed=1.2)
+    assert (lo, hi) == (1.0, 1.2)
+    windows = {"install": (lo, hi), "result": (0.99, 0.99)}
+    windows |= {"trigger": (0.0, 0.0), "compaction": (0.0, 0.0), "steady": (0.0, 0.0)}
+    assert [bench.label(g, windows) for g in gs] == ["result", "install", "steady"]
+    # result and install in one gap: the window starts at the result
+    assert bench.install_window(gs, result_at=1.1, installed=1.3, margin=0.01) == (1.09, 1.31)
 
 
 def test_summarize_needs_steady_gaps() -> None:
