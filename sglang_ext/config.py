@@ -75,6 +75,9 @@ class CompactionConfig:
         install_chunk_mb: at most this many MiB of a result are cast, checked and written
             into the KV pool per scheduler iteration (a large install is spread out instead
             of stalling every running request).
+        install_step_ms: and at most about this many milliseconds of that work per
+            iteration (one layer at least), whatever the bytes: on a CPU pool the per-layer
+            cast and checks, not the copy, set the cost.
         tls / tls_ca / tls_cert / tls_key / token / token_file / allow_plaintext_token: gRPC
             channel options (``sglang_ext.channel``, checked at startup). `token` is set from
             ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict;
@@ -93,6 +96,7 @@ class CompactionConfig:
     retry_backoff_s: float = 30.0
     max_in_flight: int = 2
     install_chunk_mb: int = 64
+    install_step_ms: float = 2.0
     tls: bool = False
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -128,6 +132,10 @@ class CompactionConfig:
         if self.install_chunk_mb < 1:
             raise ValueError(
                 f"--compaction-install-chunk-mb must be >= 1, got {self.install_chunk_mb}"
+            )
+        if not self.install_step_ms > 0:
+            raise ValueError(
+                f"--compaction-install-step-ms must be > 0, got {self.install_step_ms}"
             )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
@@ -221,6 +229,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=CompactionConfig.install_chunk_mb,
         help="MiB of a compacted prefix written into the KV pool per scheduler iteration.",
     )
+    g.add_argument(
+        "--compaction-install-step-ms",
+        type=float,
+        default=CompactionConfig.install_step_ms,
+        help="Milliseconds of install work per scheduler iteration (one layer at least).",
+    )
     add_channel_args(g)
 
 
@@ -267,6 +281,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         retry_backoff_s=ns.compaction_retry_backoff,
         max_in_flight=ns.compaction_max_in_flight,
         install_chunk_mb=ns.compaction_install_chunk_mb,
+        install_step_ms=ns.compaction_install_step_ms,
         **channel,
     )
 

@@ -27,6 +27,7 @@ prefix); they cannot tell a plausible wrong result from a right one.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,21 +143,26 @@ class PendingInstall:
         k0 = kvcache.get_key_buffer(kvcache.start_layer)
         return 2 * int(self.slots.numel()) * k0.shape[1] * k0.shape[2] * k0.element_size()
 
-    def step(self, kvcache: Any, store: BetaStore, max_bytes: int) -> int:
-        """Cast, check and write the next layers, about `max_bytes` of pool writes (one layer
-        at least); returns the bytes written. Mutates the pool, `store` and `next_layer`.
+    def step(
+        self, kvcache: Any, store: BetaStore, max_bytes: int, deadline: float = math.inf
+    ) -> int:
+        """Cast, check and write the next layers: at most `max_bytes` of pool writes, and no
+        layer started after `deadline` (`time.perf_counter()`), one layer at least. Returns
+        the bytes written; mutates the pool, `store` and `next_layer`.
 
         Raises:
             ValueError: a layer fails `check_layer` (nothing of it was written).
         """
         per_layer = self.layer_bytes(kvcache)
         n = max(1, max_bytes // max(per_layer, 1))
-        layers = range(self.next_layer, min(self.prefix.num_layers, self.next_layer + n))
-        T = len(self.token_ids)
+        stop = min(self.prefix.num_layers, self.next_layer + n)
+        T, written = len(self.token_ids), 0
 
         def check(i: int, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> None:
             check_layer(i, k, v, beta, self.bounds[i], T)
 
-        write_layers(kvcache, store, self.prefix, self.slots, layers, check)
-        self.next_layer = layers.stop
-        return per_layer * len(layers)
+        while self.next_layer < stop and (written == 0 or time.perf_counter() < deadline):
+            i = self.next_layer
+            write_layers(kvcache, store, self.prefix, self.slots, range(i, i + 1), check)
+            self.next_layer, written = i + 1, written + per_layer
+        return written

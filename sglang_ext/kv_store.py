@@ -91,19 +91,18 @@ def write_layers(
     layers: range | None = None,
     check: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
-    """Write `layers` (default all) of `prefix` into `slots` [t_max] int64 of `kvcache` and
+    """Write `layers` (default all) of `prefix` into `slots` [t_max] int64 (t_max = the
+    longest head of any layer, `head_counts(prefix).max()`) of `kvcache` and
     `store` (mutates both; marks `slots` compacted).
 
     `check(i, k, v, beta)` sees each layer cast to the pool's dtype (k, v [H_kv, t_max, D],
     beta [H_kv, t_max]) before it is written; what it raises stops the write there.
 
     Raises:
-        ValueError: `slots` is not exactly t_max long, or the prefix does not fit the pool.
+        ValueError: a head keeps more entries than `slots`, or the prefix does not fit the
+            pool.
     """
-    counts = head_counts(prefix)
-    t_max = int(counts.max())
-    if slots.numel() != t_max:
-        raise ValueError(f"need {t_max} slots for this prefix, got {slots.numel()}")
+    t_max = int(slots.numel())  # each layer's padded() refuses a head longer than that
     if prefix.num_layers != kvcache.layer_num:
         raise ValueError(f"prefix has {prefix.num_layers} layers, pool {kvcache.layer_num}")
     if not store.alias_ready:

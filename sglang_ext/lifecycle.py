@@ -4,7 +4,8 @@ At the scheduler's poll point (`poll_compactions`) finished jobs are taken from 
 a job of an older epoch (submitted before a weight update) is dropped as `stale`, a failed
 one is counted (`invalid` for a ValueError: a checksum, shape, echo or magnitude check;
 `failures` otherwise) and the path may be retried; a result starts a `PendingInstall`
-(`sglang_ext.installer`) whose layers are written `install_chunk_mb` at a time across
+(`sglang_ext.installer`) whose layers are written `install_chunk_mb` (and about
+`install_step_ms`) at a time across
 iterations, then becomes a node. Structure checks (`check_result`) run on the runner's
 thread, never the scheduler's.
 
@@ -16,6 +17,7 @@ installs and results in flight, and sets the fingerprint results must carry from
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -204,12 +206,15 @@ class InstallLifecycle:
         return pending
 
     def _advance_installs(self) -> int:
-        """Write pending installs, `install_chunk_mb` at most; returns how many finished."""
+        """Write pending installs, `install_chunk_mb` and about `install_step_ms` at most;
+        returns how many finished."""
         budget, done = self.config.install_chunk_mb << 20, 0
-        while self._pending and budget > 0:
-            pending = self._pending[0]
+        deadline = time.perf_counter() + self.config.install_step_ms / 1000
+        wrote = False  # one layer at least per call, then within the budgets
+        while self._pending and budget > 0 and not (wrote and time.perf_counter() >= deadline):
+            pending, wrote = self._pending[0], True
             try:
-                budget -= pending.step(self.kvcache, self.beta_store, budget)
+                budget -= pending.step(self.kvcache, self.beta_store, budget, deadline)
             except ValueError as e:
                 self._pending.pop(0)
                 self._abort(pending)

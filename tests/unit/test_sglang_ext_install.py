@@ -101,7 +101,7 @@ def test_install_without_the_original_is_refused(compacted: Any) -> None:
 def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
     ids, prefix, fp = compacted
     runner = FakeRunner()
-    cache = make_cache(fp, runner=runner, install_chunk_mb=1)
+    cache = make_cache(fp, runner=runner, install_chunk_mb=1, install_step_ms=1e9)
     insert_fresh(cache, ids)
     t_max = int(head_counts(prefix).max())
     per_layer = 2 * t_max * 3 * 64 * 4  # K and V of one layer in the fp32 pool
@@ -114,6 +114,17 @@ def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
         assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == T
     assert cache.poll_compactions() == 1
     assert cache.stats.installed == 1
+    check_accounting(cache)
+
+
+def test_install_time_budget_spreads_it_one_layer_per_iteration(compacted: Any) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, install_step_ms=1e-6)  # over budget after a layer
+    insert_fresh(cache, ids)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    polls = [cache.poll_compactions() for _ in range(prefix.num_layers)]
+    assert polls == [0] * (prefix.num_layers - 1) + [1]
     check_accounting(cache)
 
 
