@@ -281,6 +281,7 @@ def run_one(srv: Any, chunk_mb: int, service: str, a: argparse.Namespace) -> dic
     span = (held[0].start - summary["steady_tpot_ms"] / 1e3, held[-1].end) if held else (0, 0)
     rec = {
         "install_chunk_mb": chunk_mb,
+        "install_step_ms": a.step_ms,
         "service": service,
         "decode_tokens": stream.arrivals[-1][1],
         "multi_token_chunks": sum(g.tokens > 1 for g in gs),
@@ -358,6 +359,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--chunk-mb", default="64,1", help="install chunk sizes, one server each")
+    ap.add_argument(
+        "--step-ms", type=float, default=2.0, help="--compaction-install-step-ms of every run"
+    )
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--method", default="am-highest")
     ap.add_argument("--sentences", type=int, default=110, help="document size (110: ~1.9k tok)")
@@ -403,6 +407,7 @@ def main() -> int:
                 "--enable-metrics",
                 *compaction_args(svc.endpoint, a.ratio, a.method, min_hits=2),
                 "--compaction-install-chunk-mb", str(chunk),
+                "--compaction-install-step-ms", str(a.step_ms),
             ]  # fmt: skip
             srv = SGLangServer(
                 model,
