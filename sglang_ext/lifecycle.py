@@ -4,7 +4,8 @@ At the scheduler's poll point (`poll_compactions`) finished jobs are taken from 
 a job of an older epoch (submitted before a weight update) is dropped as `stale`, a failed
 one is counted (`invalid` for a ValueError: a checksum, shape, echo or magnitude check;
 `failures` otherwise) and the path may be retried; a result starts a `PendingInstall`
-(`sglang_ext.installer`) whose layers are written `install_chunk_mb` (and about
+(`sglang_ext.installer`) whose slots count as protected (SGLang's pool accounting stays
+exact while it is written) and whose layers are written `install_chunk_mb` (and about
 `install_step_ms`) at a time across
 iterations, then becomes a node. Structure checks (`check_result`) run on the runner's
 thread, never the scheduler's.
@@ -76,7 +77,8 @@ class InstallLifecycle:
         done = self._advance_installs()
         self._reap()
         alloc = self.token_to_kv_pool_allocator
-        tree = self.evictable_size_ + self.protected_size_
+        pending = sum(int(p.slots.numel()) for p in self._pending)
+        tree = self.evictable_size_ + self.protected_size_ - pending
         if self.stats.read_pool(alloc.available_size(), tree, alloc.size):
             self._export()
         return done
@@ -202,6 +204,7 @@ class InstallLifecycle:
         slots = torch.cat(original).to(torch.int64) if original else torch.empty(0)
         bounds = original_bounds(self.kvcache, slots)
         pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds)
+        self.protected_size_ += t_max  # held, not evictable, until the node takes them
         self._pending.append(pending)
         return pending
 
@@ -227,6 +230,7 @@ class InstallLifecycle:
         return done
 
     def _abort(self, pending: PendingInstall) -> None:
+        self.protected_size_ -= int(pending.slots.numel())
         self.beta_store.clear(pending.slots)
         self.token_to_kv_pool_allocator.free(pending.slots)
         self._refresh_gauges()
@@ -236,6 +240,7 @@ class InstallLifecycle:
         prefix, ids, t_max = pending.prefix, pending.token_ids, int(pending.slots.numel())
         node = new_compacted_node(self.root_node, ids, pending.slots, pending.phash, prefix.method)
         self._compacted[pending.phash] = node
+        self.protected_size_ -= t_max
         self.evictable_size_ += t_max
         self._update_leaf_status(node)
         self._update_leaf_status(self.root_node)

@@ -111,6 +111,8 @@ def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
     for _ in range(polls - 1):
         assert cache.poll_compactions() == 0
         assert not cache.compacted_nodes()  # not matchable while half written
+        check_accounting(cache)  # SGLang's idle leak check: pending slots count as protected
+        assert cache.protected_size() == t_max
         assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == T
     assert cache.poll_compactions() == 1
     assert cache.stats.installed == 1
