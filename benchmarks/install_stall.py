@@ -118,6 +118,9 @@ def install_window(
     return lo - margin, installed + margin
 
 
+LOCAL_GAPS = 40
+
+
 def summarize(gs: list[Gap], windows: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Median/max TPOT (ms) and count per label, and the ratios to steady's median.
 
@@ -144,6 +147,19 @@ def summarize(gs: list[Gap], windows: dict[str, tuple[float, float]]) -> dict[st
                 sum(s >= max(xs) for s in by["steady"]) / len(by["steady"]) if xs else None
             ),
         }
+    # the decode's own level right after the install (context and batch as during it): the
+    # median of the next LOCAL_GAPS steady gaps
+    end = windows["install"][1]
+    after = [g.tpot_s * 1e3 for g in gs if g.start >= end and label(g, windows) == "steady"][
+        :LOCAL_GAPS
+    ]
+    inst = by["install"]
+    local = statistics.median(after) if after else None
+    out["local_steady_after_install_ms"] = local
+    out["install_max_over_local_steady"] = max(inst) / local if inst and local else None
+    out["install_median_over_local_steady"] = (
+        statistics.median(inst) / local if inst and local else None
+    )
     return out
 
 
@@ -310,7 +326,10 @@ def run_one(srv: Any, chunk_mb: int, service: str, a: argparse.Namespace) -> dic
         f"{rec['install']['median_ms']:.1f} ms, {rec['install']['steady_share_at_least_max']:.1%} "
         f"of steady gaps as long; trigger max {rec['trigger']['max_ms'] or 0:.0f} "
         f"ms; install {rec['install_bytes'] / 2**20:.2f} MiB, result->installed "
-        f"{rec['result_to_installed_ms']:.0f} ms; load {load_before[0]:.1f}",
+        f"{rec['result_to_installed_ms']:.0f} ms; vs the {LOCAL_GAPS} steady gaps after it "
+        f"({rec['local_steady_after_install_ms'] or 0:.1f} ms): max "
+        f"{rec['install_max_over_local_steady'] or 0:.2f}x, median "
+        f"{rec['install_median_over_local_steady'] or 0:.2f}x; load {load_before[0]:.1f}",
         flush=True,
     )
     return rec
