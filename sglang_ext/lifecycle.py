@@ -31,6 +31,7 @@ from sglang_ext.installer import PendingInstall, original_bounds
 from sglang_ext.kv_store import head_counts
 
 if TYPE_CHECKING:
+    from sglang_ext.compactors import PoolShape
     from sglang_ext.config import CompactionConfig
     from sglang_ext.kv_store import BetaStore
     from sglang_ext.metrics import CompactionStats
@@ -51,6 +52,7 @@ class InstallLifecycle:
         stats: CompactionStats
         trigger: CompactionTrigger
         kvcache: Any
+        pool_shape: PoolShape
         beta_store: BetaStore
         root_node: TreeNode
         token_to_kv_pool_allocator: Any
@@ -112,15 +114,14 @@ class InstallLifecycle:
     def check_result(self, prefix: CompactedPrefix) -> None:
         """Structure checks of a result against this pool and model (ValueError); run on
         the compaction runner's thread for results that arrive through it."""
-        kv = self.kvcache
-        k0 = kv.get_key_buffer(kv.start_layer)
         if self.fingerprint is None:
             raise ValueError("compaction is off since the weights were updated")
+        pool = self.pool_shape
         prefix.validate(
             expected_fingerprint=self.fingerprint,
-            num_layers=kv.layer_num,
-            num_kv_heads=int(k0.shape[1]),
-            head_dim=int(k0.shape[2]),
+            num_layers=pool.num_layers,
+            num_kv_heads=pool.num_kv_heads,
+            head_dim=pool.head_dim,
         )
 
     def on_weights_updated(self, fingerprint: str | None) -> None:

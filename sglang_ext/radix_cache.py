@@ -45,6 +45,7 @@ from sglang_ext.compacted_node import (
     path_tokens,
     physical_size,
 )
+from sglang_ext.compactors import PoolShape
 from sglang_ext.config import CompactionConfig
 from sglang_ext.installer import PendingInstall
 from sglang_ext.kv_store import BetaStore
@@ -86,6 +87,7 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         self.kvcache = kvcache
+        self.pool_shape = PoolShape.of(kvcache)  # what results must fit (fixed for the pool)
         self.beta_store = BetaStore.for_pool(kvcache)
         if runner is not None:
             runner.check = self.check_result
