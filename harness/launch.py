@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -251,6 +252,18 @@ class CompactorService(ManagedProcess):
         if self.in_process:
             cmd.append("--in-process")
         return cmd + list(self.extra_args)
+
+    def metrics_port(self, timeout: float = 30.0) -> int:
+        """The port `--metrics-port 0` bound, from the line `compactor serve` prints (a port
+        picked beforehand could be taken by the service's own gRPC port or another test)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(r"metrics on http://[^:]+:(\d+)/metrics", self.log_tail(100_000))
+            if m:
+                return int(m.group(1))
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"no metrics line in the log:\n{self.log_tail()}")
+            time.sleep(0.1)
 
     def _ready(self) -> bool:
         import grpc

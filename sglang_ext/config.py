@@ -67,6 +67,10 @@ class CompactionConfig:
         follow_up_tokens: each suffix is cut to this many tokens.
         boundary_margin: a compacted path stops this many tokens before the branch point
             it was found at (later requests may diverge a little earlier).
+        align_tokens: and then goes down to a multiple of this many tokens, so replicas
+            that found the same document at slightly different branch points (their
+            questions share a first word or not) ask for the same prefix: one compaction
+            in a shared service, not one per replica.
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
             at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
         max_in_flight: compactions asked for and not yet installed (in flight, waiting or
@@ -92,6 +96,7 @@ class CompactionConfig:
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
     boundary_margin: int = 32
+    align_tokens: int = 64
     max_retries: int = 2
     retry_backoff_s: float = 30.0
     max_in_flight: int = 2
@@ -122,6 +127,8 @@ class CompactionConfig:
             raise ValueError(
                 f"--compaction-boundary-margin must be >= 0, got {self.boundary_margin}"
             )
+        if self.align_tokens < 1:
+            raise ValueError(f"--compaction-align-tokens must be >= 1, got {self.align_tokens}")
         if self.max_retries < 0 or self.retry_backoff_s < 0:
             raise ValueError(
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
@@ -205,6 +212,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Tokens before the shared path's branch point that stay uncompacted.",
     )
     g.add_argument(
+        "--compaction-align-tokens",
+        type=int,
+        default=CompactionConfig.align_tokens,
+        help="A compacted path's length is then cut down to a multiple of this, so "
+        "replicas that share one service ask for the same prefix of a document.",
+    )
+    g.add_argument(
         "--compaction-max-retries",
         type=int,
         default=CompactionConfig.max_retries,
@@ -277,6 +291,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         max_follow_ups=ns.compaction_max_follow_ups,
         follow_up_tokens=ns.compaction_follow_up_tokens,
         boundary_margin=ns.compaction_boundary_margin,
+        align_tokens=ns.compaction_align_tokens,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,
         max_in_flight=ns.compaction_max_in_flight,

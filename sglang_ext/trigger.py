@@ -8,7 +8,9 @@ it asks `pick(...)` for at most one path to send. Rules:
 - the longest candidate path wins, cut `boundary_margin` tokens short: the two requests
   that made the branch may share the first tokens of their questions (or a token merged
   across the seam) that a third does not, and a compacted prefix is matched whole or not
-  at all; paths shorter than `min_prefix_tokens` are not sent;
+  at all; then cut down to a multiple of `align_tokens` (replicas whose branch points
+  differ by a token or two ask for the same prefix); paths shorter than
+  `min_prefix_tokens` are not sent;
 - one compaction per document: a path equal to, inside or around one in flight or
   installed is not sent again;
 - a failed compaction may be sent again after `retry_backoff_s * 2**(failures - 1)`
@@ -81,8 +83,11 @@ class CompactionTrigger:
         if best is None:
             return None
         # stop `boundary_margin` tokens short of the branch: later requests whose question
-        # starts differently (or tokenizes differently at the seam) still match it whole
-        best = best[: len(best) - self.config.boundary_margin]
+        # starts differently (or tokenizes differently at the seam) still match it whole;
+        # then down to a multiple of `align_tokens`: another replica that branched a token
+        # or two away asks for the same prefix (one compaction in a shared service)
+        n = len(best) - self.config.boundary_margin
+        best = best[: n - n % self.config.align_tokens]
         if len(best) < self.config.min_prefix_tokens:
             return None
         phash = prefix_hash(best)

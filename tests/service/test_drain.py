@@ -9,7 +9,6 @@ exits 0 leaving no process behind. `--test-layer-delay-s` makes a compaction slo
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 import urllib.request
@@ -94,18 +93,6 @@ def _start(tmp_path: Path, model: Path, *args: str, in_process: bool = True) -> 
     ).start()
 
 
-def _metrics_port(svc: CompactorService, timeout: float = 30.0) -> int:
-    """The port `--metrics-port 0` bound, from the line `compactor serve` prints (a port
-    picked beforehand could be taken by the service's own gRPC port or another test)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = re.search(r"metrics on http://[^:]+:(\d+)/metrics", svc.log_tail(100_000))
-        if m:
-            return int(m.group(1))
-        assert time.monotonic() < deadline, f"no metrics line in the log:\n{svc.log_tail()}"
-        time.sleep(0.1)
-
-
 def _sigterm_and_wait(svc: CompactorService, timeout: float) -> tuple[int, float]:
     """SIGTERM the service (its main process only, as Kubernetes does); (exit code, seconds)."""
     assert svc.pid is not None
@@ -124,7 +111,7 @@ def test_sigterm_finishes_the_compaction_in_flight_and_refuses_new_ones(
         "--metrics-port", "0", "--drain-seconds", "60", "--test-layer-delay-s", "0.15",
     )  # fmt: skip
     try:
-        mport = _metrics_port(svc)
+        mport = svc.metrics_port()
         assert svc.pid is not None
         main = psutil.Process(svc.pid)
         with ThreadPoolExecutor(1) as pool:
@@ -170,7 +157,7 @@ def test_sigterm_with_a_short_drain_cancels_the_compaction_and_leaves_no_process
         in_process=False,
     )  # fmt: skip
     try:
-        mport = _metrics_port(svc)
+        mport = svc.metrics_port()
         assert svc.pid is not None
         main = psutil.Process(svc.pid)
         with ThreadPoolExecutor(1) as pool:
@@ -198,7 +185,7 @@ def test_metrics_endpoint_counts_a_compaction_a_cache_hit_and_an_error(
 
     svc = _start(tmp_path, prepared_model, "--metrics-port", "0")
     try:
-        mport = _metrics_port(svc)
+        mport = svc.metrics_port()
         first = _compact(svc.endpoint, model_fp, PREFIX)
         second = _compact(svc.endpoint, model_fp, PREFIX)
         bad = _rpc_error(lambda: _compact(svc.endpoint, model_fp, PREFIX, ratio=1.5))

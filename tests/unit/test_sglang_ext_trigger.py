@@ -31,6 +31,7 @@ def node(tokens: list[int], hits: int, children: int) -> Any:
 def trigger(**kw: Any) -> tuple[CompactionTrigger, Clock]:
     clock = Clock()
     kw.setdefault("boundary_margin", 0)
+    kw.setdefault("align_tokens", 1)
     cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=256, **kw)
     return CompactionTrigger(cfg, clock=clock), clock
 
@@ -98,12 +99,27 @@ def test_path_stops_short_of_the_branch_by_the_margin() -> None:
     assert offer(t2, node(DOC, hits=2, children=2)) is None  # 300 - 64 < min_prefix_tokens
 
 
+def test_replicas_that_branch_a_token_apart_ask_for_the_same_prefix() -> None:
+    """One replica's questions part right after the document, another's one token later
+    (both start with token 7): after the margin both cut down to the same multiple of
+    `align_tokens`, so a shared service sees one prefix, not two."""
+    picked = []
+    for branch in ([*DOC], [*DOC, 7]):
+        t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=64)
+        tokens, _ = offer(t, node(branch, hits=2, children=2))
+        picked.append(tokens)
+    assert picked[0] == picked[1] == DOC[:256]  # 292 and 293 both go down to 256
+    t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=512)
+    assert offer(t, node(DOC, hits=2, children=2)) is None  # aligned to 0 < min_prefix_tokens
+
+
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
         ({"max_retries": -1}, "retry limits"),
         ({"retry_backoff_s": -1.0}, "retry limits"),
         ({"boundary_margin": -1}, "boundary-margin must be >= 0, got -1"),
+        ({"align_tokens": 0}, "align-tokens must be >= 1, got 0"),
     ],
 )
 def test_bad_limits_are_value_errors(bad: dict[str, Any], match: str) -> None:
