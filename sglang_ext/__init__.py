@@ -15,7 +15,8 @@ which applies them after all plugins have run:
   it, nothing changes and SGLang runs stock.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
-  caches.
+  caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
+  there), which makes it the place of the ranks' per-iteration agreement (`sglang_ext.tp`).
 - AFTER each `update_weights_from_*` of SGLang's scheduler weight updater: compacted
   prefixes and results in flight are dropped (`CompactionRadixCache.on_weights_updated`);
   compaction goes on only after a disk update that reloaded the very same checkpoint

@@ -56,13 +56,14 @@ class Compactor(Protocol):
 @dataclass(frozen=True)
 class JobResult:
     """One finished compaction: exactly one of `prefix` and `error` is set; `epoch` is the
-    runner's epoch when it was submitted."""
+    runner's epoch when it was submitted; `job_id` what `submit` returned."""
 
     token_ids: tuple[int, ...]
     prefix: CompactedPrefix | None
     error: BaseException | None
     latency_s: float
     epoch: int = 0
+    job_id: int = 0
 
 
 class InProcessCompactor:
@@ -134,17 +135,61 @@ METADATA_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class PoolShape:
-    """What a result must fit: the KV pool's L, H_kv, D and dtype."""
+    """What a result must fit: L, the model's H_kv (a result has every head), D, the pool's
+    dtype, and the heads [head_start, head_start + pool_heads) this rank's pool holds (all of
+    them without tensor parallelism; see `sglang_ext.tp.head_range`)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: Any  # torch.dtype
+    head_start: int = 0
+    pool_heads: int | None = None  # None: num_kv_heads
+
+    def __post_init__(self) -> None:
+        heads = self.pool_heads if self.pool_heads is not None else self.num_kv_heads
+        if not (self.head_start >= 0 and 0 < heads <= self.num_kv_heads - self.head_start):
+            raise ValueError(
+                f"pool heads [{self.head_start}, {self.head_start + heads}) not in the model's "
+                f"{self.num_kv_heads} KV heads"
+            )
 
     @classmethod
-    def of(cls, kvcache: Any) -> PoolShape:
-        k0 = kvcache.get_key_buffer(kvcache.start_layer)  # [S, H_kv, D]
-        return cls(int(kvcache.layer_num), int(k0.shape[1]), int(k0.shape[2]), k0.dtype)
+    def of(
+        cls, kvcache: Any, model_kv_heads: int | None = None, tp_rank: int = 0, tp_size: int = 1
+    ) -> PoolShape:
+        """The shape of `kvcache`; with `model_kv_heads`, of TP rank `tp_rank` of `tp_size`.
+
+        Raises:
+            ValueError: the pool does not hold that rank's share of the model's heads.
+        """
+        from sglang_ext.tp import head_range
+
+        k0 = kvcache.get_key_buffer(kvcache.start_layer)  # [S, H_kv / tp, D]
+        layers, pool_heads, dim = int(kvcache.layer_num), int(k0.shape[1]), int(k0.shape[2])
+        if model_kv_heads is None:
+            return cls(layers, pool_heads, dim, k0.dtype)
+        start, stop = head_range(int(model_kv_heads), tp_rank, tp_size)
+        if stop - start != pool_heads:
+            raise ValueError(
+                f"KV pool holds {pool_heads} heads; rank {tp_rank} of tp_size {tp_size} should "
+                f"hold {stop - start} of the model's {model_kv_heads}"
+            )
+        return cls(layers, int(model_kv_heads), dim, k0.dtype, start, pool_heads)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether this pool holds only some of a result's heads."""
+        return self.pool_heads is not None and self.pool_heads != self.num_kv_heads
+
+    def take(self, prefix: CompactedPrefix) -> CompactedPrefix:
+        """This pool's heads of a full `prefix` [L layers x H_kv heads] (views; `prefix`
+        itself when the pool holds every head)."""
+        if self.pool_heads is None or not self.sliced:
+            return prefix
+        from sglang_ext.tp import slice_heads
+
+        return slice_heads(prefix, self.head_start, self.head_start + self.pool_heads)
 
     def max_result_bytes(self, logical_length: int) -> int:
         """The largest valid result for a prefix of T = `logical_length` tokens (keys and
@@ -256,7 +301,9 @@ class CompactionRunner:
 
     `check(prefix)`, when set, runs on the runner's thread for every result; a raised
     ValueError turns the result into a failed job carrying it (the scheduler counts it as
-    invalid). `new_epoch()` marks every job submitted so far as stale.
+    invalid). `new_epoch()` marks every job submitted so far as stale. `on_submit(job_id,
+    token_ids, follow_ups)`, when set, is called by every `submit` (TP rank 0 announces its
+    submissions to the other ranks through it: `sglang_ext.tp`).
     """
 
     def __init__(
@@ -269,6 +316,8 @@ class CompactionRunner:
         self.timeout = timeout
         self.check = check
         self.epoch = 0
+        self.on_submit: Callable[[int, Sequence[int], Sequence[Sequence[int]]], None] | None = None
+        self._next_id = 0
         self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -293,17 +342,28 @@ class CompactionRunner:
         self.epoch += 1
         return self.epoch
 
-    def submit(self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]) -> None:
-        """Start one compaction; returns at once (thread-safe)."""
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        follow_ups: Sequence[Sequence[int]],
+        job_id: int | None = None,
+    ) -> int:
+        """Start one compaction; returns its job id at once (`job_id`, else the next of this
+        runner's). Thread-safe."""
+        tokens = tuple(int(t) for t in token_ids)
+        fus = [list(f) for f in follow_ups]
         with self._lock:
             self._in_flight += 1
-        asyncio.run_coroutine_threadsafe(
-            self._run(tuple(int(t) for t in token_ids), [list(f) for f in follow_ups], self.epoch),
-            self._loop,
-        )
+            if job_id is None:
+                job_id = self._next_id
+            self._next_id = max(self._next_id, job_id + 1)
+        if self.on_submit is not None:
+            self.on_submit(job_id, tokens, fus)
+        asyncio.run_coroutine_threadsafe(self._run(tokens, fus, self.epoch, job_id), self._loop)
+        return job_id
 
     async def _run(
-        self, token_ids: tuple[int, ...], follow_ups: list[list[int]], epoch: int
+        self, token_ids: tuple[int, ...], follow_ups: list[list[int]], epoch: int, job_id: int
     ) -> None:
         t0 = time.perf_counter()
         prefix: CompactedPrefix | None = None
@@ -319,7 +379,7 @@ class CompactionRunner:
         with self._lock:
             self._in_flight -= 1
         latency = time.perf_counter() - t0
-        self._results.put(JobResult(token_ids, prefix, error, latency, epoch))
+        self._results.put(JobResult(token_ids, prefix, error, latency, epoch, job_id))
 
     def drain(self) -> list[JobResult]:
         """Finished jobs since the last call (non-blocking)."""

@@ -12,6 +12,7 @@ exactly as SGLang built it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "TRITON_ATTENTION_BACKEND",
     "CompactionConfig",
     "add_cli_args",
+    "check_parallelism",
     "config_from_namespace",
     "get_config",
 ]
@@ -319,6 +321,7 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     """
     if getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--compaction-endpoint needs the radix cache; drop --disable-radix-cache")
+    check_parallelism(server_args, cfg)
     page_size = getattr(server_args, "page_size", None)
     if page_size not in (None, 1):
         raise ValueError(f"--compaction-endpoint supports page_size 1 only, got {page_size}")
@@ -390,4 +393,36 @@ def _require_no_cuda_graph(server_args: Any) -> None:
         raise ValueError(
             f"{TRITON_ATTENTION_BACKEND!r} runs without CUDA graphs (a replayed graph would skip "
             f"the compaction biases); got {asked}"
+        )
+
+
+def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
+    """ValueError naming the flag for a layout the plugin cannot serve with.
+
+    Tensor parallelism works (`sglang_ext.tp`) with a compaction service, not `inproc://`
+    (every rank would compact). Data-parallel replicas (`--dp-size`) each have their own
+    scheduler, cache and TP group: they compact independently (the service's cache makes a
+    shared document one compaction). Refused: pipeline parallelism (a rank holds some
+    layers), prefill/decode disaggregation (KV moves between servers), attention data
+    parallelism, context parallelism (KV split by tokens) and speculative decoding (draft
+    KV and verify steps the compacted prefix does not cover).
+    """
+    refusals: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+        ("pp_size", "--pp-size", lambda v: v not in (None, 1)),
+        ("disaggregation_mode", "--disaggregation-mode", lambda v: v not in (None, "null")),
+        ("enable_dp_attention", "--enable-dp-attention", bool),
+        ("attn_dp_size", "--attn-dp-size", lambda v: v not in (None, 1)),
+        ("attn_cp_size", "--attn-cp-size", lambda v: v not in (None, 1)),
+        ("dcp_size", "--dcp-size", lambda v: v not in (None, 1)),
+        ("speculative_algorithm", "--speculative-algorithm", lambda v: v is not None),
+    )
+    for name, flag, refused in refusals:
+        value = getattr(server_args, name, None)
+        if refused(value):
+            raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}")
+    tp_size = getattr(server_args, "tp_size", None) or 1
+    if tp_size > 1 and cfg.in_process:
+        raise ValueError(
+            f"--compaction-endpoint inproc:// would compact on each of --tp-size {tp_size} "
+            "ranks; give a compaction service's address"
         )

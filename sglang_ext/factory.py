@@ -4,7 +4,9 @@
 attention backends `compaction` (torch_native + beta) and `compaction-triton` (triton + beta,
 CUDA) to its attention-backend registry and `--attention-backend` choices (called from
 `register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
-model fingerprint and a `CompactionRunner` for the configured endpoint; `check_model` resolves
+model fingerprint and a `CompactionRunner` for the configured endpoint (with `--tp-size` > 1,
+a `sglang_ext.tp.TpSync` over the scheduler's TP CPU group on every rank, rank 0 deciding and
+each rank's pool shape naming its KV heads); `check_model` resolves
 and fingerprints the checkpoint (a directory, or a Hub ID in the local Hugging Face cache)
 right after argument parsing, before any weights load.
 """
@@ -23,7 +25,13 @@ from sglang_ext.config import (
     get_config,
 )
 
-__all__ = ["check_model", "create_compaction_cache", "register_backends", "resolve_model_dir"]
+__all__ = [
+    "attach_tp",
+    "check_model",
+    "create_compaction_cache",
+    "register_backends",
+    "resolve_model_dir",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +103,46 @@ def create_compaction_cache(ctx: Any) -> Any:
         )
     model_dir = str(resolve_model_dir(ctx.server_args))
     fp = fingerprint(model_dir)
-    pool = PoolShape.of(ctx.params.token_to_kv_pool_allocator.get_kvcache())
+    tp_size, tp_rank = int(getattr(ctx, "tp_size", 1) or 1), int(getattr(ctx, "tp_rank", 0) or 0)
+    kvcache = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    if tp_size > 1:
+        heads = int(ctx.model_config.get_total_num_kv_heads())
+        pool = PoolShape.of(kvcache, heads, tp_rank, tp_size)
+    else:
+        pool = PoolShape.of(kvcache)
     runner = CompactionRunner(make_compactor(cfg, model_dir, fp, pool), cfg.timeout)
-    exporter = PrometheusExporter() if ctx.params.enable_metrics else None
+    labels = {"tp_rank": str(tp_rank)} if tp_size > 1 else None
+    exporter = PrometheusExporter(labels) if ctx.params.enable_metrics else None
     cache = CompactionRadixCache(ctx.params, cfg, fp, runner=runner, exporter=exporter)
-    logger.info("sglang_ext: compaction radix cache ready: %s fingerprint=%s", cfg.as_dict(), fp)
+    if tp_size > 1:
+        attach_tp(cache, ctx.tp_group.cpu_group, tp_rank, tp_size, pool)
+    logger.info(
+        "sglang_ext: compaction radix cache ready: %s fingerprint=%s tp_rank=%d/%d heads=[%d, %d)",
+        cfg.as_dict(), fp, tp_rank, tp_size, pool.head_start,
+        pool.head_start + (pool.pool_heads or pool.num_kv_heads),
+    )  # fmt: skip
     return cache
+
+
+def attach_tp(cache: Any, group: Any, tp_rank: int, tp_size: int, pool: Any) -> Any:
+    """Make `cache` one rank of a TP group (mutates it): its pool shape names the rank's
+    heads, rank 0's runner announces submissions, other ranks' triggers never pick.
+    Returns the `TpSync`."""
+    from sglang_ext.tp import FollowerTrigger, TpSync
+
+    if cache.config.in_process:
+        raise ValueError(
+            "--compaction-endpoint inproc:// would compact on every TP rank; give a "
+            "compaction service's address with --tp-size > 1"
+        )
+    sync = TpSync(group, tp_rank, tp_size)
+    cache.pool_shape = pool
+    cache.tp = sync
+    if sync.leads:
+        cache.runner.on_submit = sync.on_submit
+    else:
+        cache.trigger = FollowerTrigger(cache.config)
+    return sync
 
 
 def resolve_model_dir(server_args: Any) -> Path:

@@ -10,6 +10,9 @@ exact while it is written) and whose layers are written `install_chunk_mb` (and 
 iterations, then becomes a node. Structure checks (`check_result`) run on the runner's
 thread, never the scheduler's.
 
+With tensor parallelism (`tp` set: `sglang_ext.tp.TpSync`) the ranks agree at each poll on
+what starts, becomes a node or is dropped; each writes its own KV-head slice in between.
+
 `on_weights_updated` (called by the plugin's hooks on SGLang's `update_weights_*`) drops
 every compacted prefix (unmatchable at once, freed when their requests let go), pending
 installs and results in flight, and sets the fingerprint results must carry from then on.
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from sglang_ext.config import CompactionConfig
     from sglang_ext.kv_store import BetaStore
     from sglang_ext.metrics import CompactionStats
+    from sglang_ext.tp import TpSync
     from sglang_ext.trigger import CompactionTrigger
 
 __all__ = ["InstallLifecycle"]
@@ -44,6 +48,8 @@ logger = logging.getLogger("sglang_ext.radix_cache")
 
 class InstallLifecycle:
     """Result intake, chunked installs and weight updates of `CompactionRadixCache`."""
+
+    tp: TpSync | None = None  # set by the factory when --tp-size > 1
 
     if TYPE_CHECKING:  # what the cache (and SGLang's RadixCache under it) provides
         config: CompactionConfig
@@ -72,11 +78,17 @@ class InstallLifecycle:
 
     def poll_compactions(self) -> int:
         """Take finished compactions, write pending installs (at most `install_chunk_mb` per
-        call), free retired nodes, read pool gauges; returns the installs completed."""
+        call), free retired nodes, read pool gauges; returns the installs completed. With
+        `tp`, every rank must call it at the same scheduler iteration (a collective)."""
+        done = 0
         if self.runner is not None:
-            for job in self.runner.drain():
-                self._take(job)
-        done = self._advance_installs()
+            jobs = self.runner.drain()
+            if self.tp is not None:
+                done += self.tp.poll(self, jobs)
+            else:
+                for job in jobs:
+                    self._take(job)
+        done += self._advance_installs()
         self._reap()
         alloc = self.token_to_kv_pool_allocator
         pending = sum(int(p.slots.numel()) for p in self._pending)
@@ -96,7 +108,8 @@ class InstallLifecycle:
             RuntimeError: the pool cannot give t_max slots even after eviction.
         """
         self.check_result(prefix)
-        pending = self._begin(token_ids, prefix)
+        t_max = int(head_counts(prefix).max())
+        pending = self._begin(token_ids, self.pool_shape.take(prefix), t_max=t_max)
         if pending is None:
             node = self._compacted.get(prefix.prefix_hash)
             if node is None:
@@ -112,8 +125,9 @@ class InstallLifecycle:
         return self._finish(pending)
 
     def check_result(self, prefix: CompactedPrefix) -> None:
-        """Structure checks of a result against this pool and model (ValueError); run on
-        the compaction runner's thread for results that arrive through it."""
+        """Structure checks of a result (every KV head of the model, not only this rank's)
+        against this pool and model (ValueError); run on the compaction runner's thread for
+        results that arrive through it."""
         if self.fingerprint is None:
             raise ValueError("compaction is off since the weights were updated")
         pool = self.pool_shape
@@ -130,6 +144,8 @@ class InstallLifecycle:
         `fingerprint` (None: weights no service holds) is what results must carry now."""
         if self.runner is not None:
             self.runner.new_epoch()
+        if self.tp is not None:
+            self.tp.clear()
         for pending in self._pending:
             self._abort(pending)
         self._pending.clear()
@@ -179,9 +195,12 @@ class InstallLifecycle:
             "result rejected" if invalid else "failed", " (may be retried)" if retry else "", error,
         )  # fmt: skip
 
-    def _begin(self, token_ids: Any, prefix: CompactedPrefix) -> PendingInstall | None:
-        """Echo checks (fingerprint, T, prefix hash), bounds from the original prefix, slots;
-        None if installed or being installed already."""
+    def _begin(
+        self, token_ids: Any, prefix: CompactedPrefix, t_max: int | None = None
+    ) -> PendingInstall | None:
+        """Echo checks (fingerprint, T, prefix hash), bounds from the original prefix, slots
+        (`t_max`: the full result's longest head when `prefix` is this rank's slice, so every
+        TP rank allocates alike); None if installed or being installed already."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
         if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
@@ -196,7 +215,7 @@ class InstallLifecycle:
         if phash in self._compacted or any(p.phash == phash for p in self._pending):
             self.stats.double_installs += 1
             return None
-        t_max = int(head_counts(prefix).max())
+        t_max = int(head_counts(prefix).max()) if t_max is None else t_max
         if not 0 < t_max < T:
             raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
         original, _ = RadixCache._match_prefix_helper(
@@ -210,22 +229,30 @@ class InstallLifecycle:
         return pending
 
     def _advance_installs(self) -> int:
-        """Write pending installs, `install_chunk_mb` and about `install_step_ms` at most;
-        returns how many finished."""
+        """Write pending installs in order, `install_chunk_mb` and about `install_step_ms` at
+        most; returns how many finished. With `tp`, a written or failed install waits for the
+        ranks' agreement (`TpSync.poll`) instead of becoming a node or being freed here."""
         budget, done = self.config.install_chunk_mb << 20, 0
         deadline = time.perf_counter() + self.config.install_step_ms / 1000
-        wrote = False  # one layer at least per call, then within the budgets
-        while self._pending and budget > 0 and not (wrote and time.perf_counter() >= deadline):
-            pending, wrote = self._pending[0], True
+        wrote, tp = False, self.tp  # one layer at least per call, then within the budgets
+        for pending in list(self._pending):
+            if budget <= 0 or (wrote and time.perf_counter() >= deadline):
+                break
+            if pending.done or (tp is not None and tp.is_failed(pending)):
+                continue
+            wrote = True
             try:
                 budget -= pending.step(self.kvcache, self.beta_store, budget, deadline)
             except ValueError as e:
-                self._pending.pop(0)
+                if tp is not None:
+                    tp.failed_install(pending, e)
+                    continue
+                self._pending.remove(pending)
                 self._abort(pending)
                 self._fallback(pending.token_ids, e)
                 continue
-            if pending.done:
-                self._pending.pop(0)
+            if pending.done and tp is None:
+                self._pending.remove(pending)
                 self._finish(pending)
                 done += 1
         return done

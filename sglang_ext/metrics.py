@@ -13,6 +13,9 @@ iteration, about once a second when idle), never estimated:
 - `free_slots`: `token_to_kv_pool_allocator.available_size()`;
 - `pool_slots`: the allocator's size (`--max-total-tokens`).
 
+With `--tp-size` > 1 every rank exports its own series, labelled `tp_rank` (each rank's
+pool holds its share of the KV heads; counters count the same events on every rank).
+
 `pool_slots - free_slots - physical_tokens - tree_slots` is what running requests hold
 outside the tree. Stock SGLang publishes the same allocator figure as
 `sglang:kv_available_tokens` (refreshed on each logged batch and every 30 s when idle).
