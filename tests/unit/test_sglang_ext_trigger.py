@@ -1,4 +1,4 @@
-"""`CompactionTrigger`: branch points only, once per document, retries with backoff."""
+"""`CompactionTrigger`: branch points only, once per document, retries with backoff (the chat-traffic rules: test_sglang_ext_trigger_chat.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ def node(tokens: list[int], hits: int, children: int) -> Any:
 
 
 def trigger(**kw: Any) -> tuple[CompactionTrigger, Clock]:
+    """A trigger whose paths end at the branch and that needs one question (these tests are
+    about branches, overlaps and retries; questions: test_sglang_ext_trigger_chat.py)."""
     clock = Clock()
     kw.setdefault("boundary_margin", 0)
+    kw.setdefault("min_continuations", 1)
     cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=256, **kw)
     return CompactionTrigger(cfg, clock=clock), clock
 
@@ -58,17 +61,24 @@ def test_branch_point_with_enough_hits_is_sent_with_follow_ups() -> None:
 
 def test_short_or_overlapping_paths_are_not_sent_again() -> None:
     t, _ = trigger(min_hits=2)
+    longer = [*DOC, *range(1000, 1300)]  # DOC, then a whole document more
+    for i, prompt in enumerate(([*DOC, 1, 2, 3], [*DOC, 9], [*longer, 5], [*longer, 6])):
+        t.remember(str(i), prompt)
     assert offer(t, node(DOC[:200], hits=5, children=2)) is None  # < min_prefix_tokens
     assert offer(t, node(DOC, hits=2, children=2)) is not None
     assert offer(t, node(DOC, hits=3, children=3)) is None  # in flight
-    assert offer(t, node([*DOC, 1, 2], hits=2, children=2)) is None  # around it
+    assert offer(t, node([*DOC, 1, 2], hits=2, children=2)) is None  # around it, same document
     assert offer(t, node(DOC[:260], hits=2, children=2)) is None  # inside it
     t.forget(prefix_hash(DOC))  # evicted after install: may be compacted again
     assert offer(t, node(DOC, hits=4, children=2)) is not None
+    # a whole document under it is another compaction (the shorter one keeps its requests)
+    assert offer(t, node(longer, hits=2, children=2)) is not None
+    assert offer(t, node(DOC, hits=5, children=2)) is None  # now inside the longer one too
 
 
-def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
-    t, clock = trigger(min_hits=2, max_retries=2, retry_backoff_s=30.0)
+def test_failed_compaction_is_retried_with_backoff_then_cools_down() -> None:
+    t, clock = trigger(min_hits=2, max_retries=2, retry_backoff_s=30.0, failure_cooldown_s=600.0)
+    t.remember("a", [*DOC, 1])
     branch = node(DOC, hits=2, children=2)
     assert offer(t, branch) is not None
     assert t.failed(DOC) is True
@@ -80,9 +90,13 @@ def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
     assert offer(t, branch) is None  # second backoff is 60 s
     clock.t = 90.0
     assert offer(t, branch) is not None
-    assert t.failed(DOC) is False  # out of retries
-    clock.t = 1e6
+    assert t.failed(DOC) is False  # out of retries: cools down
+    clock.t = 689.0
     assert offer(t, branch) is None
+    clock.t = 690.0
+    assert offer(t, branch) is not None  # cooled down: its record is dropped, a fresh start
+    assert t.failed(DOC) is True  # the first failure of the fresh record: backoff again
+    assert t._failures[prefix_hash(DOC)].count == 1
 
 
 def test_path_stops_short_of_the_branch_by_the_margin() -> None:
