@@ -88,7 +88,7 @@ def make_cache(
         disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
     )
     cfg.setdefault("boundary_margin", 0)  # paths end exactly at the branch (trigger tests cover it)
-    cfg.setdefault("min_continuations", 2)  # two questions suffice (chat rules: test_..._trigger_chat)
+    cfg.setdefault("min_continuations", 2)  # two questions suffice (see ..._trigger_chat)
     config = CompactionConfig(endpoint="inproc://", min_prefix_tokens=16, **cfg)
     return CompactionRadixCache(params, config, fp, runner=runner)
 
