@@ -9,7 +9,13 @@ import pytest
 
 from compactor.types import prefix_hash
 from sglang_ext.config import CompactionConfig
-from sglang_ext.trigger import CompactionTrigger
+from sglang_ext.trigger import (
+    _MAX_FAILURES,
+    _MAX_PATHS,
+    _RECENT_PROMPTS,
+    CompactionTrigger,
+    PathIndex,
+)
 
 DOC = list(range(100, 400))  # 300 tokens
 
@@ -123,3 +129,39 @@ def test_path_stops_short_of_the_branch_by_the_margin() -> None:
 def test_bad_limits_are_value_errors(bad: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CompactionConfig(endpoint="inproc://", **bad)
+
+
+def test_path_index_finds_prefixes_and_enclosing_paths() -> None:
+    idx = PathIndex()
+    a, b, c = (1, 2, 3, 4, 5), (1, 2, 3, 9), (1, 2)
+    for p in (a, b, c, a):
+        idx.add(p)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (5, False)  # a prefixes it
+    assert idx.query([1, 2, 3]) == (2, True)  # c prefixes it; it is inside a and b
+    assert idx.query([1, 2]) == (2, True)  # equal to c
+    assert idx.query([1, 2, 3, 7]) == (2, False)  # leaves a and b inside their edge
+    assert idx.query([5, 6]) == (0, False)
+    idx.remove(a)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (5, False)  # a was held twice
+    idx.remove(a)
+    idx.remove(c)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (0, False)
+    assert idx.query([1, 2, 3]) == (0, True)  # inside b still
+    idx.remove(b)
+    assert idx.query([1, 2]) == (0, False)
+
+
+def test_memory_is_bounded() -> None:
+    t, _ = trigger(min_hits=2, max_retries=0)
+    for i in range(_MAX_FAILURES + 10):
+        t.failed([-1 - i, *DOC])
+    assert len(t._failures) == _MAX_FAILURES  # the oldest records dropped
+    for i in range(_MAX_PATHS + 10):
+        path = [i, *DOC]
+        t.remember(str(i), [*path, 1])
+        assert offer(t, node(path, hits=2, children=2)) is not None
+    assert len(t._paths) == _MAX_PATHS and len(t._recent) == _RECENT_PROMPTS
+    # the oldest held path was dropped from the overlap index as well: it may be sent again
+    t.remember("again", [0, *DOC, 1])
+    assert offer(t, node([0, *DOC], hits=2, children=2)) is not None
+    assert offer(t, node([_MAX_PATHS + 9, *DOC], hits=2, children=2)) is None  # still held
