@@ -124,6 +124,8 @@ def test_path_stops_short_of_the_branch_by_the_margin() -> None:
         ({"max_retries": -1}, "retry limits"),
         ({"retry_backoff_s": -1.0}, "retry limits"),
         ({"boundary_margin": -1}, "boundary-margin must be >= 0, got -1"),
+        ({"min_continuations": 0}, "min-continuations must be >= 1, got 0"),
+        ({"failure_cooldown_s": -1.0}, "failure-cooldown must be >= 0, got -1.0"),
     ],
 )
 def test_bad_limits_are_value_errors(bad: dict[str, Any], match: str) -> None:
@@ -165,3 +167,20 @@ def test_memory_is_bounded() -> None:
     t.remember("again", [0, *DOC, 1])
     assert offer(t, node([0, *DOC], hits=2, children=2)) is not None
     assert offer(t, node([_MAX_PATHS + 9, *DOC], hits=2, children=2)) is None  # still held
+
+
+def test_new_flags_reach_the_config() -> None:
+    import argparse
+
+    from sglang_ext.config import add_cli_args, config_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(
+        ["--compaction-endpoint", "inproc://", "--compaction-min-continuations", "4",
+         "--compaction-failure-cooldown", "5"]
+    )  # fmt: skip
+    cfg = config_from_namespace(ns)
+    assert cfg is not None and (cfg.min_continuations, cfg.failure_cooldown_s) == (4, 5.0)
+    default = config_from_namespace(parser.parse_args(["--compaction-endpoint", "inproc://"]))
+    assert default is not None and default.min_continuations == 3
