@@ -24,12 +24,14 @@ The radix cache reports hits (`on_hit`) and requests it saw (`remember`, the las
   the longer path;
 - one compaction per document: a path equal to or inside one in flight or installed is not
   sent, nor one that extends such a path by fewer than `min_prefix_tokens` tokens (the same
-  document found again at a later branch); a longer path that extends a compacted one by a
-  whole document is sent (the shorter node keeps serving its own requests). Lookups go
+  document found again at a later branch); a path that extends one by `min_prefix_tokens`
+  or more (a document under a compacted system prompt) is sent, and the shorter node keeps
+  serving its own requests. Lookups go
   through `PathIndex`, a token trie: O(path length), whatever the number of paths held;
 - a failed compaction may be sent again after `retry_backoff_s * 2**(failures - 1)`
   seconds, at most `max_retries` times; then it cools down `failure_cooldown_s` and its
-  record is dropped (a fresh start). An evicted compacted prefix may be sent again;
+  record is dropped (a fresh start). An evicted compacted prefix may be sent again (unless
+  it lies inside a longer one held);
 - memory is bounded: at most `_MAX_PATHS` paths held (oldest dropped first: a dropped
   installed path is at worst sent again and counted as a double install) and
   `_MAX_FAILURES` failure records (oldest dropped);
