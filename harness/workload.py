@@ -196,12 +196,15 @@ def compaction_args(
     min_prefix_tokens: int = 256,
     timeout_s: float = 600.0,
 ) -> list[str]:
-    """`launch_server` flags that turn the plugin on against `endpoint`."""
+    """`launch_server` flags that turn the plugin on against `endpoint`. The workloads ask
+    one document `min_hits` different questions: its path is sent at the `min_hits`-th
+    (`--compaction-min-continuations` set to `min_hits`)."""
     return [
         "--compaction-endpoint", endpoint,
         "--compaction-method", method,
         "--compaction-ratio", str(ratio),
         "--compaction-min-hits", str(min_hits),
+        "--compaction-min-continuations", str(min_hits),
         "--compaction-min-prefix-tokens", str(min_prefix_tokens),
         "--compaction-timeout", str(timeout_s),
     ]  # fmt: skip

@@ -93,15 +93,16 @@ def covering(compacted: Iterable[TreeNode], key: RadixKey) -> TreeNode | None:
 def path_tokens(node: TreeNode, root: TreeNode) -> list[int] | None:
     """The tokens from `root` down to `node`, or None when the path cannot be compacted.
 
-    None when the path goes through a compacted node, a namespace (`extra_key`) or a
-    salted node.
+    A path through a compacted node is its whole key (the T tokens from the root it stands
+    for) then the ordinary tokens below it. None when the path goes through a namespace
+    (`extra_key`) or a salted node.
     """
     parts = []
     while node is not root:
-        if compaction_info(node) is not None or node.key.extra_key is not None:
-            return None  # paths through a compacted node or a namespace: not compacted
-        if node.key.cache_salt is not None:
-            return None
+        if node.key.extra_key is not None or node.key.cache_salt is not None:
+            return None  # namespaced or salted: never compacted
         parts.append(node.key.token_ids[: len(node.key)])
+        if compaction_info(node) is not None:
+            break  # its key is the whole path from the root
         node = node.parent
     return [t for part in reversed(parts) for t in part]

@@ -64,6 +64,11 @@ class CompactionConfig:
             SGLang parses its arguments (:func:`config_from_namespace`).
         min_prefix_tokens: a tree path shorter than this is never compacted.
         min_hits: how many requests must have shared a path before it is compacted.
+        min_continuations: how many different continuations a path's questions must be
+            before it is compacted: recent prompts that share it and go on for fewer than
+            `min_prefix_tokens` tokens after it, a conversation's earlier turns counted once.
+            3: a system prompt two chats share is not compacted alone, a document asked three
+            different questions is (``sglang_ext.trigger``).
         timeout: seconds one compaction may take before it counts as failed.
         max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
         follow_up_tokens: each suffix is cut to this many tokens.
@@ -75,6 +80,8 @@ class CompactionConfig:
             in a shared service, not one per replica.
         max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
             at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
+        failure_cooldown_s: after its retries are spent a path is not sent for this many
+            seconds; then its failures are forgotten (it may be sent afresh).
         max_in_flight: compactions asked for and not yet installed (in flight, waiting or
             being written); a path found while this many are pending is not sent (it is
             found again at its next hit). Bounds the results held in the scheduler's memory.
@@ -94,6 +101,7 @@ class CompactionConfig:
     spec: CompactionSpec = PLUGIN_SPEC
     min_prefix_tokens: int = 256
     min_hits: int = 2
+    min_continuations: int = 3
     timeout: float = 120.0
     max_follow_ups: int = 8
     follow_up_tokens: int = 128
@@ -101,6 +109,7 @@ class CompactionConfig:
     align_tokens: int = 64
     max_retries: int = 2
     retry_backoff_s: float = 30.0
+    failure_cooldown_s: float = 600.0
     max_in_flight: int = 2
     install_chunk_mb: int = 64
     install_step_ms: float = 2.0
@@ -123,6 +132,10 @@ class CompactionConfig:
             )
         if self.min_hits < 1:
             raise ValueError(f"--compaction-min-hits must be >= 1, got {self.min_hits}")
+        if self.min_continuations < 1:
+            raise ValueError(
+                f"--compaction-min-continuations must be >= 1, got {self.min_continuations}"
+            )
         if self.timeout <= 0:
             raise ValueError(f"--compaction-timeout must be > 0, got {self.timeout}")
         if self.boundary_margin < 0:
@@ -135,6 +148,10 @@ class CompactionConfig:
             raise ValueError(
                 "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
                 f"{self.max_retries} and {self.retry_backoff_s}"
+            )
+        if not self.failure_cooldown_s >= 0:
+            raise ValueError(
+                f"--compaction-failure-cooldown must be >= 0, got {self.failure_cooldown_s}"
             )
         if self.max_in_flight < 1:
             raise ValueError(f"--compaction-max-in-flight must be >= 1, got {self.max_in_flight}")
@@ -189,6 +206,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Requests that must have shared a path before it is compacted.",
     )
     g.add_argument(
+        "--compaction-min-continuations",
+        type=int,
+        default=CompactionConfig.min_continuations,
+        help="Different continuations a shared path needs before it is compacted: recent "
+        "prompts that go on for fewer than --compaction-min-prefix-tokens tokens after it, a "
+        "conversation's earlier turns counted once (a short system prompt is not compacted alone).",
+    )
+    g.add_argument(
         "--compaction-timeout",
         type=float,
         default=CompactionConfig.timeout,
@@ -231,6 +256,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=CompactionConfig.retry_backoff_s,
         help="Seconds before the first retry; doubles each time.",
+    )
+    g.add_argument(
+        "--compaction-failure-cooldown",
+        type=float,
+        default=CompactionConfig.failure_cooldown_s,
+        help="Seconds a path whose retries are spent is not sent; then its failures are forgotten.",
     )
     g.add_argument(
         "--compaction-max-in-flight",
@@ -289,6 +320,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         spec=spec,
         min_prefix_tokens=ns.compaction_min_prefix_tokens,
         min_hits=ns.compaction_min_hits,
+        min_continuations=ns.compaction_min_continuations,
         timeout=ns.compaction_timeout,
         max_follow_ups=ns.compaction_max_follow_ups,
         follow_up_tokens=ns.compaction_follow_up_tokens,
@@ -296,6 +328,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         align_tokens=ns.compaction_align_tokens,
         max_retries=ns.compaction_max_retries,
         retry_backoff_s=ns.compaction_retry_backoff,
+        failure_cooldown_s=ns.compaction_failure_cooldown,
         max_in_flight=ns.compaction_max_in_flight,
         install_chunk_mb=ns.compaction_install_chunk_mb,
         install_step_ms=ns.compaction_install_step_ms,

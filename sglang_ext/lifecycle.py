@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from compactor.types import CompactedPrefix, prefix_hash
 from sglang_ext.compacted_node import new_compacted_node
@@ -72,6 +71,7 @@ class InstallLifecycle:
         def _alloc(self, n: int) -> torch.Tensor: ...
         def _reap(self) -> None: ...
         def _retire_original(self, key: RadixKey) -> None: ...
+        def _original_slots(self, ids: list[int]) -> torch.Tensor: ...
         def _refresh_gauges(self) -> None: ...
         def _export(self, latency_s: float | None = None) -> None: ...
         def _update_leaf_status(self, node: TreeNode) -> None: ...
@@ -192,15 +192,17 @@ class InstallLifecycle:
         retry = self.trigger.failed(token_ids)
         logger.warning(
             "compaction %s, prefix stays uncompacted%s: %r",
-            "result rejected" if invalid else "failed", " (may be retried)" if retry else "", error,
+            "result rejected" if invalid else "failed",
+            " (may be retried)" if retry else " (retries spent: cooling down)", error,
         )  # fmt: skip
 
     def _begin(
         self, token_ids: Any, prefix: CompactedPrefix, t_max: int | None = None
     ) -> PendingInstall | None:
-        """Echo checks (fingerprint, T, prefix hash), bounds from the original prefix, slots
-        (`t_max`: the full result's longest head when `prefix` is this rank's slice, so every
-        TP rank allocates alike); None if installed or being installed already."""
+        """Echo checks (fingerprint, T, prefix hash), bounds from what is left of the original
+        prefix (`_original_slots`), slots (`t_max`: the full result's longest head when
+        `prefix` is this rank's slice, so every TP rank allocates alike); None if installed
+        or being installed already."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
         if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
@@ -218,11 +220,7 @@ class InstallLifecycle:
         t_max = int(head_counts(prefix).max()) if t_max is None else t_max
         if not 0 < t_max < T:
             raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
-        original, _ = RadixCache._match_prefix_helper(
-            self, self.root_node, RadixKey(array("q", ids), None)
-        )
-        slots = torch.cat(original).to(torch.int64) if original else torch.empty(0)
-        bounds = original_bounds(self.kvcache, slots)
+        bounds = original_bounds(self.kvcache, self._original_slots(ids))
         pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds)
         self.protected_size_ += t_max  # held, not evictable, until the node takes them
         self._pending.append(pending)

@@ -10,12 +10,17 @@ their positions continue at T (the node itself: `sglang_ext.compacted_node`). Ru
 - Accounting is physical: K counts t_max in evictable/protected sizes; eviction frees its
   t_max slots (never the alias) and resets their beta.
 - The original path is retired at install: its nodes that are unlocked leaves are freed at
-  once, locked ones when their last request lets go.
+  once, locked ones when their last request lets go. A path that runs through a shorter
+  compacted node K0 (a document under a compacted system prompt) is compacted whole from the
+  root; its ordinary nodes below K0 are retired, K0 stays for its other requests until
+  evicted. The install's range check reads what is left of the original KV: the ordinary
+  path from the root and below K0, plus K0's own slots (kept original keys, fitted values).
 - A request that started before the install (its row does not begin with K's slots) is
   kept off K: its checkpoints leave the tree alone and it frees only its own slots.
 - Hits: SGLang's insert counts one hit per request and node; `sglang_ext.trigger` decides
-  which path is sent for compaction (branch points with enough hits, once per document,
-  failed ones retried with backoff).
+  which path is sent for compaction (branch points with enough hits and enough distinct
+  short continuations, once per document, failed ones retried with backoff then cooled
+  down).
 
 Mutations happen in the scheduler only: `poll_compactions()` installs finished results at a safe point.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -264,8 +270,16 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         return n
 
     def _retire_original(self, key: RadixKey) -> None:
-        """Mark the ordinary path of `key` (and what hangs below its end) for freeing."""
-        node, path = self.root_node, []
+        """Mark the ordinary path of `key` (and what hangs below its end) for freeing: from
+        the root and below every shorter compacted node whose key starts `key`."""
+        self._retire_below(self.root_node, key)
+        for node in list(self._compacted.values()):
+            T = len(node.key)
+            if len(key) > T and node.key.match(key) == T:
+                self._retire_below(node, key[T:])
+
+    def _retire_below(self, node: TreeNode, key: RadixKey) -> None:
+        path = []
         while len(key) > 0:
             child = node.children.get(key.child_key(self.page_size))
             if child is None:
@@ -284,6 +298,20 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
                 n = stack.pop()
                 self._retired.add(n)
                 stack.extend(n.children.values())
+
+    def _original_slots(self, ids: list[int]) -> torch.Tensor:
+        """Slots [n] int64 holding what is left of path `ids`'s original KV, for the
+        install's range check: its ordinary path from the root and, when a shorter compacted
+        node K0 covers its front (whose original KV is gone), K0's slots and the ordinary
+        nodes below K0. Empty when nothing of it is cached."""
+        key = RadixKey(array("q", ids), None)
+        parts, _ = RadixCache._match_prefix_helper(self, self.root_node, key)
+        k0 = self._covering(key)
+        if k0 is not None and len(k0.key) < len(ids):
+            below, _ = RadixCache._match_prefix_helper(self, k0, key[len(k0.key) :])
+            info = compaction_info(k0)
+            parts = [*parts, *([info.slots] if info is not None else []), *below]
+        return torch.cat(parts).to(torch.int64) if parts else torch.empty(0, dtype=torch.int64)
 
     def _reap(self) -> None:
         """Free retired nodes and dropped compacted ones that are now unlocked leaves

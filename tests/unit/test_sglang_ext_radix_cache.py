@@ -89,6 +89,10 @@ def make_cache(
     )
     cfg.setdefault("boundary_margin", 0)  # paths end exactly at the branch (trigger tests cover it)
     cfg.setdefault("align_tokens", 1)
+    # one poll writes a whole result, however busy the machine (the time budget's own tests
+    # set install_step_ms)
+    cfg.setdefault("install_step_ms", 1e9)
+    cfg.setdefault("min_continuations", 2)  # two questions suffice (see ..._trigger_chat)
     config = CompactionConfig(endpoint="inproc://", min_prefix_tokens=16, **cfg)
     return CompactionRadixCache(params, config, fp, runner=runner)
 

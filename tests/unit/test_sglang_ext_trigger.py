@@ -1,4 +1,4 @@
-"""`CompactionTrigger`: branch points only, once per document, retries with backoff."""
+"""`CompactionTrigger`: branch points only, once per document, retries with backoff (the chat-traffic rules: test_sglang_ext_trigger_chat.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 
 from compactor.types import prefix_hash
 from sglang_ext.config import CompactionConfig
-from sglang_ext.trigger import CompactionTrigger
+from sglang_ext.trigger import (
+    _MAX_FAILURES,
+    _MAX_PATHS,
+    _RECENT_PROMPTS,
+    CompactionTrigger,
+    PathIndex,
+)
 
 DOC = list(range(100, 400))  # 300 tokens
 
@@ -29,9 +35,12 @@ def node(tokens: list[int], hits: int, children: int) -> Any:
 
 
 def trigger(**kw: Any) -> tuple[CompactionTrigger, Clock]:
+    """A trigger whose paths end at the branch and that needs one question (these tests are
+    about branches, overlaps and retries; questions: test_sglang_ext_trigger_chat.py)."""
     clock = Clock()
     kw.setdefault("boundary_margin", 0)
     kw.setdefault("align_tokens", 1)
+    kw.setdefault("min_continuations", 1)
     cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=256, **kw)
     return CompactionTrigger(cfg, clock=clock), clock
 
@@ -59,17 +68,24 @@ def test_branch_point_with_enough_hits_is_sent_with_follow_ups() -> None:
 
 def test_short_or_overlapping_paths_are_not_sent_again() -> None:
     t, _ = trigger(min_hits=2)
+    longer = [*DOC, *range(1000, 1300)]  # DOC, then a whole document more
+    for i, prompt in enumerate(([*DOC, 1, 2, 3], [*DOC, 9], [*longer, 5], [*longer, 6])):
+        t.remember(str(i), prompt)
     assert offer(t, node(DOC[:200], hits=5, children=2)) is None  # < min_prefix_tokens
     assert offer(t, node(DOC, hits=2, children=2)) is not None
     assert offer(t, node(DOC, hits=3, children=3)) is None  # in flight
-    assert offer(t, node([*DOC, 1, 2], hits=2, children=2)) is None  # around it
+    assert offer(t, node([*DOC, 1, 2], hits=2, children=2)) is None  # around it, same document
     assert offer(t, node(DOC[:260], hits=2, children=2)) is None  # inside it
     t.forget(prefix_hash(DOC))  # evicted after install: may be compacted again
     assert offer(t, node(DOC, hits=4, children=2)) is not None
+    # a whole document under it is another compaction (the shorter one keeps its requests)
+    assert offer(t, node(longer, hits=2, children=2)) is not None
+    assert offer(t, node(DOC, hits=5, children=2)) is None  # now inside the longer one too
 
 
-def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
-    t, clock = trigger(min_hits=2, max_retries=2, retry_backoff_s=30.0)
+def test_failed_compaction_is_retried_with_backoff_then_cools_down() -> None:
+    t, clock = trigger(min_hits=2, max_retries=2, retry_backoff_s=30.0, failure_cooldown_s=600.0)
+    t.remember("a", [*DOC, 1])
     branch = node(DOC, hits=2, children=2)
     assert offer(t, branch) is not None
     assert t.failed(DOC) is True
@@ -81,9 +97,13 @@ def test_failed_compaction_is_retried_with_backoff_then_given_up() -> None:
     assert offer(t, branch) is None  # second backoff is 60 s
     clock.t = 90.0
     assert offer(t, branch) is not None
-    assert t.failed(DOC) is False  # out of retries
-    clock.t = 1e6
+    assert t.failed(DOC) is False  # out of retries: cools down
+    clock.t = 689.0
     assert offer(t, branch) is None
+    clock.t = 690.0
+    assert offer(t, branch) is not None  # cooled down: its record is dropped, a fresh start
+    assert t.failed(DOC) is True  # the first failure of the fresh record: backoff again
+    assert t._failures[prefix_hash(DOC)].count == 1
 
 
 def test_path_stops_short_of_the_branch_by_the_margin() -> None:
@@ -106,10 +126,13 @@ def test_replicas_that_branch_a_token_apart_ask_for_the_same_prefix() -> None:
     picked = []
     for branch in ([*DOC], [*DOC, 7]):
         t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=64)
+        t.remember("a", [*branch, 1])
+        t.remember("b", [*branch, 2])
         tokens, _ = offer(t, node(branch, hits=2, children=2))
         picked.append(tokens)
     assert picked[0] == picked[1] == DOC[:256]  # 292 and 293 both go down to 256
     t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=512)
+    t.remember("a", [*DOC, 1])
     assert offer(t, node(DOC, hits=2, children=2)) is None  # aligned to 0 < min_prefix_tokens
 
 
@@ -120,8 +143,63 @@ def test_replicas_that_branch_a_token_apart_ask_for_the_same_prefix() -> None:
         ({"retry_backoff_s": -1.0}, "retry limits"),
         ({"boundary_margin": -1}, "boundary-margin must be >= 0, got -1"),
         ({"align_tokens": 0}, "align-tokens must be >= 1, got 0"),
+        ({"min_continuations": 0}, "min-continuations must be >= 1, got 0"),
+        ({"failure_cooldown_s": -1.0}, "failure-cooldown must be >= 0, got -1.0"),
     ],
 )
 def test_bad_limits_are_value_errors(bad: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CompactionConfig(endpoint="inproc://", **bad)
+
+
+def test_path_index_finds_prefixes_and_enclosing_paths() -> None:
+    idx = PathIndex()
+    a, b, c = (1, 2, 3, 4, 5), (1, 2, 3, 9), (1, 2)
+    for p in (a, b, c, a):
+        idx.add(p)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (5, False)  # a prefixes it
+    assert idx.query([1, 2, 3]) == (2, True)  # c prefixes it; it is inside a and b
+    assert idx.query([1, 2]) == (2, True)  # equal to c
+    assert idx.query([1, 2, 3, 7]) == (2, False)  # leaves a and b inside their edge
+    assert idx.query([5, 6]) == (0, False)
+    idx.remove(a)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (5, False)  # a was held twice
+    idx.remove(a)
+    idx.remove(c)
+    assert idx.query([1, 2, 3, 4, 5, 6]) == (0, False)
+    assert idx.query([1, 2, 3]) == (0, True)  # inside b still
+    idx.remove(b)
+    assert idx.query([1, 2]) == (0, False)
+
+
+def test_memory_is_bounded() -> None:
+    t, _ = trigger(min_hits=2, max_retries=0)
+    for i in range(_MAX_FAILURES + 10):
+        t.failed([-1 - i, *DOC])
+    assert len(t._failures) == _MAX_FAILURES  # the oldest records dropped
+    for i in range(_MAX_PATHS + 10):
+        path = [i, *DOC]
+        t.remember(str(i), [*path, 1])
+        assert offer(t, node(path, hits=2, children=2)) is not None
+    assert len(t._paths) == _MAX_PATHS and len(t._recent) == _RECENT_PROMPTS
+    # the oldest held path was dropped from the overlap index as well: it may be sent again
+    t.remember("again", [0, *DOC, 1])
+    assert offer(t, node([0, *DOC], hits=2, children=2)) is not None
+    assert offer(t, node([_MAX_PATHS + 9, *DOC], hits=2, children=2)) is None  # still held
+
+
+def test_new_flags_reach_the_config() -> None:
+    import argparse
+
+    from sglang_ext.config import add_cli_args, config_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(
+        ["--compaction-endpoint", "inproc://", "--compaction-min-continuations", "4",
+         "--compaction-failure-cooldown", "5"]
+    )  # fmt: skip
+    cfg = config_from_namespace(ns)
+    assert cfg is not None and (cfg.min_continuations, cfg.failure_cooldown_s) == (4, 5.0)
+    default = config_from_namespace(parser.parse_args(["--compaction-endpoint", "inproc://"]))
+    assert default is not None and default.min_continuations == 3
