@@ -76,7 +76,8 @@ def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
 
 def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on `ServerArgs.from_cli_args(cls, namespace)`: read the plugin's flags."""
-    from sglang_ext.config import apply_to_server_args, config_from_namespace
+    from sglang_ext.config import config_from_namespace
+    from sglang_ext.server_args import apply_to_server_args
 
     namespace = args[-1] if args else kwargs.get("args")
     cfg = config_from_namespace(namespace) if namespace is not None else None

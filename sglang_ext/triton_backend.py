@@ -8,7 +8,7 @@ the new K/V into the pool as the stock code does and computes the whole batch wi
 so one call serves mixed batches. Slot tables are planned once per batch (per logit scale
 and head shape).
 
-CUDA graphs would replay the stock kernels, so `config.apply_to_server_args` disables them
+CUDA graphs would replay the stock kernels, so `server_args.apply_to_server_args` disables them
 when it selects this backend. Legend: n new tokens, H_q / H_kv heads, D head dim, S slots.
 """
 

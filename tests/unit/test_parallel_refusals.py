@@ -12,8 +12,8 @@ from sglang_ext.config import (
     CONFIG_ATTR,
     RADIX_CACHE_BACKEND,
     CompactionConfig,
-    apply_to_server_args,
 )
+from sglang_ext.server_args import apply_to_server_args
 from tests.unit.test_sglang_ext_config import server_args
 
 SERVICE = CompactionConfig(endpoint="127.0.0.1:50051")

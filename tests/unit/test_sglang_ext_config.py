@@ -15,8 +15,8 @@ from sglang_ext.config import (
     RADIX_CACHE_BACKEND,
     TRITON_ATTENTION_BACKEND,
     CompactionConfig,
-    apply_to_server_args,
 )
+from sglang_ext.server_args import apply_to_server_args
 
 CFG = CompactionConfig(endpoint="inproc://")
 
