@@ -188,8 +188,9 @@ def collect_queries(
     for cont in plan.continuations:
         with hf.record_queries(model, wanted) as rec:
             state.fork().forward(model, cont.tokens, last_only=True)
-        for layer in wanted:
-            recorded[layer].append(rec[layer][0])
+        for layer in wanted:  # a long continuation runs as several forward calls
+            calls = rec[layer]
+            recorded[layer].append(calls[0] if len(calls) == 1 else torch.cat(calls, dim=1))
     return {layer: pool_queries(model, plan, recorded[layer], layer) for layer in wanted}
 
 

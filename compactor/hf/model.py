@@ -8,7 +8,7 @@ D head dim, V vocabulary. Keys, values and queries are post-RoPE, exactly as the
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,13 @@ def record_queries(
             h.remove()
 
 
+# Tokens per forward call of :func:`prefill`: a longer prefix runs in chunks of this many
+# tokens over the growing cache, so its activations (MLP [chunk, intermediate], the causal
+# mask [chunk, T]) stay bounded; a prefix of at most this many tokens runs in one call, as
+# it always did (bit-identical results).
+PREFILL_CHUNK = 4096
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """A prefilled prefix: keys/values per layer [H_kv, T, D] and last-token logits [V]."""
@@ -153,25 +160,44 @@ class PrefillResult:
 
 @torch.inference_mode()
 def prefill(
-    model: Any, token_ids: Sequence[int] | torch.Tensor, with_queries: bool = False
+    model: Any,
+    token_ids: Sequence[int] | torch.Tensor,
+    with_queries: bool = False,
+    chunk: int = PREFILL_CHUNK,
 ) -> PrefillResult:
     """Run the prefix [T] through `model`; return its KV cache (and queries if asked).
 
+    The prefix runs in forward calls of at most `chunk` tokens over the growing cache
+    (one call when T <= chunk): peak memory is the KV cache (and the queries, when asked:
+    [H_q, T, D] per layer, G times the keys) plus one chunk's activations, not T's.
     Everything returned is on the model's device.
+
+    Raises:
+        ValueError: an empty prefix, `chunk` < 1.
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device).reshape(1, -1)
     if ids.shape[1] < 1:
         raise ValueError("prefill: empty prefix")
+    if chunk < 1:
+        raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
     from transformers import DynamicCache
 
     cache: Any = DynamicCache()
-    if with_queries:
-        with record_queries(model) as rec:
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        queries: list[torch.Tensor] | None = [rec[i][0] for i in sorted(rec)]
-    else:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        queries = None
+    T = ids.shape[1]
+    with record_queries(model) if with_queries else nullcontext() as rec:
+        for a in range(0, T, chunk):
+            out = model(
+                input_ids=ids[:, a : a + chunk],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    queries = None if rec is None else [_cat_calls(rec[i]) for i in sorted(rec)]
     keys = [layer.keys[0] for layer in cache.layers]
     values = [layer.values[0] for layer in cache.layers]
     return PrefillResult(keys, values, out.logits[0, -1].float(), queries)
+
+
+def _cat_calls(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The queries [H_q, q, D] of several forward calls, joined along q (no copy for one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
