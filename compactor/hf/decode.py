@@ -260,7 +260,7 @@ class PrefixState:
         for a in range(0, q_len, block):
             e = min(a + block, q_len)
             part = None if pad is None else pad[:, a:e]
-            outs.append(self._forward_call(model, ids[:, a:e], last_only or e < q_len, part))
+            outs.append(self._forward_call(model, ids[:, a:e], last_only, part))
         logits = outs[-1] if last_only or len(outs) == 1 else torch.cat(outs, dim=1)
         return logits if batched else logits[0]
 
