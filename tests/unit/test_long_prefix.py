@@ -132,3 +132,27 @@ def test_service_keys_the_effective_chunk_size(tmp_path):
     assert eff.spec.chunk_size == 100
     assert eff.key() == CompactJob("fp", long_job.token_ids, spec.replace(chunk_size=100)).key()
     assert service.effective_job(short_job) is short_job
+
+
+def test_generation_batches_are_bounded_by_prefix_copies(tiny, monkeypatch):
+    import compactor.queries as queries
+
+    ids = _ids(40, seed=4)
+    pre = hf.prefill(tiny, ids[:24])
+    kv = sum(t.numel() * 4 for t in (*pre.keys, *pre.values))
+    prompts = [ids[24:27], ids[27:35], ids[35:36]]
+    whole = queries._generate(tiny, None, pre, prompts, 4, 0.0, 0)
+    assert queries.generate_rows(pre) >= len(prompts)  # short prefix: one batch
+    calls = []
+    real = hf.batched_generate
+    monkeypatch.setattr(
+        hf,
+        "batched_generate",
+        lambda m, s, p, *a, **k: calls.append(len(p)) or real(m, s, p, *a, **k),
+    )
+    monkeypatch.setattr(queries, "GENERATE_CACHE_BYTES", 2 * kv)
+    assert queries.generate_rows(pre) == 2
+    assert queries._generate(tiny, None, pre, prompts, 4, 0.0, 0) == whole
+    assert calls == [2, 1]
+    monkeypatch.setattr(queries, "GENERATE_CACHE_BYTES", 1)
+    assert queries.generate_rows(pre) == 1
