@@ -156,3 +156,12 @@ def test_generation_batches_are_bounded_by_prefix_copies(tiny, monkeypatch):
     assert calls == [2, 1]
     monkeypatch.setattr(queries, "GENERATE_CACHE_BYTES", 1)
     assert queries.generate_rows(pre) == 1
+
+
+def test_prefill_chunk_rule():
+    from compactor.hf.model import PREFILL_CHUNK, prefill_chunk
+
+    assert prefill_chunk(10) == 10 and prefill_chunk(PREFILL_CHUNK) == PREFILL_CHUNK
+    assert prefill_chunk(8192) == PREFILL_CHUNK  # its [4096, 8192] mask fits 256 MiB
+    assert prefill_chunk(32768) == 2048  # [2048, 32768] fp32 = 256 MiB
+    assert prefill_chunk(1 << 22) == 256  # never below 256 tokens
