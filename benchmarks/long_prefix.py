@@ -7,9 +7,9 @@ For each T: a fresh `compactor serve --in-process --max-prefix-tokens T` (its ow
 its peak RSS is this compaction's alone; the limit is raised to T because SmolLM2 has 8192
 positions: past them RoPE still computes, quality is not the point here, memory and time
 are) gets one Compact request over loopback gRPC for a T-token document with the plugin's
-default policy: method am-highest, ratio 0.1, the follow-up query source with the model's own
-32-token answers to two questions. Reported per T: the client's wall time, the worker's
-time per stage (prefill / queries / compaction), the service process's peak RSS (VmHWM from
+default policy (sglang_ext.config): method am-highest, ratio 0.1, on-policy, the follow-up
+query source with the model's own 32-token answers to two questions. Reported per T: the
+client's wall time, the worker's time per stage (prefill / queries / compaction), the service process's peak RSS (VmHWM from
 /proc, and the highest RSS sampled every 0.25 s) and its RSS once warm (after a 256-token
 warm-up request), against the KV bytes of the prefix (fp32: L x 2 x H_kv x T x D x 4) and
 the result's bytes. The service picks the chunk size itself (`auto_chunk_size`: chunks
@@ -119,6 +119,7 @@ def run_one(
         ratio=ratio,
         chunk_size=chunk_size,
         queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
+        on_policy=True,
     )
     info = ModelSummary.read(model)
     kv_bytes = info.num_layers * 2 * info.num_kv_heads * tokens * info.head_dim * 4
