@@ -100,9 +100,16 @@ class _Sampler:
 
 
 def run_one(
-    model: Path, tokens: int, method: str, ratio: float, chunk_size: int | None, workdir: Path
+    model: Path,
+    tokens: int,
+    method: str,
+    ratio: float,
+    chunk_size: int | None,
+    workdir: Path,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One fresh service, one compaction of a `tokens`-token prefix; the figures of one row."""
+    """One fresh service (extra environment `env`), one compaction of a `tokens`-token
+    prefix; the figures of one row."""
     from transformers import AutoTokenizer
 
     from compactor.client import CompactorClient
@@ -129,6 +136,7 @@ def run_one(
             workdir / f"service_{tokens}.log",
             in_process=True,
             extra_args=["--max-prefix-tokens", str(tokens)],
+            env=dict(env or {}),
         )
         start_all(stack, [service])
         pid = service.pid
@@ -161,6 +169,7 @@ def run_one(
         "growth_over_kv": None if hwm is None else round((hwm - loaded) / kv_bytes, 2),
         "result_bytes": prefix.nbytes(),
         "kept_fraction": round(prefix.kept_fraction(), 4),
+        "service_env": dict(env or {}),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -173,8 +182,16 @@ def main() -> int:
     ap.add_argument("--method", default="am-highest")
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--chunk-size", type=int, default=None, help="default: the service's rule")
+    ap.add_argument(
+        "--service-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the service (repeatable), e.g. MALLOC_MMAP_THRESHOLD_=1048576",
+    )
     ap.add_argument("--out", type=Path, default=RESULT)
     args = ap.parse_args()
+    env = dict(kv.split("=", 1) for kv in args.service_env)
 
     from compactor.models import resolve_model
 
@@ -182,7 +199,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for t in args.tokens:
-            rows.append(run_one(model, t, args.method, args.ratio, args.chunk_size, Path(tmp)))
+            rows.append(run_one(model, t, args.method, args.ratio, args.chunk_size, Path(tmp), env))
             out = {"provenance": provenance(), "model": args.model, "rows": rows}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(out, indent=2) + "\n")  # after every row
