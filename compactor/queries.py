@@ -48,6 +48,11 @@ __all__ = [
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
+# Bound on the prefix copies one batched generation holds (bytes): every row of a batch
+# decodes over its own copy of the prefix's KV cache, so prompts are generated in groups of
+# at most max(1, GENERATE_CACHE_BYTES // prefix KV bytes) rows (all at once for a short
+# prefix, one at a time for a long one).
+GENERATE_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,9 @@ def collect_queries(
     for cont in plan.continuations:
         with hf.record_queries(model, wanted) as rec:
             state.fork().forward(model, cont.tokens, last_only=True)
-        for layer in wanted:
-            recorded[layer].append(rec[layer][0])
+        for layer in wanted:  # a long continuation runs as several forward calls
+            calls = rec[layer]
+            recorded[layer].append(calls[0] if len(calls) == 1 else torch.cat(calls, dim=1))
     return {layer: pool_queries(model, plan, recorded[layer], layer) for layer in wanted}
 
 
@@ -236,20 +242,34 @@ def _generate(
     temperature: float,
     seed: int,
 ) -> list[list[int]]:
-    """The model's answers to `prompts` on the full prefix, decoded as one batch (cut at EOS).
+    """The model's answers to `prompts` on the full prefix, decoded in batches (cut at EOS).
 
-    Sampling (temperature > 0) draws from a generator on the model's device, seeded `seed`.
+    A batch holds at most :func:`generate_rows` prompts (each row copies the prefix's KV
+    cache): one batch for a short prefix. Sampling (temperature > 0) draws from one
+    generator on the model's device, seeded `seed`.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
-    return hf.batched_generate(
-        model,
-        hf.PrefixState.full(prefill),
-        prompts,
-        max_new_tokens,
-        eos_ids=[eos] if eos is not None else [],
-        temperature=temperature,
-        generator=torch.Generator(device=model.device).manual_seed(seed),
-    )
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    rows = generate_rows(prefill)
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), rows):
+        out += hf.batched_generate(
+            model,
+            hf.PrefixState.full(prefill),
+            prompts[i : i + rows],
+            max_new_tokens,
+            eos_ids=[eos] if eos is not None else [],
+            temperature=temperature,
+            generator=gen,
+        )
+    return out
+
+
+def generate_rows(prefill: hf.PrefillResult) -> int:
+    """Prompts per batched generation after `prefill`: max(1, GENERATE_CACHE_BYTES // its KV
+    bytes), the prefix copies a batch may hold."""
+    kv = sum(t.numel() * t.element_size() for t in (*prefill.keys, *prefill.values))
+    return max(1, GENERATE_CACHE_BYTES // max(1, kv))
 
 
 def _self_study(

@@ -24,6 +24,10 @@ from compactor.types import CompactedPrefix
 from kernels.biased_attention.reference import attention_bias, biased_attention
 
 _GQA_SDPA = "compactor_gqa_sdpa"
+# Largest attention mask one forward call of PrefixState.forward builds (bytes): a longer
+# append (a repeat-prefill continuation of a long prefix) runs in blocks of tokens whose
+# [B, H_q or 1, block, S + past + block] float mask fits. Appends under it run in one call.
+APPEND_MASK_BYTES = 256 << 20
 
 
 def _gqa_sdpa(
@@ -197,10 +201,7 @@ class PrefixState:
         padding of earlier appends). The head dim is 1 (broadcast) when every KV head of
         `layer` has the same beta. On the bias's device.
         """
-        if self._uniform is None:  # once per state: one host sync for all layers
-            flat = self.bias.flatten(2)
-            self._uniform = (flat == flat[:, :1]).flatten(1).all(-1).tolist()
-        uniform = self._uniform[layer]
+        uniform = self._uniform_layers()[layer]  # once per state: one host sync
         out = prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype, uniform)
         if pad is not None:
             s = self.slots
@@ -241,10 +242,12 @@ class PrefixState:
         Real tokens of a row get positions T + (real tokens the row already has), ...
         With `last_only` only the last column's logits are computed (q = 1 in the output).
         Each attention module gets its own layer's mask through a forward pre-hook (built
-        on the fly, so a long append never holds L masks at once).
+        on the fly, so a long append never holds L masks at once). An append whose mask
+        would exceed APPEND_MASK_BYTES runs as several forward calls of
+        :meth:`append_block` tokens each (``hf.record_queries`` then records one entry per
+        call; the logits are the same up to float rounding).
         """
-        dev, dt = model.device, model.dtype
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device)
         batched = ids.dim() == 2
         ids = ids.reshape(1, -1) if not batched else ids
         bsz, q_len = ids.shape
@@ -252,6 +255,48 @@ class PrefixState:
             raise ValueError("forward: no tokens")
         if pad is not None and pad.shape != ids.shape:
             raise ValueError(f"pad must be [B, q]={tuple(ids.shape)}, got {tuple(pad.shape)}")
+        block = self.append_block(model, bsz, q_len)
+        outs = []
+        for a in range(0, q_len, block):
+            e = min(a + block, q_len)
+            part = None if pad is None else pad[:, a:e]
+            outs.append(self._forward_call(model, ids[:, a:e], last_only, part))
+        logits = outs[-1] if last_only or len(outs) == 1 else torch.cat(outs, dim=1)
+        return logits if batched else logits[0]
+
+    def append_block(self, model: Any, batch: int, q_len: int) -> int:
+        """Tokens per forward call for appending `q_len` tokens to `batch` rows: all of them
+        when the call's float mask [B, H_q or 1, q_len, S + past + q_len] fits in
+        APPEND_MASK_BYTES, else the most whose mask does (at least 1).
+
+        A per-head mask (heads with different beta) is counted with H_q heads whatever the
+        layer; a padded batch with B rows.
+        """
+        cols = self.slots + self.num_new + q_len
+        per_token = 4 * batch * model_info(model).num_q_heads * cols
+        if per_token * q_len <= APPEND_MASK_BYTES:  # fits even per head: no sync needed
+            return q_len
+        if all(self._uniform_layers()):
+            per_token = 4 * batch * cols
+        return (
+            q_len
+            if per_token * q_len <= APPEND_MASK_BYTES
+            else max(1, APPEND_MASK_BYTES // per_token)
+        )
+
+    def _uniform_layers(self) -> list[bool]:
+        """Per layer: whether every KV head has the same beta (computed once: one host sync)."""
+        if self._uniform is None:
+            flat = self.bias.flatten(2)
+            self._uniform = (flat == flat[:, :1]).flatten(1).all(-1).tolist()
+        return self._uniform
+
+    def _forward_call(
+        self, model: Any, ids: torch.Tensor, last_only: bool, pad: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One forward call of :meth:`forward` on ids [B, q]: logits [B, q or 1, V] fp32."""
+        dev, dt = model.device, model.dtype
+        bsz, q_len = ids.shape
         info = model_info(model)
         if (info.num_layers, info.num_kv_heads) != tuple(self.bias.shape[:2]):
             raise ValueError(
@@ -298,8 +343,7 @@ class PrefixState:
         self.num_new += q_len
         self._num_real = self._num_real + real.sum(1)
         self._pad_hist = torch.cat([self._pad_hist, padm], dim=1)
-        logits = out.logits.float()
-        return logits if batched else logits[0]
+        return out.logits.float()
 
 
 @torch.inference_mode()

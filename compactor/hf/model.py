@@ -8,7 +8,7 @@ D head dim, V vocabulary. Keys, values and queries are post-RoPE, exactly as the
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,16 @@ def record_queries(
             h.remove()
 
 
+# Tokens per forward call of :func:`prefill`: a longer prefix runs in chunks of at most this
+# many tokens over the growing cache, so its activations (MLP [chunk, intermediate], the
+# causal mask [chunk, T]) stay bounded; a prefix of at most this many tokens runs in one
+# call, as it always did (bit-identical results).
+PREFILL_CHUNK = 4096
+# ... and fewer when the chunk's causal mask would exceed this (SDPA on the CPU turns the
+# bool [chunk, T] mask into a float one): chunk = PREFILL_MASK_BYTES // (4 T), at least 256.
+PREFILL_MASK_BYTES = 256 << 20
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """A prefilled prefix: keys/values per layer [H_kv, T, D] and last-token logits [V]."""
@@ -153,25 +163,53 @@ class PrefillResult:
 
 @torch.inference_mode()
 def prefill(
-    model: Any, token_ids: Sequence[int] | torch.Tensor, with_queries: bool = False
+    model: Any,
+    token_ids: Sequence[int] | torch.Tensor,
+    with_queries: bool = False,
+    chunk: int | None = None,
 ) -> PrefillResult:
     """Run the prefix [T] through `model`; return its KV cache (and queries if asked).
 
-    Everything returned is on the model's device.
+    The prefix runs in forward calls of at most `chunk` tokens over the growing cache
+    (None: :func:`prefill_chunk` of T; one call when T <= chunk): peak memory is the KV
+    cache (and the queries, when asked: [H_q, T, D] per layer, G times the keys) plus one
+    chunk's activations and mask, not T's. Everything returned is on the model's device.
+
+    Raises:
+        ValueError: an empty prefix, `chunk` < 1.
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.device).reshape(1, -1)
     if ids.shape[1] < 1:
         raise ValueError("prefill: empty prefix")
+    T = ids.shape[1]
+    chunk = prefill_chunk(T) if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
     from transformers import DynamicCache
 
     cache: Any = DynamicCache()
-    if with_queries:
-        with record_queries(model) as rec:
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        queries: list[torch.Tensor] | None = [rec[i][0] for i in sorted(rec)]
-    else:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        queries = None
+    with record_queries(model) if with_queries else nullcontext() as rec:
+        for a in range(0, T, chunk):
+            out = model(
+                input_ids=ids[:, a : a + chunk],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    queries = None if rec is None else [_cat_calls(rec[i]) for i in sorted(rec)]
     keys = [layer.keys[0] for layer in cache.layers]
     values = [layer.values[0] for layer in cache.layers]
     return PrefillResult(keys, values, out.logits[0, -1].float(), queries)
+
+
+def prefill_chunk(num_tokens: int) -> int:
+    """Tokens per forward call of :func:`prefill` for a `num_tokens` prefix: all of them up
+    to PREFILL_CHUNK, else min(PREFILL_CHUNK, max(256, PREFILL_MASK_BYTES // (4 T)))."""
+    if num_tokens <= PREFILL_CHUNK:
+        return max(1, num_tokens)
+    return min(PREFILL_CHUNK, max(256, PREFILL_MASK_BYTES // (4 * num_tokens)))
+
+
+def _cat_calls(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The queries [H_q, q, D] of several forward calls, joined along q (no copy for one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

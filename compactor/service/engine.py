@@ -11,6 +11,7 @@ from pathlib import Path
 
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
+from compactor.spec import CompactionSpec
 from compactor.types import dtype_from_name
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch
@@ -19,11 +20,13 @@ from compactor.workers.pool import PoolConfig, WorkerPool
 from compactor.workers.singleflight import SingleFlight
 
 __all__ = [
+    "AUTO_CHUNK_TOKENS",
     "FALLBACK_MAX_PREFIX_TOKENS",
     "CompactOutcome",
     "CompactionService",
     "ModelSummary",
     "ServiceConfig",
+    "auto_chunk_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,35 @@ log = logging.getLogger(__name__)
 
 # The prefix limit for a model whose config.json gives no max_position_embeddings.
 FALLBACK_MAX_PREFIX_TOKENS = 16384
+# Default of ServiceConfig.auto_chunk_tokens: a longer prefix whose spec leaves chunk_size
+# unset is compacted in chunks of this many tokens (SmolLM2's whole context is one chunk).
+AUTO_CHUNK_TOKENS = 8192
+
+
+def auto_chunk_size(spec: CompactionSpec, num_tokens: int, limit: int | None) -> int | None:
+    """The chunk_size the service compacts a `num_tokens` prefix with (the documented rule).
+
+    The spec's own chunk_size when it sets one; else `limit` when the prefix is longer than
+    `limit` tokens and chunks are allowed (uniform head budgets and a method that does not
+    plan per-layer budgets over the whole prefix, i.e. not a LayerBudgetPlanner such as
+    KVCompose); else None (one chunk). `limit` None disables the rule.
+
+    Why: a method's work per layer grows with the chunk, e.g. the mass features
+    [H_kv, n, T_c] fp32 and OMP's [t, t] inverse Gram (t = ratio * T_c); chunks keep them
+    at what a `limit`-token prefix needs, whatever T is. Chunks are compacted
+    independently against the same reference queries, their budgets split in proportion
+    to their lengths (``compactor.pipeline`` explains why that is exact in structure).
+    """
+    if spec.chunk_size is not None or limit is None or num_tokens <= limit:
+        return spec.chunk_size
+    if spec.head_budgets != "uniform":
+        return None
+    from compactor.methods import get_method
+    from compactor.methods.context import LayerBudgetPlanner
+
+    if isinstance(get_method(spec.method, **spec.method_params), LayerBudgetPlanner):
+        return None
+    return limit
 
 
 @dataclass(frozen=True)
@@ -39,6 +71,8 @@ class ServiceConfig:
 
     `max_prefix_tokens` None: the model's context length (config.json
     max_position_embeddings; FALLBACK_MAX_PREFIX_TOKENS when it has none).
+    `auto_chunk_tokens`: prefixes longer than this whose spec leaves chunk_size unset are
+    compacted in chunks of this many tokens (:func:`auto_chunk_size`; None: never).
     """
 
     pool: PoolConfig
@@ -46,6 +80,7 @@ class ServiceConfig:
     cache_bytes: int = 1 << 30
     auto_ratio: float = DEFAULT_AUTO_RATIO
     chunk_bytes: int = 1 << 20
+    auto_chunk_tokens: int | None = AUTO_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -129,6 +164,15 @@ class CompactionService:
             )
         job.validate(self.max_prefix_tokens, self.model.vocab_size)
 
+    def effective_job(self, job: CompactJob) -> CompactJob:
+        """`job` as it is computed and keyed: chunk_size set by :func:`auto_chunk_size`.
+
+        Call after :meth:`check` (the spec is valid then)."""
+        size = auto_chunk_size(job.spec, len(job.token_ids), self.config.auto_chunk_tokens)
+        if size == job.spec.chunk_size:
+            return job
+        return replace(job, spec=job.spec.replace(chunk_size=size))
+
     @property
     def max_prefix_tokens(self) -> int:
         """The longest prefix accepted: the configured limit, else the model's context."""
@@ -142,6 +186,7 @@ class CompactionService:
         """
         t0 = time.perf_counter()
         self.check(job)
+        job = self.effective_job(job)
         key = job.key()
         hit = self.cache.get(key)
         if hit is not None:
