@@ -210,6 +210,16 @@ def compaction_args(
     ]  # fmt: skip
 
 
+def compacted_length(branch: int) -> int:
+    """The prefix length the plugin's trigger sends for a branch point at `branch` tokens
+    (the defaults: `--compaction-boundary-margin` short, then down to a multiple of
+    `--compaction-align-tokens`)."""
+    from sglang_ext.config import CompactionConfig
+
+    n = branch - CompactionConfig.boundary_margin
+    return n - n % CompactionConfig.align_tokens
+
+
 def wait_for_compactions(
     server: SGLangServer, expected: int, timeout_s: float, progress: bool = True
 ) -> dict[str, float]:
