@@ -89,7 +89,13 @@ def _rank_cache(rank: int, fp: str, compactor: Any, heads: int) -> Any:
         token_to_kv_pool_allocator=alloc,
         page_size=1,
     )
-    config = CompactionConfig(endpoint="127.0.0.1:1", min_prefix_tokens=16, boundary_margin=0)
+    config = CompactionConfig(
+        endpoint="127.0.0.1:1",
+        min_prefix_tokens=16,
+        boundary_margin=0,
+        align_tokens=1,
+        min_continuations=2,  # the two sharing requests of `_share`
+    )
     runner = CompactionRunner(compactor, timeout=30)
     cache = CompactionRadixCache(params, config, fp, runner=runner)
     attach_tp(cache, dist.group.WORLD, rank, TP, PoolShape.of(kv, heads, rank, TP))
@@ -123,7 +129,7 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
     ok = DelayedCompactor(full, delay_s=0.05 + 0.4 * rank)
     cache = _rank_cache(rank, fp, ok, heads)
     _share(cache, ids)
-    report["submitted_before_poll"] = len(ok.calls)
+    report["submitted_before_poll"] = cache.stats.requested  # the call itself runs on a thread
     installed_at, first_seen = None, None
     for poll in range(POLLS):
         time.sleep(0.05)
@@ -159,7 +165,7 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
     report["fail_nodes"] = len(cache2.compacted_nodes())
     report["fail_pending"] = len(cache2._pending) + cache2.tp.held
     report["fail_free"] = cache2.token_to_kv_pool_allocator.available_size()
-    report["fail_recorded"] = sum(cache2.trigger._failures.values())
+    report["fail_recorded"] = sum(f.count for f in cache2.trigger._failures.values())
     for c in (cache, cache2):
         c.runner.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
