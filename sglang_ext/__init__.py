@@ -6,7 +6,9 @@ detokenizer). Importing the package has no side effects; `register()` adds the p
 backends to SGLang's registries and installs hooks through SGLang's own `HookRegistry`,
 which applies them after all plugins have run:
 
-- AFTER `configure_logger`: announce the plugin in each process's log.
+- AFTER `configure_logger`: announce the plugin in each process's log; the first call (the
+  main process, before it starts the others) also logs what the plugin changed in SGLang's
+  config (`sglang_ext.server_args.log_changes`).
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
   record and select the `compaction` radix-cache backend and attention backend
@@ -63,8 +65,14 @@ def register() -> None:
 
 
 def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on `configure_logger`: log that the plugin is loaded in this process."""
+    """AFTER hook on `configure_logger(server_args, prefix)`: log that the plugin is loaded in
+    this process, then the config changes still noted on the record."""
     logger.info(ANNOUNCEMENT)
+    server_args = args[0] if args else kwargs.get("server_args")
+    if server_args is not None:
+        from sglang_ext.server_args import log_changes
+
+        log_changes(server_args)
 
 
 def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:

@@ -8,10 +8,14 @@ backend (`compaction-triton` on CUDA, `compaction` elsewhere), and refuses, with
 ValueError naming the flag, what the plugin cannot serve with (no radix cache, paging,
 another radix-cache backend, split prefill/decode attention backends, explicit CUDA
 graphs with the Triton backend, and the parallel layouts of `check_parallelism`).
+Each setting it changes is noted on the record, old value -> new value with the reason, and
+logged by `log_changes` once SGLang has configured logging (the `configure_logger` hook of the
+main process: `from_cli_args` runs before any log handler exists).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +27,10 @@ from sglang_ext.config import (
     CompactionConfig,
 )
 
-__all__ = ["apply_to_server_args", "check_parallelism"]
+__all__ = ["CHANGES_ATTR", "apply_to_server_args", "check_parallelism", "log_changes"]
+
+logger = logging.getLogger(__name__)
+CHANGES_ATTR = "compaction_changes"  # [(logging level, message)] not yet logged
 
 
 def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
@@ -52,10 +59,46 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     if attention == TRITON_ATTENTION_BACKEND:
         _require_no_cuda_graph(server_args)
     setattr(server_args, CONFIG_ATTR, cfg)
-    server_args.radix_cache_backend = RADIX_CACHE_BACKEND
-    server_args.attention_backend = attention
-    if attention == TRITON_ATTENTION_BACKEND:
+    _change(server_args, "radix_cache_backend", RADIX_CACHE_BACKEND,
+            "the plugin's cache, which serves requests from compacted prefixes")  # fmt: skip
+    why = "triton + beta" if attention == TRITON_ATTENTION_BACKEND else "torch_native + beta"
+    _change(server_args, "attention_backend", attention, f"the plugin's beta-aware backend, {why}")
+    graphs_on = not getattr(server_args, "disable_cuda_graph", False)
+    if attention == TRITON_ATTENTION_BACKEND and graphs_on:
         server_args.disable_cuda_graph = True
+        _note(server_args, logging.WARNING,
+              "sglang_ext: CUDA graphs disabled (--disable-cuda-graph False -> True): a replayed "
+              f"graph would skip the compaction biases of {TRITON_ATTENTION_BACKEND!r}")  # fmt: skip
+
+
+def log_changes(server_args: Any) -> int:
+    """Log, one line each, the changes `apply_to_server_args` noted on the record, and drop
+    them from it (mutates `server_args`; processes started later see none). Returns how many."""
+    changes = getattr(server_args, CHANGES_ATTR, None) or []
+    if hasattr(server_args, CHANGES_ATTR):
+        delattr(server_args, CHANGES_ATTR)
+    for level, message in changes:
+        logger.log(level, "%s", message)
+    return len(changes)
+
+
+def _change(server_args: Any, name: str, new: str, why: str) -> None:
+    """Set `server_args.<name>` to `new` and note the change (nothing when already `new`)."""
+    old = getattr(server_args, name, None)
+    setattr(server_args, name, new)
+    if old != new:
+        flag = "--" + name.replace("_", "-")
+        shown = "unset" if old is None else old
+        _note(server_args, logging.INFO, f"sglang_ext: {flag} {shown} -> {new} ({why})")
+
+
+def _note(server_args: Any, level: int, message: str) -> None:
+    """Append one change for `log_changes` to the record (mutates `server_args`)."""
+    changes = getattr(server_args, CHANGES_ATTR, None)
+    if changes is None:
+        changes = []
+        setattr(server_args, CHANGES_ATTR, changes)
+    changes.append((level, message))
 
 
 def _device(server_args: Any) -> str:

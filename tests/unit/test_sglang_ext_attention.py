@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.biased_attention.reference import biased_attention
-from sglang_ext.attention import CompactionTorchNativeBackend, biased_sdpa
+from sglang_ext.attention import CompactionTorchNativeBackend, biased_sdpa, physical_entries
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
 
 
@@ -73,7 +73,7 @@ def test_decode_mixed_batch_stock_and_compacted() -> None:
     batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([10, 7]),
                             out_cache_loc=None)  # fmt: skip
     be.init_forward_metadata(batch)
-    assert be._biased == [False, True]
+    assert be.reads[0] is None and be.reads[1].tolist() == [30, 31, 32, 40, 41]
     q = torch.randn(2, 4, 16)  # [tokens, H_q, D]
     out = torch.empty_like(q)
     be._layer = 1
@@ -82,7 +82,7 @@ def test_decode_mixed_batch_stock_and_compacted() -> None:
                                 causal=False, is_cross_attn=False, sliding_window_size=None)  # fmt: skip
     stock = torch.empty_like(q)
     be2, *_ = _backend()
-    be2._biased = []
+    be2.reads = []
     be2._run_sdpa_forward_decode(q[:1], stock[:1], k_bufs[1], v_bufs[1], r2t,
                                  batch.req_pool_indices[:1], batch.seq_lens[:1], None,
                                  scaling=0.25, enable_gqa=True, causal=False,
@@ -92,3 +92,78 @@ def test_decode_mixed_batch_stock_and_compacted() -> None:
     want = _reference(q[1:2].movedim(0, 1), k_bufs[1][comp].movedim(0, 1),
                       v_bufs[1][comp].movedim(0, 1), beta, 6, 0.25)  # fmt: skip
     assert torch.allclose(out[1], want.movedim(0, 1)[0], atol=1e-5)
+
+
+def test_physical_entries_drops_the_aliases_only() -> None:
+    row = torch.tensor([7, 8, 9, ALIAS_SLOT, ALIAS_SLOT, ALIAS_SLOT, 20, 21], dtype=torch.int32)
+    got = physical_entries(row)
+    assert got.dtype == torch.int64 and got.tolist() == [7, 8, 9, 20, 21]
+    assert physical_entries(torch.tensor([3, 4])).tolist() == [3, 4]  # T == t_max: no alias
+
+
+# A compacted prefix of T = 13 logical tokens in t_max = 4 physical slots (head 1 keeps 3:
+# its 4th slot has beta = -inf), 9 aliases; an ordinary child node below it, then the tails.
+PHYS, T, CHILD = [50, 51, 52, 53], 13, [60, 61]
+
+
+def _mixed_batch(decode: bool):  # type: ignore[no-untyped-def]
+    """Rows: plain, compacted + tail, compacted + child + tail; q new tokens per request."""
+    be, k_bufs, v_bufs = _backend(num_slots=96, layers=2, h_kv=2, d=16)
+    store: BetaStore = be.beta_store
+    store.enable_alias()
+    phys = torch.tensor(PHYS)
+    store.compacted[phys] = True
+    store.beta[:, phys] = torch.randn(2, 4, 2)
+    store.beta[:, phys[3], 1] = float("-inf")
+    prefix = PHYS + [ALIAS_SLOT] * (T - len(PHYS))
+    q_lens = [1, 1, 1] if decode else [3, 1, 4]
+    rows = [list(range(10, 16)), [*prefix, 70, 71, 72], prefix + CHILD + [80, 81, 82, 83]]
+    r2t = be.req_to_token_pool.req_to_token
+    for i, row in enumerate(rows):
+        r2t[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    seq_lens = torch.tensor([len(r) for r in rows])
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2, 3]), seq_lens=seq_lens,
+                            out_cache_loc=None)  # fmt: skip
+    return be, k_bufs, v_bufs, batch, rows, q_lens
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_compacted_requests_read_physical_slots_and_tail_only(decode: bool) -> None:
+    torch.manual_seed(3)
+    be, k_bufs, v_bufs, batch, rows, q_lens = _mixed_batch(decode)
+    be.init_forward_metadata(batch)
+    assert be.reads[0] is None  # plain: the stock path
+    assert be.reads[1].tolist() == [*PHYS, 70, 71, 72]
+    assert be.reads[2].tolist() == PHYS + CHILD + [80, 81, 82, 83]
+    assert all(ALIAS_SLOT not in r.tolist() for r in be.reads[1:])
+
+    q = torch.randn(sum(q_lens), 4, 16)  # [tokens, H_q, D], H_q = 2 * H_kv
+    kw = dict(scaling=0.25, enable_gqa=True, causal=not decode, is_cross_attn=False,
+              sliding_window_size=None)  # fmt: skip
+    r2t, idx, seq_lens = be.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
+    prefix_lens = seq_lens - torch.tensor(q_lens)
+    extra = () if decode else (prefix_lens, torch.tensor(q_lens))
+    for layer in range(2):
+        be._layer = layer
+        run = be._run_sdpa_forward_decode if decode else be._run_sdpa_forward_extend
+        out = run(q, torch.empty_like(q), k_bufs[layer], v_bufs[layer], r2t, idx, seq_lens,
+                  *extra, None, **kw)  # fmt: skip
+        stock = torch.empty_like(q[: q_lens[0]])
+        plain = CompactionTorchNativeBackend._run_sdpa_forward_decode if decode else (
+            CompactionTorchNativeBackend._run_sdpa_forward_extend)  # fmt: skip
+        be.reads = []  # the stock code of SGLang, on the plain request alone
+        plain(be, q[: q_lens[0]], stock, k_bufs[layer], v_bufs[layer], r2t, idx[:1],
+              seq_lens[:1], *(x[:1] for x in extra), None, **kw)  # fmt: skip
+        be.init_forward_metadata(batch)
+        assert torch.equal(out[: q_lens[0]], stock)
+        start = q_lens[0]
+        for row, q_len in zip(rows[1:], q_lens[1:]):
+            # the all-entries path: every slot of the row, aliases masked by beta = -inf
+            slots = torch.tensor(row)
+            qs = q[start : start + q_len].movedim(0, 1)
+            want = biased_sdpa(qs, k_bufs[layer][slots].movedim(0, 1),
+                               v_bufs[layer][slots].movedim(0, 1),
+                               be.beta_store.beta[layer, slots], len(row) - q_len, 0.25)  # fmt: skip
+            got = out[start : start + q_len].movedim(0, 1)
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+            start += q_len

@@ -16,7 +16,7 @@ from sglang_ext.config import (
     TRITON_ATTENTION_BACKEND,
     CompactionConfig,
 )
-from sglang_ext.server_args import apply_to_server_args
+from sglang_ext.server_args import CHANGES_ATTR, apply_to_server_args, log_changes
 
 CFG = CompactionConfig(endpoint="inproc://")
 
@@ -247,3 +247,57 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
     assert cfg.token_file == str(token) and cfg.token is None and "t0ken" not in repr(cfg)
     with pytest.raises(SystemExit):
         p.parse_args([*argv, "--compaction-token", "t0ken"])
+
+
+def test_each_change_is_logged_with_old_and_new_value(caplog: pytest.LogCaptureFixture) -> None:
+    args = server_args(device="cuda", attention_backend="triton")
+    with caplog.at_level("INFO", logger="sglang_ext.server_args"):
+        apply_to_server_args(args, CFG)
+        assert caplog.records == []  # no log handler exists yet when from_cli_args runs
+        assert log_changes(args) == 3
+        assert log_changes(args) == 0 and not hasattr(args, CHANGES_ATTR)  # logged once
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0] == ("INFO", f"sglang_ext: --radix-cache-backend unset -> "
+                        f"{RADIX_CACHE_BACKEND} (the plugin's cache, which serves requests "
+                        "from compacted prefixes)")  # fmt: skip
+    assert lines[1] == ("INFO", f"sglang_ext: --attention-backend triton -> "
+                        f"{TRITON_ATTENTION_BACKEND} (the plugin's beta-aware backend, "
+                        "triton + beta)")  # fmt: skip
+    level, msg = lines[2]
+    assert level == "WARNING" and msg.startswith("sglang_ext: CUDA graphs disabled (")
+    assert "False -> True" in msg and "skip the compaction biases" in msg
+
+
+def test_unchanged_settings_are_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    args = server_args(device="cpu", attention_backend=ATTENTION_BACKEND,
+                       radix_cache_backend=RADIX_CACHE_BACKEND)  # fmt: skip
+    apply_to_server_args(args, CFG)
+    assert log_changes(args) == 0
+    args = server_args(device="cuda", disable_cuda_graph=True)
+    apply_to_server_args(args, CFG)
+    with caplog.at_level("INFO", logger="sglang_ext.server_args"):
+        assert log_changes(args) == 2
+    msgs = [r.getMessage() for r in caplog.records]
+    assert not any("CUDA graphs" in m for m in msgs), msgs
+    assert msgs[1].startswith(
+        f"sglang_ext: --attention-backend unset -> {TRITON_ATTENTION_BACKEND}"
+    )
+
+
+def test_configure_logger_hook_logs_the_changes(caplog: pytest.LogCaptureFixture) -> None:
+    from sglang_ext import ANNOUNCEMENT, _announce
+
+    args = server_args(device="cpu")
+    apply_to_server_args(args, CFG)
+    with caplog.at_level("INFO"):
+        _announce(None, args, prefix="")
+        _announce(None, args, prefix=" TP0")  # a later process: the changes are gone
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs.count(ANNOUNCEMENT) == 2
+    assert [m for m in msgs if "->" in m] == [
+        f"sglang_ext: --radix-cache-backend unset -> {RADIX_CACHE_BACKEND} (the plugin's cache, "
+        "which serves requests from compacted prefixes)",
+        f"sglang_ext: --attention-backend unset -> {ATTENTION_BACKEND} (the plugin's beta-aware "
+        "backend, torch_native + beta)",
+    ]
