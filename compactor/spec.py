@@ -21,9 +21,9 @@ from typing import Any
 
 __all__ = [
     "HEAD_BUDGET_CHOICES",
-    "TARGET_ERROR_RATIOS",
     "QUERY_SOURCES",
     "SELF_STUDY_PROMPTS",
+    "TARGET_ERROR_RATIOS",
     "CompactionSpec",
     "QueryConfig",
     "SpecError",

@@ -116,9 +116,7 @@ def split_held_out(plan: QueryPlan) -> tuple[QueryPlan, QueryPlan, str]:
     fit: list[Continuation] = [c for i, c in enumerate(plan.continuations) if i not in held]
     out: list[Continuation] = [c for i, c in enumerate(plan.continuations) if i in held]
     fit_plan = dataclasses.replace(plan, continuations=fit)
-    held_plan = dataclasses.replace(
-        plan, continuations=out, context_queries=None, query_norms=None
-    )
+    held_plan = dataclasses.replace(plan, continuations=out, context_queries=None, query_norms=None)
     return fit_plan, held_plan, source
 
 
