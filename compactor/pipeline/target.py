@@ -24,6 +24,12 @@ a per-layer choice would change the queries of every later layer). Cost: the can
 tried (it stops at the first that meets the target: 1 for a loose target, all of them for
 a tight one) times one compaction, plus the refit, plus one forward pass of the
 continuations (the split query sets, off-policy).
+
+Measured (SmolLM2-135M, am-omp-fast on-policy, follow-ups with 16 answer tokens; 143 /
+600-token documents with 5 / 8 follow-ups, so 1 / 2 held out): targets 0.3, 0.2, 0.15, 0.1,
+0.07 chose 0.05, 0.1, 0.2, 0.2, 0.3 / 0.05, 0.05, 0.1, 0.2, 0.3, every estimate met. The
+estimate comes from a few held-out questions: on self-study queries that no fit saw, the
+refit's error was 0.19 vs the estimate 0.16 (143 tokens, ratio 0.1), 0.12 vs 0.13 (600).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ ratio than a tight one, the met estimate is <= the target, the choice is in the 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -16,6 +17,7 @@ from compactor.pipeline.target import split_held_out
 from compactor.queries import Continuation, QueryPlan
 from compactor.spec import TARGET_ERROR_RATIOS, CompactionSpec, QueryConfig, SpecError
 from compactor.spec_args import UsageError, add_spec_args, spec_from_args
+from compactor.types import CompactedPrefix
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob
 from tests.unit._tiny import real_model
@@ -82,8 +84,12 @@ def test_wire_json_key_and_flags() -> None:
         spec_from_args(p.parse_args(["--compaction-target-error", "-1"]), "compaction-")
     assert info.value.flag == "--compaction-target-error"
     # the service accepts a target_error job without ratio (it is not budget "auto")
+    from compactor.service.convert import job_from_request, request_from_job
+
     job = CompactJob("fp", (1, 2, 3), CompactionSpec(target_error=0.2))
     job.validate(100)
+    back = job_from_request(request_from_job(job), auto_ratio=0.3)
+    assert back == job and back.spec.ratio is None  # not resolved to the auto ratio
     with pytest.raises(InvalidRequest, match="or a target_error"):
         CompactJob("fp", (1, 2, 3), CompactionSpec()).validate(100)
 
@@ -146,10 +152,15 @@ def test_loose_target_picks_a_smaller_ratio_than_a_tight_one(chosen) -> None:
         assert tried == sorted(tried) and tried[-1] == p["chosen_ratio"]
         # every candidate before the chosen one missed the target
         assert all(c["error"] > p["target_error"] for c in search["candidates"][:-1])
-    # the refit keeps the chosen budget per head
+    # the refit keeps the chosen budget per head; the record travels with the prefix's
+    # metadata (the service's Header.metadata_json)
     for prefix in out.values():
         t = prefix.params["budget_per_head"]
         assert max(max(h) for h in prefix.kept_per_head()) <= t
+        back = CompactedPrefix.from_parts(
+            json.loads(json.dumps(prefix.metadata())), prefix.tensors()
+        )
+        assert back.params["budget_search"] == prefix.params["budget_search"]
 
 
 def test_met_estimate_is_at_most_the_target(chosen) -> None:
