@@ -23,6 +23,7 @@ __all__ = [
     "HEAD_BUDGET_CHOICES",
     "QUERY_SOURCES",
     "SELF_STUDY_PROMPTS",
+    "TARGET_ERROR_RATIOS",
     "CompactionSpec",
     "QueryConfig",
     "SpecError",
@@ -38,6 +39,9 @@ SELF_STUDY_PROMPTS = (
 )
 # Named head-budget choices; any other string is a sensitivity-curves JSON path.
 HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
+# Candidate ratios of a budget chosen by measured error (``target_error``), ascending; a
+# spec's ratio, when set with it, is the ceiling (see CompactionSpec.candidate_ratios).
+TARGET_ERROR_RATIOS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3)
 
 
 class SpecError(ValueError):
@@ -177,8 +181,14 @@ class CompactionSpec:
         method: a registered method name (``compactor.methods.list_methods``).
         method_params: the method's hyper-parameters (JSON-able).
         ratio / tokens: per-KV-head budget t = round(ratio * T) or `tokens`, sinks included,
-            clamped to [s+1, T]. At most one; both None = "auto", which the compaction
-            service resolves to its auto ratio (``compact_prefix`` needs one of them).
+            clamped to [s+1, T]. At most one; both None (and no `target_error`) = "auto",
+            which the compaction service resolves to its auto ratio (``compact_prefix``
+            needs a budget).
+        target_error: choose the ratio by measured error: the smallest candidate ratio
+            (:meth:`candidate_ratios`: ``TARGET_ERROR_RATIOS`` below `ratio`, then `ratio`
+            itself, the ceiling; the whole grid when `ratio` is None) whose held-out
+            attention-output error is <= this (``compactor.pipeline.target``). `tokens`
+            must then be None. None = the fixed budget.
         queries: the reference queries (sources and their settings).
         on_policy: compact layers in order; queries for layer l are drawn with layers < l
             already compacted.
@@ -197,6 +207,14 @@ class CompactionSpec:
     )
     ratio: float | None = _knob(None, "ratio", "kept fraction per KV head, e.g. 0.1", "ratio")
     tokens: int | None = _knob(None, "tokens", "kept entries per KV head", "tokens")
+    target_error: float | None = _knob(
+        None,
+        "target-error",
+        "choose the ratio by measured error: the smallest of "
+        f"{', '.join(map(str, TARGET_ERROR_RATIOS))} (those below --ratio, then --ratio, "
+        "the ceiling) whose held-out relative attention-output error is <= this, e.g. 0.1",
+        "float",
+    )
     queries: QueryConfig = field(
         default_factory=QueryConfig, metadata=_meta("", "reference queries", "group")
     )
@@ -251,6 +269,16 @@ class CompactionSpec:
             raise SpecError(
                 f"give exactly one of ratio ({self.ratio}) and tokens ({self.tokens})", "ratio"
             )
+        if self.target_error is not None:
+            te = self.target_error
+            if not (_is_number(te) and math.isfinite(te) and te > 0):
+                raise SpecError(f"target_error must be a number > 0, got {te!r}", "target_error")
+            if self.tokens is not None:
+                raise SpecError(
+                    f"target_error ({te}) chooses a ratio: give no tokens ({self.tokens}); "
+                    "a ratio, if given, is the ceiling",
+                    "target_error",
+                )
         if not isinstance(self.queries, QueryConfig):
             raise SpecError(f"queries must be a QueryConfig, got {self.queries!r}", "queries")
         self.queries.validate()
@@ -286,8 +314,20 @@ class CompactionSpec:
     # ---- budget ------------------------------------------------------------------------
     @property
     def is_auto(self) -> bool:
-        """True when neither ratio nor tokens is set (the service's auto budget)."""
-        return self.ratio is None and self.tokens is None
+        """True when neither ratio, tokens nor target_error is set (the service's auto budget)."""
+        return self.ratio is None and self.tokens is None and self.target_error is None
+
+    def candidate_ratios(self) -> tuple[float, ...]:
+        """The ratios a `target_error` spec tries, ascending: ``TARGET_ERROR_RATIOS`` below
+        `ratio` then `ratio` (the ceiling), or the whole grid when `ratio` is None.
+
+        Raises SpecError when `target_error` is not set.
+        """
+        if self.target_error is None:
+            raise SpecError("candidate_ratios needs target_error", "target_error")
+        if self.ratio is None:
+            return TARGET_ERROR_RATIOS
+        return (*(r for r in TARGET_ERROR_RATIOS if r < self.ratio), self.ratio)
 
     def with_budget(self, ratio: float | None = None, tokens: int | None = None) -> CompactionSpec:
         """This spec with the budget replaced (both None = auto)."""
@@ -304,12 +344,13 @@ class CompactionSpec:
     def budget_per_head(self, T: int, sinks: int) -> int:
         """t: kept entries per KV head (sinks included) in a T-token prefix, in [sinks+1, T].
 
-        Raises ValueError when the budget is still auto.
+        Raises ValueError when the budget is still auto (or, with target_error and no ratio,
+        not chosen yet: ``compact_prefix`` chooses it).
         """
-        if self.is_auto:
+        if self.ratio is None and self.tokens is None:
             raise SpecError(
                 "give exactly one of ratio and tokens (budget 'auto' is resolved by the "
-                "compaction service)",
+                "compaction service, a target_error budget by compact_prefix)",
                 "ratio",
             )
         raw = round(self.ratio * T) if self.ratio is not None else int(self.tokens or 0)
@@ -336,6 +377,8 @@ class CompactionSpec:
         """A JSON-safe dict (tuples become lists); :meth:`from_dict` inverts it."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["method_params"] = dict(self.method_params)
+        if d["target_error"] is None:  # absent when unset: keys and wire JSON stay as before
+            del d["target_error"]
         d["queries"] = {
             f.name: list(v) if isinstance(v := getattr(self.queries, f.name), tuple) else v
             for f in dataclasses.fields(QueryConfig)

@@ -5,7 +5,8 @@ included), n reference queries, H_kv KV heads, D head dim.
 
 Stages (one module each): :mod:`.inputs` (prefill, query plan, off-policy queries, the
 ``reuse`` cache), :mod:`.budgets` (uniform / sensitivity / per-layer planned budgets per
-layer and chunk), :mod:`.layers` (the layer loop: chunks, sinks, on-policy stream),
+layer and chunk), :mod:`.target` (``spec.target_error``: the ratio chosen by held-out
+error, then a refit), :mod:`.layers` (the layer loop: chunks, sinks, on-policy stream),
 :mod:`.timing` (StageTimes and the wall/CPU stopwatch).
 
 Why per-block compaction is exact in structure (sinks and chunks): for one query q the
@@ -32,12 +33,14 @@ from compactor import hf
 from compactor.pipeline.budgets import BudgetPlan, head_budget_curves, plan_budgets, split_budget
 from compactor.pipeline.inputs import prepare_inputs, resolve_fingerprint
 from compactor.pipeline.layers import assemble_layer, compact_layers
+from compactor.pipeline.target import RatioChoice, choose_ratio
 from compactor.pipeline.timing import StageTimes, Stopwatch
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedPrefix, prefix_hash
 
 __all__ = [
     "Hooks",
+    "RatioChoice",
     "StageTimes",
     "assemble_layer",
     "compact_prefix",
@@ -83,13 +86,17 @@ def compact_prefix(
 
     Runs on the model's device (prefill, queries and every layer's fit); the returned
     prefix holds CPU tensors whatever that device is (it crosses Ray and is serialized).
-    `follow_ups` are the token sequences of the ``follow-up`` query source.
+    `follow_ups` are the token sequences of the ``follow-up`` query source. With
+    ``spec.target_error`` the ratio is chosen by held-out error first (:mod:`.target`; it
+    multiplies the compaction time by up to the number of candidates + 1) and recorded in
+    ``params["chosen_ratio"]`` / ``params["budget_search"]``.
 
     Raises:
         ValueError: a bad spec (``spec.validate()`` runs first; the budget must be set: "auto"
             is the service's), an empty prefix; with head budgets: a missing curves file,
             curves for another model shape or fingerprint, more than one chunk, or a
-            LayerBudgetPlanner method (KVCompose).
+            LayerBudgetPlanner method (KVCompose); with ``spec.target_error``: fewer than two
+            follow-ups and self-study prompts to hold out (:func:`.target.split_held_out`).
     """
     from compactor.methods import get_method
     from compactor.methods.context import build_layer_contexts, wants_context
@@ -104,11 +111,13 @@ def compact_prefix(
         T = len(ids)
         if T < 2:
             raise ValueError(f"prefix too short to compact: T={T}")
-        spec.budget_per_head(T, spec.sink_tokens(T))  # ValueError for budget "auto"
+        # target_error: check the budgets at the ceiling now, choose the ratio below
+        ceiling = spec if spec.target_error is None else spec.with_budget(ratio=_ceiling(spec))
+        ceiling.budget_per_head(T, spec.sink_tokens(T))  # ValueError for budget "auto"
         meth = hooks.method or get_method(spec.method, **spec.method_params)
         fp = hooks.model_fingerprint or resolve_fingerprint(model)
         info = hf.model_info(model)
-        plan = plan_budgets(model, spec, meth, T, fp)
+        plan = plan_budgets(model, ceiling, meth, T, fp)
     inputs = prepare_inputs(model, tokenizer, ids, spec, follow_ups, hooks.reuse, watch)
     # Methods that need the layer's inputs (GVote, CompressKV) get a LayerContext per layer
     # (one extra prefill); a LayerBudgetPlanner (KVCompose) sets per-layer budgets up front.
@@ -117,6 +126,12 @@ def compact_prefix(
         if wants_context(meth)
         else None
     )
+    choice = None
+    if spec.target_error is not None:  # then refit on every continuation at the chosen ratio
+        choice = choose_ratio(model, spec, meth, inputs, contexts, fp, watch, hooks.before_layer)
+        spec = spec.with_budget(ratio=choice.ratio)
+        with watch.measure("prefill"):
+            plan = plan_budgets(model, spec, meth, T, fp)
     plan = plan.with_layer_budgets(
         meth, inputs.prefill.keys, inputs.queries, info.sm_scale, spec.on_policy
     )
@@ -130,7 +145,7 @@ def compact_prefix(
         logical_length=T,
         prefix_hash=prefix_hash(ids),
         method=meth.name,
-        params=_params(spec, meth, plan, report),
+        params=_params(spec, meth, plan, report, choice),
         layers=layers,
         head_dim=info.head_dim,
         num_kv_heads=info.num_kv_heads,
@@ -145,11 +160,23 @@ def compact_prefix(
     return prefix, watch.times(per_layer)
 
 
+def _ceiling(spec: CompactionSpec) -> float:
+    """The largest candidate ratio of a target_error spec."""
+    return spec.candidate_ratios()[-1]
+
+
 def _params(
-    spec: CompactionSpec, meth: Any, plan: BudgetPlan, report: dict[str, Any]
+    spec: CompactionSpec,
+    meth: Any,
+    plan: BudgetPlan,
+    report: dict[str, Any],
+    choice: RatioChoice | None = None,
 ) -> dict[str, Any]:
-    """The prefix's ``params`` record (what ran, with which budget)."""
+    """The prefix's ``params`` record (what ran, with which budget). With a target_error
+    `choice`, "chosen_ratio" is its ratio and "budget_search" its record."""
     s, table = plan.sinks, plan.head_table
+    extra = {} if choice is None else {"budget_search": choice.as_params()}
+    chosen = report.get("chosen_ratio") if choice is None else choice.ratio
     return {
         "method": meth.params(),
         "ratio": spec.ratio,
@@ -161,9 +188,11 @@ def _params(
         "on_policy": spec.on_policy,
         "keep_sink_tokens": s,
         "method_report": report.get("method_report"),
-        "chosen_ratio": report.get("chosen_ratio"),
+        "chosen_ratio": chosen,
         "head_budgets": "uniform" if table is None else "sensitivity",
         # [L][H_kv] entries per head, sinks included (None: uniform budget_per_head)
         "head_budget_table": None if table is None else [[s + x for x in row] for row in table],
         "head_budget_source": None if table is None else plan.source,
+        "target_error": spec.target_error,
+        **extra,
     }

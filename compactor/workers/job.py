@@ -19,7 +19,9 @@ __all__ = [
     "JobResult",
 ]
 
-# Budget "auto" maps to this ratio until GVote's automatic budget is wired in.
+# Budget "auto" (no ratio, tokens or target_error) maps to this ratio. A budget chosen by
+# measured error is asked for with spec.target_error (compactor.pipeline.target): such a
+# spec is not auto and keeps its ratio (the ceiling) or none (the whole candidate grid).
 DEFAULT_AUTO_RATIO = 0.1
 # spec.head_budgets a request may ask for: uniform, or the worker model's sensitivity curves
 # (compact_prefix with head_budgets "auto"); file paths are not accepted.
@@ -35,7 +37,7 @@ class CompactJob:
     """One compaction request, already decoded from the wire.
 
     `spec` has its budget set (budget "auto" is resolved to a ratio before the job is
-    built). `follow_ups` are the token sequences of the ``follow-up`` query source: hints
+    built) or a `target_error` (the worker chooses the ratio). `follow_ups` are the token sequences of the ``follow-up`` query source: hints
     the request that starts a compaction brings, not part of :meth:`key`, so requests for
     the same prefix with other follow-ups (another replica's questions) share its result.
     `request_id` is for logs only and is not part of :meth:`key` either. `kv_dtype` is the dtype
@@ -106,7 +108,7 @@ class CompactJob:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if self.spec.is_auto:
-            raise InvalidRequest("give exactly one of ratio and tokens")
+            raise InvalidRequest("give exactly one of ratio and tokens, or a target_error")
         if "follow-up" in self.spec.queries.sources and not self.follow_ups:
             raise InvalidRequest("query source 'follow-up' needs follow-up token sequences")
 
