@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from sglang_ext.tp import TpSync
     from sglang_ext.trigger import CompactionTrigger
 
-__all__ = ["InstallLifecycle"]
+__all__ = ["InstallLifecycle", "budget_of"]
 
 logger = logging.getLogger("sglang_ext.radix_cache")
 
@@ -274,8 +274,32 @@ class InstallLifecycle:
         self._reap()
         self.stats.installed += 1
         self._refresh_gauges()
+        ratio, error = budget_of(prefix)
+        self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
         logger.info(
-            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx)",
+            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
+            "ratio=%s estimated_error=%s",
             pending.phash[:12], prefix.method, len(ids), t_max, len(ids) / t_max,
+            _fmt(ratio), _fmt(error),
         )  # fmt: skip
         return node
+
+
+def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
+    """(the kept fraction the compactor used, its held-out error estimate) from the result's
+    params: the ratio a `target_error` search chose (or the method's own choice, GVote), else
+    the spec's; the estimate only when a target was set."""
+    params = prefix.params
+    search = params.get("budget_search") or {}
+    ratio = params.get("chosen_ratio")
+    if ratio is None:
+        ratio = params.get("ratio")
+    error = search.get("estimated_error")
+    return (
+        float(ratio) if isinstance(ratio, (int, float)) else None,
+        float(error) if isinstance(error, (int, float)) else None,
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"

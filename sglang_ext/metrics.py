@@ -51,6 +51,8 @@ class CompactionStats:
     tree_slots: int = 0  # gauge: slots held by ordinary (uncompacted) tree nodes
     free_slots: int = 0  # gauge: free slots in SGLang's KV pool
     pool_slots: int = 0  # gauge: the KV pool's size
+    chosen_ratio: float = 0.0  # gauge: the kept fraction of the last install (its budget)
+    estimated_error: float = 0.0  # gauge: its held-out error estimate (--compaction-target-error)
     last_latency_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,6 +95,8 @@ class PrometheusExporter:
         "tree_slots",
         "free_slots",
         "pool_slots",
+        "chosen_ratio",
+        "estimated_error",
     )
 
     def __init__(self, labels: dict[str, str] | None = None):

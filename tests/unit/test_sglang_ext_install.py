@@ -101,6 +101,34 @@ def test_slack_leaves_room_over_the_measured_magnitudes() -> None:
     assert 2 * max(measured["max_beta_minus_ln_T"], 1.0) <= BETA_SLACK
 
 
+def test_install_reports_the_budget_the_compactor_chose(compacted: Any, caplog: Any) -> None:
+    """A target-error search's chosen ratio and estimate reach the log and the gauges; a fixed
+    ratio is reported as such, with no estimate."""
+    import dataclasses
+    import logging
+
+    ids, prefix, fp = compacted
+    searched = dataclasses.replace(
+        prefix,
+        params={
+            **prefix.params,
+            "chosen_ratio": 0.2,
+            "budget_search": {"target_error": 0.15, "estimated_error": 0.12},
+        },
+    )
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    with caplog.at_level(logging.INFO, logger="sglang_ext.radix_cache"):
+        cache.install(ids, searched)
+    assert (cache.stats.chosen_ratio, cache.stats.estimated_error) == (0.2, 0.12)
+    assert "ratio=0.2 estimated_error=0.12" in caplog.text
+    fixed = make_cache(fp)
+    insert_fresh(fixed, ids)
+    fixed.install(ids, prefix)
+    assert fixed.stats.chosen_ratio == prefix.params["ratio"] > 0
+    assert fixed.stats.estimated_error == 0.0
+
+
 def test_install_without_the_original_is_refused(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
