@@ -56,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._shared_prefix import common_length, greedy_answers, prompt_ids, same_first
     from compactor import hf
     from compactor.eval.runner import parse_method_spec
     from compactor.models import resolve_model
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.spec import CompactionSpec, QueryConfig
-    from harness.workload import document, needle_correct, prompt, questions
+    from harness.workload import document, needle_correct, questions
 
     torch.set_num_threads(1)
     model, tok = hf.load_model(resolve_model(args.model))
@@ -86,22 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     examples: list[dict[str, Any]] = []
     for d in range(args.docs):
         doc = document(args.sentences, d)
-        prompts = [tok(prompt(doc, q))["input_ids"] for q in qs]
-        common = 0
-        while all(len(x) > common and x[common] == prompts[0][common] for x in prompts):
-            common += 1
-        prefix = prompts[0][: common - args.margin]
+        prompts = prompt_ids(tok, doc, qs)
+        prefix = prompts[0][: common_length(prompts) - args.margin]
         suffixes = [x[len(prefix) :] for x in prompts]
         follow = [s[: args.follow_up_tokens] for s in suffixes[:fitted]]
         full = hf.PrefixState.full(hf.prefill(model, prefix))
-
-        def answers(state: hf.PrefixState, suffixes: list[list[int]]) -> list[list[int]]:
-            return [
-                hf.greedy_generate(model, state.fork(), s, args.answer_tokens, eos_ids=eos)
-                for s in suffixes
-            ]
-
-        stock = answers(full, suffixes)
+        stock = greedy_answers(model, full, suffixes, args.answer_tokens, eos)
         for q, a in zip(qs, stock):
             ok = needle_correct(q, tok.decode(a), d)
             stock_needles += bool(ok)
@@ -117,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             compacted, _ = compact_prefix(model, tok, prefix, spec, follow, Hooks(progress=False))
             row = rows[(method, ratio, policy, n_ans)]
             row["seconds"] += time.perf_counter() - t0
-            got = answers(hf.PrefixState.from_compacted(compacted), suffixes)
+            state = hf.PrefixState.from_compacted(compacted)
+            got = greedy_answers(model, state, suffixes, args.answer_tokens, eos)
             for i, (q, a, b) in enumerate(zip(qs, stock, got)):
-                same = a[: args.answer_tokens] == b[: args.answer_tokens]
+                same = same_first(a, b, args.answer_tokens)
                 row["fit_agree" if i < fitted else "held_agree"] += same
                 row["needles"] += bool(needle_correct(q, tok.decode(b), d))
                 examples.append(
