@@ -256,6 +256,18 @@ def _agreement(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("next_question", "next_question.json")
+def _next_question(data: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["config", "ratio", "questions fitted (k)", "unseen logppl gap", "unseen agree16",
+             "seen agree16", "s per compaction"]]  # fmt: skip
+    for r in data[0]["rows"]:
+        rows.append(
+            [r["config"], f"{r['ratio']:g}", str(r["k"]), _f(r["unseen_logppl_gap"]),
+             f"{r['unseen_agree16']:.2f}", f"{r['seen_agree16']:.2f}", f"{r['seconds']:.0f}"]
+        )  # fmt: skip
+    return rows
+
+
 @table("kernels", "kernels.json")
 def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     res = data[0]["results"]

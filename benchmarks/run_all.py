@@ -28,6 +28,7 @@ def benchmarks() -> dict[str, list[str]]:
         ],
         "quality": ["benchmarks/quality.py"],
         "agreement": ["benchmarks/agreement.py"],
+        "next_question": ["benchmarks/next_question.py"],
         "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
         "serving": ["benchmarks/serving.py"],
         "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
