@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["common_length", "greedy_answers", "prompt_ids", "same_first"]
+__all__ = ["common_length", "greedy_answers", "ints", "prompt_ids", "same_first"]
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated flag value as ints ("2,6" -> [2, 6])."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def prompt_ids(tokenizer: Any, doc: str, questions: Sequence[str]) -> list[list[int]]:

@@ -25,10 +25,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks._shared_prefix import common_length, greedy_answers, prompt_ids, same_first
+    from benchmarks._shared_prefix import (
+        common_length,
+        greedy_answers,
+        ints,
+        prompt_ids,
+        same_first,
+    )
     from compactor import hf
     from compactor.eval.runner import parse_method_spec
     from compactor.models import resolve_model
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             [m for m in args.methods.split(",") if m],
             [float(r) for r in args.ratios.split(",") if r],
             [x for x in args.policies.split(",") if x],
-            _ints(args.follow_up_answers),
+            ints(args.follow_up_answers),
         )
     )
     rows: dict[tuple[Any, ...], dict[str, Any]] = {

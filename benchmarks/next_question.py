@@ -232,10 +232,6 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -258,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         if c not in CONFIGS:
             p.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
-    steps = _ints(args.refit_steps)
 
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._shared_prefix import ints
+
+    steps = ints(args.refit_steps)
     from benchmarks._meta import provenance
     from compactor import hf
     from compactor.models import resolve_model

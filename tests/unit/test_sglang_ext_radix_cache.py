@@ -29,16 +29,16 @@ POOL = 512
 T = 96
 
 
-@pytest.fixture(scope="module")
-def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
+def compact_rooms(model_dir: Path, n: int) -> tuple[list[int], CompactedPrefix]:
+    """The first `n` tokens of a fixed text and their real compaction (am-highest, 0.25,
+    context-prefill); registers their real KV in ORIGINAL_KV for `insert_fresh`."""
     from compactor.hf import load_model
-    from compactor.models import fingerprint
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.spec import CompactionSpec, QueryConfig
 
-    model, tok = load_model(prepared_model)
+    model, tok = load_model(model_dir)
     text = " ".join(f"Room {i} has {i * 3} chairs." for i in range(40))
-    ids = tok(text)["input_ids"][:T]
+    ids = tok(text)["input_ids"][:n]
     spec = CompactionSpec(
         method="am-highest", ratio=0.25, queries=QueryConfig(sources=("context-prefill",))
     )
@@ -48,6 +48,14 @@ def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
     ORIGINAL_KV[tuple(ids)] = [
         (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers
     ]  # per layer [T, H_kv, D], post-RoPE, as SGLang's pool holds them
+    return ids, prefix
+
+
+@pytest.fixture(scope="module")
+def compacted(prepared_model: Path) -> tuple[list[int], CompactedPrefix, str]:
+    from compactor.models import fingerprint
+
+    ids, prefix = compact_rooms(prepared_model, T)
     return ids, prefix, fingerprint(prepared_model)
 
 

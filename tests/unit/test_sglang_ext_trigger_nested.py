@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("sglang")
 
@@ -30,6 +29,7 @@ from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     _release,
     _req,
     check_accounting,
+    compact_rooms,
     compacted,
     insert_fresh,
     key,
@@ -44,24 +44,9 @@ DOC = 80  # tokens of the document under the compacted prefix
 @pytest.fixture(scope="module")
 def nested(prepared_model: Path, compacted: Any) -> tuple[list[int], CompactedPrefix]:
     """The tokens S + D [T + DOC] and their real compaction; registers their real KV."""
-    from compactor.hf import load_model
-    from compactor.pipeline import Hooks, compact_prefix
-    from compactor.spec import CompactionSpec, QueryConfig
-
     ids, _, _ = compacted
-    model, tok = load_model(prepared_model)
-    text = " ".join(f"Room {i} has {i * 3} chairs." for i in range(40))
-    full = tok(text)["input_ids"][: T + DOC]
+    full, prefix = compact_rooms(prepared_model, T + DOC)
     assert full[:T] == ids
-    spec = CompactionSpec(
-        method="am-highest", ratio=0.25, queries=QueryConfig(sources=("context-prefill",))
-    )
-    prefix, _ = compact_prefix(model, tok, full, spec, hooks=Hooks(progress=False))
-    with torch.no_grad():
-        cache = model(torch.tensor([full]), use_cache=True).past_key_values
-    ORIGINAL_KV[tuple(full)] = [
-        (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers
-    ]
     return full, prefix
 
 
