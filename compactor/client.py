@@ -201,8 +201,10 @@ class CompactorClient(_Base):
         request_id: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
         max_result_bytes: int | None = None,
+        fit_round: int = 0,
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32).
+        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32);
+        `fit_round` n > 0 asks for the n-th refit (not the cached first fit).
 
         Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
         ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
@@ -215,6 +217,7 @@ class CompactorClient(_Base):
             follow_ups,
             request_id or uuid.uuid4().hex,
             kv_dtype,
+            fit_round,
         )
         return self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
 
@@ -290,8 +293,10 @@ class AsyncCompactorClient(_Base):
         request_id: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
         max_result_bytes: int | None = None,
+        fit_round: int = 0,
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32).
+        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32);
+        `fit_round` n > 0 asks for the n-th refit (not the cached first fit).
 
         Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
         ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
@@ -304,6 +309,7 @@ class AsyncCompactorClient(_Base):
             follow_ups,
             request_id or uuid.uuid4().hex,
             kv_dtype,
+            fit_round,
         )
         return await self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
 

@@ -1,8 +1,9 @@
 """Compacted-prefix tree nodes: what marks one, how one is built, how one is found.
 
 A compacted prefix of T tokens is a `TreeNode` hanging off the root under
-`child_key(prefix_hash)`, beside the ordinary tree; its `compaction` attribute is a
-`CompactionInfo`. Its value is T slot indices: the t_max physical slots, then `ALIAS_SLOT`
+`child_key(prefix_hash, fit_round)`, beside the ordinary tree; its `compaction` attribute is
+a `CompactionInfo`. A refit of the same prefix hangs beside the fit it replaces (another
+round, another key) until that one's requests let go. Its value is T slot indices: the t_max physical slots, then `ALIAS_SLOT`
 (see `sglang_ext.kv_store`). `sglang_ext.radix_cache.CompactionRadixCache` owns these nodes;
 the functions here only read nodes, except `new_compacted_node`, which attaches one.
 """
@@ -31,14 +32,21 @@ __all__ = [
 class CompactionInfo:
     """What makes a tree node a compacted prefix."""
 
-    __slots__ = ("logical_length", "method", "prefix_hash", "slots", "t_max")
+    __slots__ = ("fit_round", "logical_length", "method", "prefix_hash", "slots", "t_max")
 
-    def __init__(self, slots: torch.Tensor, logical_length: int, phash: str, method: str):
+    def __init__(
+        self, slots: torch.Tensor, logical_length: int, phash: str, method: str, fit_round: int
+    ):
         self.slots = slots  # [t_max] int64 physical slots
         self.t_max = int(slots.numel())
         self.logical_length = logical_length
         self.prefix_hash = phash
         self.method = method
+        self.fit_round = fit_round  # 0: the first fit, n: the n-th refit
+
+    @property
+    def child_key(self) -> tuple[str, str, int]:
+        return child_key(self.prefix_hash, self.fit_round)
 
 
 def compaction_info(node: TreeNode) -> CompactionInfo | None:
@@ -46,9 +54,10 @@ def compaction_info(node: TreeNode) -> CompactionInfo | None:
     return getattr(node, "compaction", None)
 
 
-def child_key(phash: str) -> tuple[str, str]:
-    """The root's child key of the compacted node for prefix hash `phash` (no token key)."""
-    return ("__compacted__", phash)
+def child_key(phash: str, fit_round: int = 0) -> tuple[str, str, int]:
+    """The root's child key of the compacted node for prefix hash `phash`, fit `fit_round`
+    (no token key)."""
+    return ("__compacted__", phash, fit_round)
 
 
 def physical_size(node: TreeNode) -> int:
@@ -58,9 +67,15 @@ def physical_size(node: TreeNode) -> int:
 
 
 def new_compacted_node(
-    root: TreeNode, ids: list[int], slots: torch.Tensor, phash: str, method: str
+    root: TreeNode,
+    ids: list[int],
+    slots: torch.Tensor,
+    phash: str,
+    method: str,
+    fit_round: int = 0,
 ) -> TreeNode:
-    """Attach a compacted node for tokens `ids` [T] holding `slots` [t_max] int64 under `root`.
+    """Attach a compacted node for tokens `ids` [T] holding `slots` [t_max] int64 under `root`
+    (`fit_round`: 0 for a first fit, n for the n-th refit).
 
     Mutates `root.children` only; the caller does the tree's size and leaf bookkeeping.
     """
@@ -69,8 +84,9 @@ def new_compacted_node(
     node.parent = root
     node.key = RadixKey(array("q", ids), None)
     node.value = torch.cat([slots, torch.full((T - t_max,), ALIAS_SLOT, dtype=torch.int64)])
-    node.compaction = CompactionInfo(slots, T, phash, method)  # type: ignore[attr-defined]
-    root.children[child_key(phash)] = node
+    info = CompactionInfo(slots, T, phash, method, fit_round)
+    node.compaction = info  # type: ignore[attr-defined]
+    root.children[info.child_key] = node
     return node
 
 

@@ -49,14 +49,15 @@ logger = logging.getLogger(__name__)
 
 class Compactor(Protocol):
     async def compact(
-        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]
+        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix: ...
 
 
 @dataclass(frozen=True)
 class JobResult:
     """One finished compaction: exactly one of `prefix` and `error` is set; `epoch` is the
-    runner's epoch when it was submitted; `job_id` what `submit` returned."""
+    runner's epoch when it was submitted; `job_id` what `submit` returned; `fit_round` 0 for a
+    prefix's first fit, n for its n-th refit."""
 
     token_ids: tuple[int, ...]
     prefix: CompactedPrefix | None
@@ -64,6 +65,7 @@ class JobResult:
     latency_s: float
     epoch: int = 0
     job_id: int = 0
+    fit_round: int = 0
 
 
 class InProcessCompactor:
@@ -76,7 +78,7 @@ class InProcessCompactor:
         self._executor: ProcessPoolExecutor | None = None
 
     async def compact(
-        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]
+        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix:
         if self._executor is None:
             self._executor = ProcessPoolExecutor(
@@ -267,7 +269,7 @@ class GrpcCompactor:
         return self._client
 
     async def compact(
-        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]]
+        self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix:
         client = self._client_for(self._token())
         fus = [[int(t) for t in f] for f in follow_ups]
@@ -278,6 +280,7 @@ class GrpcCompactor:
             self.config.spec.for_follow_ups(fus),
             fus,
             timeout=self.config.timeout,
+            fit_round=fit_round,
             kv_dtype=pool.dtype if pool else None,
             max_result_bytes=pool.max_result_bytes(len(token_ids)) if pool else None,
         )
@@ -302,8 +305,8 @@ class CompactionRunner:
     `check(prefix)`, when set, runs on the runner's thread for every result; a raised
     ValueError turns the result into a failed job carrying it (the scheduler counts it as
     invalid). `new_epoch()` marks every job submitted so far as stale. `on_submit(job_id,
-    token_ids, follow_ups)`, when set, is called by every `submit` (TP rank 0 announces its
-    submissions to the other ranks through it: `sglang_ext.tp`).
+    token_ids, follow_ups, fit_round)`, when set, is called by every `submit` (TP rank 0
+    announces its submissions to the other ranks through it: `sglang_ext.tp`).
     """
 
     def __init__(
@@ -316,7 +319,8 @@ class CompactionRunner:
         self.timeout = timeout
         self.check = check
         self.epoch = 0
-        self.on_submit: Callable[[int, Sequence[int], Sequence[Sequence[int]]], None] | None = None
+        self.on_submit: Callable[[int, Sequence[int], Sequence[Sequence[int]], int], None] | None
+        self.on_submit = None
         self._next_id = 0
         self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
@@ -347,9 +351,10 @@ class CompactionRunner:
         token_ids: Sequence[int],
         follow_ups: Sequence[Sequence[int]],
         job_id: int | None = None,
+        fit_round: int = 0,
     ) -> int:
-        """Start one compaction; returns its job id at once (`job_id`, else the next of this
-        runner's). Thread-safe."""
+        """Start one compaction (`fit_round` n > 0: the prefix's n-th refit); returns its job
+        id at once (`job_id`, else the next of this runner's). Thread-safe."""
         tokens = tuple(int(t) for t in token_ids)
         fus = [list(f) for f in follow_ups]
         with self._lock:
@@ -358,19 +363,25 @@ class CompactionRunner:
                 job_id = self._next_id
             self._next_id = max(self._next_id, job_id + 1)
         if self.on_submit is not None:
-            self.on_submit(job_id, tokens, fus)
-        asyncio.run_coroutine_threadsafe(self._run(tokens, fus, self.epoch, job_id), self._loop)
+            self.on_submit(job_id, tokens, fus, fit_round)
+        job = self._run(tokens, fus, self.epoch, job_id, fit_round)
+        asyncio.run_coroutine_threadsafe(job, self._loop)
         return job_id
 
     async def _run(
-        self, token_ids: tuple[int, ...], follow_ups: list[list[int]], epoch: int, job_id: int
+        self,
+        token_ids: tuple[int, ...],
+        follow_ups: list[list[int]],
+        epoch: int,
+        job_id: int,
+        fit_round: int,
     ) -> None:
         t0 = time.perf_counter()
         prefix: CompactedPrefix | None = None
         error: BaseException | None = None
         try:
             prefix = await asyncio.wait_for(
-                self.compactor.compact(token_ids, follow_ups), self.timeout
+                self.compactor.compact(token_ids, follow_ups, fit_round), self.timeout
             )
             if self.check is not None:
                 self.check(prefix)
@@ -379,7 +390,7 @@ class CompactionRunner:
         with self._lock:
             self._in_flight -= 1
         latency = time.perf_counter() - t0
-        self._results.put(JobResult(token_ids, prefix, error, latency, epoch, job_id))
+        self._results.put(JobResult(token_ids, prefix, error, latency, epoch, job_id, fit_round))
 
     def drain(self) -> list[JobResult]:
         """Finished jobs since the last call (non-blocking)."""

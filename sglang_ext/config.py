@@ -67,7 +67,15 @@ class CompactionConfig:
             3: a system prompt two chats share is not compacted alone, a document asked three
             different questions is (``sglang_ext.trigger``).
         timeout: seconds one compaction may take before it counts as failed.
-        max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries.
+        max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries
+            (first fit).
+        refit_at: an installed prefix is fitted again when this many distinct questions
+            have been asked on it (counted from the first fit's questions on, a
+            conversation's earlier turns once), each step once, with those questions as
+            follow-ups; the new fit replaces the installed one atomically (requests in flight
+            finish on the old one). (8, 32) after a first fit on >= `min_continuations`: each
+            refit brings 4x the evidence, and a document costs O(log questions) compactions.
+            Empty: never refit.
         follow_up_tokens: each suffix is cut to this many tokens.
         boundary_margin: a compacted path stops this many tokens before the branch point
             it was found at (later requests may diverge a little earlier).
@@ -101,6 +109,7 @@ class CompactionConfig:
     min_continuations: int = 3
     timeout: float = 120.0
     max_follow_ups: int = 8
+    refit_at: tuple[int, ...] = (8, 32)
     follow_up_tokens: int = 128
     boundary_margin: int = 32
     align_tokens: int = 64
@@ -159,6 +168,11 @@ class CompactionConfig:
         if not self.install_step_ms > 0:
             raise ValueError(
                 f"--compaction-install-step-ms must be > 0, got {self.install_step_ms}"
+            )
+        steps = self.refit_at
+        if any(not isinstance(n, int) or n < 2 for n in steps) or list(steps) != sorted(set(steps)):
+            raise ValueError(
+                f"--compaction-refit-at must be increasing question counts >= 2, got {steps}"
             )
         if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
             raise ValueError(
@@ -224,6 +238,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "a prefix with none falls back to repeat-prefill).",
     )
     g.add_argument(
+        "--compaction-refit-at",
+        type=_counts,
+        default=CompactionConfig.refit_at,
+        help="Refit an installed prefix when this many distinct questions have been asked "
+        "on it (comma-separated, e.g. 8,32; 'none': never). The refit uses those questions "
+        "as follow-ups and replaces the installed fit atomically.",
+    )
+    g.add_argument(
         "--compaction-follow-up-tokens",
         type=int,
         default=CompactionConfig.follow_up_tokens,
@@ -282,6 +304,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_channel_args(g)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """`--compaction-refit-at`: "8,32" -> (8, 32); "none" or "" -> ()."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated question counts like 8,32 or 'none', got {text!r}"
+        ) from None
+
+
 def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
     """The config the parsed flags describe, or None without `--compaction-endpoint`.
 
@@ -320,6 +354,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         min_continuations=ns.compaction_min_continuations,
         timeout=ns.compaction_timeout,
         max_follow_ups=ns.compaction_max_follow_ups,
+        refit_at=tuple(ns.compaction_refit_at),
         follow_up_tokens=ns.compaction_follow_up_tokens,
         boundary_margin=ns.compaction_boundary_margin,
         align_tokens=ns.compaction_align_tokens,

@@ -125,6 +125,7 @@ class PendingInstall:
     Attributes:
         token_ids: the prefix [T]. phash: its prefix hash. slots: [t_max] int64, allocated
             for it and in no tree node yet. bounds: `original_bounds` of the prefix.
+            fit_round: 0 for a first fit, n for the n-th refit (replaces the installed fit).
     """
 
     token_ids: list[int]
@@ -132,6 +133,7 @@ class PendingInstall:
     prefix: CompactedPrefix
     slots: torch.Tensor
     bounds: list[LayerBounds]
+    fit_round: int = 0
     next_layer: int = 0
 
     @property

@@ -7,7 +7,8 @@ one is counted (`invalid` for a ValueError: a checksum, shape, echo or magnitude
 (`sglang_ext.installer`) whose slots count as protected (SGLang's pool accounting stays
 exact while it is written) and whose layers are written `install_chunk_mb` (and about
 `install_step_ms`) at a time across
-iterations, then becomes a node. Structure checks (`check_result`) run on the runner's
+iterations, then becomes a node; a refit (`fit_round` n > 0 of an installed prefix) takes the
+installed node's place at that moment (`_supersede`). Structure checks (`check_result`) run on the runner's
 thread, never the scheduler's.
 
 With tensor parallelism (`tp` set: `sglang_ext.tp.TpSync`) the ranks agree at each poll on
@@ -28,7 +29,7 @@ import torch
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from compactor.types import CompactedPrefix, prefix_hash
-from sglang_ext.compacted_node import new_compacted_node
+from sglang_ext.compacted_node import compaction_info, new_compacted_node
 from sglang_ext.installer import PendingInstall, original_bounds
 from sglang_ext.kv_store import head_counts
 
@@ -65,6 +66,7 @@ class InstallLifecycle:
         protected_size_: int
         _compacted: dict[str, TreeNode]
         _dropped: dict[str, TreeNode]
+        _superseded: set[TreeNode]
         _pending: list[PendingInstall]
         _retired: set[TreeNode]
 
@@ -174,35 +176,48 @@ class InstallLifecycle:
             self.stats.stale += 1
             logger.info("sglang_ext: dropped a compaction started before a weight update")
         elif job.prefix is None:
-            self._fallback(job.token_ids, job.error)
+            self._fallback(job.token_ids, job.error, job.fit_round)
         else:
             try:
-                self._begin(job.token_ids, job.prefix)
+                self._begin(job.token_ids, job.prefix, fit_round=job.fit_round)
             except (ValueError, RuntimeError) as e:
-                self._fallback(job.token_ids, e)
+                self._fallback(job.token_ids, e, job.fit_round)
         self._export(job.latency_s)
 
-    def _fallback(self, token_ids: Any, error: BaseException | None) -> None:
+    def _fallback(self, token_ids: Any, error: BaseException | None, fit_round: int = 0) -> None:
         """Count a result that will not be installed: `invalid` for a ValueError (it failed a
-        check: checksum, shape, echo, magnitude), `failures` otherwise."""
+        check: checksum, shape, echo, magnitude), `failures` otherwise. A failed refit
+        (`fit_round` > 0) leaves the installed fit serving; a failed first fit the original
+        prefix."""
         invalid = isinstance(error, ValueError)
         self.stats.invalid += invalid
         self.stats.failures += not invalid
+        what = "result rejected" if invalid else "failed"
+        if fit_round:
+            self.trigger.refit_failed(token_ids)
+            logger.warning(
+                "compaction refit %d %s, the installed fit keeps serving: %r",
+                fit_round, what, error,
+            )  # fmt: skip
+            return
         self.stats.fallbacks += 1
         retry = self.trigger.failed(token_ids)
         logger.warning(
             "compaction %s, prefix stays uncompacted%s: %r",
-            "result rejected" if invalid else "failed",
-            " (may be retried)" if retry else " (retries spent: cooling down)", error,
+            what, " (may be retried)" if retry else " (retries spent: cooling down)", error,
         )  # fmt: skip
 
     def _begin(
-        self, token_ids: Any, prefix: CompactedPrefix, t_max: int | None = None
+        self,
+        token_ids: Any,
+        prefix: CompactedPrefix,
+        t_max: int | None = None,
+        fit_round: int = 0,
     ) -> PendingInstall | None:
         """Echo checks (fingerprint, T, prefix hash), bounds from what is left of the original
         prefix (`_original_slots`), slots (`t_max`: the full result's longest head when
-        `prefix` is this rank's slice, so every TP rank allocates alike); None if installed
-        or being installed already."""
+        `prefix` is this rank's slice, so every TP rank allocates alike); None if being
+        installed already, or installed at this `fit_round` or a later one."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
         if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
@@ -214,14 +229,17 @@ class InstallLifecycle:
         phash = prefix_hash(ids)
         if prefix.prefix_hash != phash:
             raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
-        if phash in self._compacted or any(p.phash == phash for p in self._pending):
+        current = self._compacted.get(phash)
+        info = None if current is None else compaction_info(current)
+        newer = info is not None and fit_round > info.fit_round
+        if (current is not None and not newer) or any(p.phash == phash for p in self._pending):
             self.stats.double_installs += 1
             return None
         t_max = int(head_counts(prefix).max()) if t_max is None else t_max
         if not 0 < t_max < T:
             raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
         bounds = original_bounds(self.kvcache, self._original_slots(ids))
-        pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds)
+        pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds, fit_round)
         self.protected_size_ += t_max  # held, not evictable, until the node takes them
         self._pending.append(pending)
         return pending
@@ -262,27 +280,47 @@ class InstallLifecycle:
         self._refresh_gauges()
 
     def _finish(self, pending: PendingInstall) -> TreeNode:
-        """Add the node of a fully written prefix and retire its original path."""
+        """Add the node of a fully written prefix and retire its original path, or, for a
+        refit, the fit it replaces."""
         prefix, ids, t_max = pending.prefix, pending.token_ids, int(pending.slots.numel())
-        node = new_compacted_node(self.root_node, ids, pending.slots, pending.phash, prefix.method)
+        old = self._compacted.get(pending.phash)
+        node = new_compacted_node(
+            self.root_node, ids, pending.slots, pending.phash, prefix.method, pending.fit_round
+        )
         self._compacted[pending.phash] = node
         self.protected_size_ -= t_max
         self.evictable_size_ += t_max
         self._update_leaf_status(node)
         self._update_leaf_status(self.root_node)
-        self._retire_original(node.key)
+        if old is None:
+            self._retire_original(node.key)
+        else:
+            self._supersede(old)
         self._reap()
+        self.trigger.installed(ids)
         self.stats.installed += 1
+        self.stats.refits += old is not None
         self._refresh_gauges()
         ratio, error = budget_of(prefix)
         self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
         logger.info(
             "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
-            "ratio=%s estimated_error=%s",
+            "ratio=%s estimated_error=%s%s",
             pending.phash[:12], prefix.method, len(ids), t_max, len(ids) / t_max,
-            _fmt(ratio), _fmt(error),
+            _fmt(ratio), _fmt(error), f" refit={pending.fit_round}" if old is not None else "",
         )  # fmt: skip
         return node
+
+    def _supersede(self, old: TreeNode) -> None:
+        """`old` was replaced by a refit: it and everything below it stop being reachable by
+        new requests (no longer in `_compacted`; the refit's node matches) and are freed
+        when their requests let go (`_reap`)."""
+        self._superseded.add(old)
+        stack = list(old.children.values())
+        while stack:
+            child = stack.pop()
+            self._retired.add(child)
+            stack.extend(child.children.values())
 
 
 def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:

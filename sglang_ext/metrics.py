@@ -35,6 +35,7 @@ class CompactionStats:
 
     requested: int = 0
     installed: int = 0
+    refits: int = 0  # installs that replaced an installed fit of the same prefix
     failures: int = 0  # the compactor raised, timed out or was unreachable
     invalid: int = 0  # a result failed a check (checksum, shape, echo, magnitude)
     stale: int = 0  # a result computed for weights that were updated since
@@ -80,6 +81,7 @@ class PrometheusExporter:
     _COUNTERS = (
         "requested",
         "installed",
+        "refits",
         "failures",
         "invalid",
         "stale",

@@ -17,6 +17,10 @@ their positions continue at T (the node itself: `sglang_ext.compacted_node`). Ru
   path from the root and below K0, plus K0's own slots (kept original keys, fitted values).
 - A request that started before the install (its row does not begin with K's slots) is
   kept off K: its checkpoints leave the tree alone and it frees only its own slots.
+- A refit of an installed prefix (`fit_round` n > 0) is installed beside it and then takes
+  its place at once: new requests match the refit; the old node stops matching, its
+  requests in flight finish on it, and it and its descendants are freed when they let go
+  (`_superseded`, `_retired`).
 - Hits: SGLang's insert counts one hit per request and node; `sglang_ext.trigger` decides
   which path is sent for compaction (branch points with enough hits and enough distinct
   short continuations, once per document, failed ones retried with backoff then cooled
@@ -45,7 +49,6 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from compactor.types import prefix_hash
 from sglang_ext.compacted_node import (
     CompactionInfo,
-    child_key,
     compaction_info,
     covering,
     path_tokens,
@@ -89,6 +92,7 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         self._compacted: dict[str, TreeNode] = {}
         self._retired: set[TreeNode] = set()
         self._dropped: dict[str, TreeNode] = {}  # compacted for old weights, freed when unlocked
+        self._superseded: set[TreeNode] = set()  # replaced by a refit, freed when unlocked
         self._pending: list[PendingInstall] = []
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
@@ -106,13 +110,20 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
     def reset(self) -> None:
         store = getattr(self, "beta_store", None)  # None during __init__
         if store is not None:
-            for node in [*self._compacted.values(), *self._dropped.values()]:
+            for node in [*self._compacted.values(), *self._dropped.values(), *self._superseded]:
                 info = compaction_info(node)
                 if info is not None:
                     store.clear(info.slots)
             for pending in self._pending:
                 store.clear(pending.slots)
-            for held in (self._compacted, self._dropped, self._pending, self._retired):
+            held: Any
+            for held in (
+                self._compacted,
+                self._dropped,
+                self._superseded,
+                self._pending,
+                self._retired,
+            ):
                 held.clear()
             self.trigger.reset()
         super().reset()
@@ -229,9 +240,11 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         if info is None:
             super()._delete_leaf(node)
             return
-        node.parent.children.pop(child_key(info.prefix_hash), None)
-        self._compacted.pop(info.prefix_hash, None)
-        self._dropped.pop(info.prefix_hash, None)
+        node.parent.children.pop(info.child_key, None)
+        for held in (self._compacted, self._dropped):
+            if held.get(info.prefix_hash) is node:
+                del held[info.prefix_hash]
+        self._superseded.discard(node)
         self.evictable_size_ -= info.t_max
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)
@@ -257,8 +270,9 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
             self.token_to_kv_pool_allocator.free(info.slots)
             self.beta_store.clear(info.slots)
             n = info.t_max
-            self.stats.evicted += 1
-            self.trigger.forget(info.prefix_hash)  # may be compacted again after new hits
+            if node not in self._superseded:  # (a replaced fit is freed, not evicted)
+                self.stats.evicted += 1
+                self.trigger.forget(info.prefix_hash)  # may be compacted again after new hits
         else:
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
             n = len(node.value)
@@ -301,22 +315,25 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
 
     def _original_slots(self, ids: list[int]) -> torch.Tensor:
         """Slots [n] int64 holding what is left of path `ids`'s original KV, for the
-        install's range check: its ordinary path from the root and, when a shorter compacted
-        node K0 covers its front (whose original KV is gone), K0's slots and the ordinary
-        nodes below K0. Empty when nothing of it is cached."""
+        install's range check: its ordinary path from the root and, when a compacted node K0
+        covers its front (whose original KV is gone: a shorter one, or the fit a refit
+        replaces), K0's slots and the ordinary nodes below K0. Empty when nothing of it is
+        cached."""
         key = RadixKey(array("q", ids), None)
         parts, _ = RadixCache._match_prefix_helper(self, self.root_node, key)
         k0 = self._covering(key)
-        if k0 is not None and len(k0.key) < len(ids):
-            below, _ = RadixCache._match_prefix_helper(self, k0, key[len(k0.key) :])
-            info = compaction_info(k0)
-            parts = [*parts, *([info.slots] if info is not None else []), *below]
+        info = None if k0 is None else compaction_info(k0)
+        if k0 is not None and info is not None:
+            parts = [*parts, info.slots]
+            if len(k0.key) < len(ids):
+                below, _ = RadixCache._match_prefix_helper(self, k0, key[len(k0.key) :])
+                parts += below
         return torch.cat(parts).to(torch.int64) if parts else torch.empty(0, dtype=torch.int64)
 
     def _reap(self) -> None:
         """Free retired nodes and dropped compacted ones that are now unlocked leaves
         (repeats up the path)."""
-        for node in list(self._dropped.values()):
+        for node in [*self._dropped.values(), *self._superseded]:
             if node.lock_ref == 0 and not node.children:
                 self._free_node(node)
         progress = True
@@ -336,22 +353,27 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
                     progress = True
 
     def _maybe_submit(self) -> None:
-        if self.runner is None or self.fingerprint is None or not self.trigger.candidates:
+        trigger = self.trigger
+        if self.runner is None or self.fingerprint is None:
+            return
+        if not trigger.candidates and not trigger.refit_asked:
             return
         if self.runner.pending + len(self._pending) >= self.config.max_in_flight:
-            self.trigger.candidates.clear()  # back-pressure: found again at its next hit
-            self.stats.deferred += 1
+            self.stats.deferred += bool(trigger.candidates)
+            trigger.candidates.clear()  # back-pressure: found again at its next hit
             return
-        picked = self.trigger.pick(lambda node: path_tokens(node, self.root_node))
+        picked = trigger.next_refit() or trigger.pick(
+            lambda node: path_tokens(node, self.root_node)
+        )
         if picked is None:
             return
-        tokens, follow_ups = picked
         self.stats.requested += 1
         logger.info(
-            "sglang_ext: compaction requested T=%d hash=%s follow_ups=%d",
-            len(tokens), prefix_hash(tokens)[:12], len(follow_ups),
+            "sglang_ext: compaction requested T=%d hash=%s follow_ups=%d%s",
+            len(picked.tokens), prefix_hash(picked.tokens)[:12], len(picked.follow_ups),
+            f" (refit {picked.fit_round})" if picked.fit_round else "",
         )  # fmt: skip
-        self.runner.submit(tokens, follow_ups)
+        self.runner.submit(picked.tokens, picked.follow_ups, fit_round=picked.fit_round)
         self._export()
 
     def _refresh_gauges(self) -> None:

@@ -7,7 +7,7 @@ KV pool holds H_kv / N heads (one replicated head when H_kv < N). SGLang keeps t
 trees and pools identical (same requests, same steps); the plugin keeps it so:
 
 - Rank 0 decides: its trigger picks paths, its runner's `on_submit` puts each submission
-  (a job id, the tokens, the follow-ups) in the outbox. Other ranks' triggers never pick
+  (a job id, the tokens, the follow-ups, the fit round) in the outbox. Other ranks' triggers never pick
   (`FollowerTrigger`).
 - At every poll each rank takes part in one `all_gather_object` over the scheduler's TP CPU
   group (`TpSync.poll`): rank 0's new submissions, and from every rank the job ids whose
@@ -49,7 +49,8 @@ __all__ = [
 
 logger = logging.getLogger("sglang_ext.radix_cache")
 
-Announcement = tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]]  # job id, tokens, fus
+# job id, tokens, follow-ups, fit round
+Announcement = tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...], int]
 Failure = tuple[int, bool, str]  # job id, invalid (a check failed, not the compactor), message
 
 
@@ -113,6 +114,9 @@ class FollowerTrigger(CompactionTrigger):
         self.candidates.clear()
         return None
 
+    def next_refit(self) -> Submission | None:
+        return None
+
 
 @dataclass(frozen=True)
 class RankReport:
@@ -168,6 +172,7 @@ class TpSync:
     polls: int = 0
     _outbox: list[Announcement] = field(default_factory=list)
     _tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)  # job -> prefix [T]
+    _rounds: dict[int, int] = field(default_factory=dict)  # job -> fit round (refits only)
     _held: dict[int, tuple[CompactedPrefix, int]] = field(default_factory=dict)  # + t_max
     _begun: dict[int, Any] = field(default_factory=dict)  # job -> PendingInstall
     _failed: dict[int, tuple[bool, str]] = field(default_factory=dict)
@@ -186,12 +191,16 @@ class TpSync:
         """Results this rank holds that are not yet installing (waiting for other ranks)."""
         return len(self._held)
 
-    def on_submit(self, job: int, token_ids: Sequence[int], follow_ups: Any) -> None:
+    def on_submit(
+        self, job: int, token_ids: Sequence[int], follow_ups: Any, fit_round: int = 0
+    ) -> None:
         """Rank 0's runner hook: announce the submission at the next poll."""
         tokens = tuple(int(t) for t in token_ids)
         self._tokens[job] = tokens
+        if fit_round:
+            self._rounds[job] = fit_round
         fus = tuple(tuple(int(t) for t in f) for f in follow_ups)
-        self._outbox.append((job, tokens, fus))
+        self._outbox.append((job, tokens, fus, fit_round))
 
     def failed_install(self, pending: Any, error: BaseException) -> None:
         """A layer of `pending` failed its check here: stop writing it, drop it everywhere
@@ -205,7 +214,15 @@ class TpSync:
 
     def clear(self) -> None:
         """Weights updated (on every rank at the same poll): forget every job."""
-        for held in (self._outbox, self._tokens, self._held, self._begun, self._failed):
+        held: Any
+        for held in (
+            self._outbox,
+            self._tokens,
+            self._rounds,
+            self._held,
+            self._begun,
+            self._failed,
+        ):
             held.clear()
         self._dropped.clear()
 
@@ -220,14 +237,17 @@ class TpSync:
         for job in [j for j, p in self._begun.items() if id(p) not in alive]:
             del self._begun[job]
             self._tokens.pop(job, None)
+            self._rounds.pop(job, None)
             self._failed.pop(job, None)
         deal = agree(self._exchange(self._report()))
         self.polls += 1
         if not self.leads:
-            for job, tokens, fus in deal.submissions:
+            for job, tokens, fus, fit_round in deal.submissions:
                 self._tokens[job] = tokens
+                if fit_round:
+                    self._rounds[job] = fit_round
                 cache.stats.requested += 1
-                cache.runner.submit(tokens, [list(f) for f in fus], job_id=job)
+                cache.runner.submit(tokens, [list(f) for f in fus], job_id=job, fit_round=fit_round)
         for job, failure in deal.drop.items():
             self._drop(cache, job, failure)
         for job in deal.begin:
@@ -236,6 +256,7 @@ class TpSync:
         for job in deal.finish:
             pending = self._begun.pop(job)
             self._tokens.pop(job, None)
+            self._rounds.pop(job, None)
             cache._pending.remove(pending)
             cache._finish(pending)
             done += 1
@@ -285,12 +306,15 @@ class TpSync:
     def _begin(self, cache: Any, job: int) -> None:
         prefix, t_max = self._held.pop(job)
         try:
-            pending = cache._begin(self._tokens[job], prefix, t_max=t_max)
+            pending = cache._begin(
+                self._tokens[job], prefix, t_max=t_max, fit_round=self._rounds.get(job, 0)
+            )
         except (ValueError, RuntimeError) as e:
             self._failed[job] = (isinstance(e, ValueError), repr(e))  # dropped everywhere next
             return
         if pending is None:  # installed or being installed already (the same on every rank)
             self._tokens.pop(job, None)
+            self._rounds.pop(job, None)
         else:
             self._begun[job] = pending
 
@@ -306,4 +330,5 @@ class TpSync:
         if not known:
             self._dropped.add(job)  # this rank's result is still to come: discard it then
         tokens = self._tokens.pop(job, ())
-        cache._fallback(tokens, ValueError(msg) if invalid else RuntimeError(msg))
+        error = ValueError(msg) if invalid else RuntimeError(msg)
+        cache._fallback(tokens, error, self._rounds.pop(job, 0))

@@ -38,16 +38,23 @@ The radix cache reports hits (`on_hit`) and requests it saw (`remember`, the las
   installed path is at worst sent again and counted as a double install) and
   `_MAX_FAILURES` failure records (oldest dropped);
 - follow-ups are the first `follow_up_tokens` tokens after the path of the most recent
-  questions (at most `max_follow_ups`).
+  questions (at most `max_follow_ups`);
+- refits (`refit_at`, e.g. 8 then 32): the distinct questions asked on a held path are
+  counted from its first fit's questions on (`remember`, a conversation's earlier turns
+  once, at most `2 * refit_at[-1]` kept). Once its fit is installed (`installed`) and its
+  questions reach the next step, `next_refit` sends the path again with the step's count
+  of most recent questions and `fit_round` n (the n-th refit: the service computes it
+  afresh). Each step is sent once; a failed refit leaves the installed fit serving
+  (`refit_failed`) until the next step.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from compactor import prefix_hash
 from sglang_ext.config import CompactionConfig
@@ -58,7 +65,14 @@ _RECENT_PROMPTS = 64
 _MAX_PATHS = 256
 _MAX_FAILURES = 1024
 
-Submission = tuple[list[int], list[list[int]]]  # (path tokens [T], follow-ups)
+
+class Submission(NamedTuple):
+    """A path to compact: its tokens [T], the follow-ups, and the fit round (0: first fit,
+    n: its n-th refit)."""
+
+    tokens: list[int]
+    follow_ups: list[list[int]]
+    fit_round: int = 0
 
 
 class _TrieNode:
@@ -137,6 +151,22 @@ class _Failure:
     not_before: float
 
 
+@dataclass
+class _Fit:
+    """A held path's questions (distinct tails after it, most recent last) and refit state."""
+
+    path: tuple[int, ...]
+    tails: OrderedDict[tuple[int, ...], None] = field(default_factory=OrderedDict)
+    rounds: int = 0  # refits sent so far
+    installed: bool = False  # a fit is installed and no refit is in flight
+
+
+def _continuations(tails: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The tails that are no prefix of another one (a conversation's earlier turns go)."""
+    held = list(tails)
+    return [t for t in held if not any(len(u) > len(t) and u[: len(t)] == t for u in held)]
+
+
 class CompactionTrigger:
     """Hit bookkeeping for one radix cache (see the module docstring)."""
 
@@ -148,6 +178,8 @@ class CompactionTrigger:
         self._paths: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # in flight/installed
         self._index = PathIndex()  # the same paths, for overlap lookups
         self._failures: OrderedDict[str, _Failure] = OrderedDict()
+        self._fits: dict[str, _Fit] = {}  # by prefix hash, for the held paths
+        self._asked: set[str] = set()  # fits that got a new question since the last look
 
     def reset(self) -> None:
         self.candidates.clear()
@@ -155,13 +187,62 @@ class CompactionTrigger:
         self._paths.clear()
         self._index = PathIndex()
         self._failures.clear()
+        self._fits.clear()
+        self._asked.clear()
 
     def remember(self, rid: str, prompt: Sequence[int]) -> None:
-        """Keep a request's prompt (the last `_RECENT_PROMPTS`): its questions and follow-ups."""
-        self._recent[rid] = tuple(int(t) for t in prompt)
+        """Keep a request's prompt (the last `_RECENT_PROMPTS`): its questions and follow-ups;
+        a question on a held path counts towards that path's refits."""
+        p = self._recent[rid] = tuple(int(t) for t in prompt)
         self._recent.move_to_end(rid)
         while len(self._recent) > _RECENT_PROMPTS:
             self._recent.popitem(last=False)
+        if self._fits and self.config.refit_at:
+            deepest, _ = self._index.query(p)
+            phash = prefix_hash(list(p[:deepest])) if deepest else ""
+            fit = self._fits.get(phash)
+            if fit is not None and 0 < len(p) - deepest < self.config.min_prefix_tokens:
+                self._ask(fit, phash, p[deepest:])
+
+    @property
+    def refit_asked(self) -> bool:
+        """Whether a held path got new questions since `next_refit` last looked."""
+        return bool(self._asked)
+
+    def installed(self, token_ids: Sequence[int]) -> None:
+        """A fit of this path was installed: its next refit may be sent when due."""
+        fit = self._fits.get(prefix_hash([int(t) for t in token_ids]))
+        if fit is not None:
+            fit.installed = True
+
+    def refit_failed(self, token_ids: Sequence[int]) -> None:
+        """A refit failed: the installed fit keeps serving; the next step may refit it."""
+        self.installed(token_ids)
+
+    def next_refit(self) -> Submission | None:
+        """A path whose questions reached its next `refit_at` step (marked in flight), with
+        that many of its most recent questions as follow-ups; or None."""
+        steps, cut = self.config.refit_at, self.config.follow_up_tokens
+        while self._asked:
+            phash = self._asked.pop()
+            fit = self._fits.get(phash)
+            if fit is None or not fit.installed or fit.rounds >= len(steps):
+                continue
+            need = steps[fit.rounds]
+            questions = _continuations(reversed(fit.tails))  # most recent first
+            if len(questions) < need:
+                continue
+            fit.rounds += 1
+            fit.installed = False
+            return Submission(list(fit.path), [list(q[:cut]) for q in questions[:need]], fit.rounds)
+        return None
+
+    def _ask(self, fit: _Fit, phash: str, tail: tuple[int, ...]) -> None:
+        fit.tails[tail] = None
+        fit.tails.move_to_end(tail)
+        while len(fit.tails) > 2 * self.config.refit_at[-1]:
+            fit.tails.popitem(last=False)
+        self._asked.add(phash)
 
     def on_hit(self, node: Any) -> None:
         if node.hit_count >= self.config.min_hits:
@@ -216,7 +297,10 @@ class CompactionTrigger:
             self._hold(path)
             L, cut = len(path), cfg.follow_up_tokens
             follow_ups = [list(p[L : L + cut]) for p in asked][: cfg.max_follow_ups]
-            return list(path), follow_ups
+            if cfg.refit_at:
+                fit = self._fits[prefix_hash(list(path))] = _Fit(path)
+                fit.tails.update((p[L:], None) for p in reversed(asked))
+            return Submission(list(path), follow_ups)
         return None
 
     def failed(self, token_ids: Sequence[int]) -> bool:
@@ -260,10 +344,13 @@ class CompactionTrigger:
         self._paths[prefix_hash(list(path))] = path
         self._index.add(path)
         while len(self._paths) > _MAX_PATHS:
-            _, old = self._paths.popitem(last=False)
+            old_hash, old = self._paths.popitem(last=False)
             self._index.remove(old)
+            self._fits.pop(old_hash, None)
 
     def _release(self, phash: str) -> None:
         path = self._paths.pop(phash, None)
         if path is not None:
             self._index.remove(path)
+        self._fits.pop(phash, None)
+        self._asked.discard(phash)

@@ -159,6 +159,7 @@ def job_from_request(req: pb.CompactRequest, auto_ratio: float) -> CompactJob:
         follow_ups=tuple(tuple(f.token_ids) for f in req.follow_ups),
         request_id=req.request_id,
         kv_dtype=kv_dtype,
+        fit_round=int(req.fit_round),
     )
 
 
@@ -169,10 +170,14 @@ def compact_request(
     follow_ups: Sequence[Sequence[int]] = (),
     request_id: str = "",
     kv_dtype: torch.dtype | str | None = None,
+    fit_round: int = 0,
 ) -> pb.CompactRequest:
     """The CompactRequest for a spec (its ratio and tokens both None = budget 'auto');
-    `kv_dtype` asks for keys/values in that dtype (None = float32). ValueError if it is not
-    float32, float16 or bfloat16."""
+    `kv_dtype` asks for keys/values in that dtype (None = float32); `fit_round`: 0 for a
+    first fit, n for the n-th refit. ValueError if the dtype is not float32, float16 or
+    bfloat16, or `fit_round` is negative."""
+    if fit_round < 0:
+        raise ValueError(f"fit_round must be >= 0, got {fit_round}")
     return pb.CompactRequest(
         model_fingerprint=model_fingerprint,
         token_ids=[int(t) for t in token_ids],
@@ -180,6 +185,7 @@ def compact_request(
         follow_ups=[pb.TokenSequence(token_ids=[int(t) for t in f]) for f in follow_ups],
         request_id=request_id,
         kv_dtype=kv_dtype_field(kv_dtype),
+        fit_round=fit_round,
     )
 
 
@@ -192,6 +198,7 @@ def request_from_job(job: CompactJob) -> pb.CompactRequest:
         job.follow_ups,
         job.request_id,
         job.kv_dtype or None,
+        job.fit_round,
     )
 
 

@@ -42,7 +42,9 @@ class CompactJob:
     the same prefix with other follow-ups (another replica's questions) share its result.
     `request_id` is for logs only and is not part of :meth:`key` either. `kv_dtype` is the dtype
     the service casts the result's keys/values to before encoding (one of
-    KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it.
+    KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it. `fit_round` is 0
+    for a prefix's first fit and n for its n-th refit on more follow-ups: part of
+    :meth:`key` when > 0, so a refit is not answered with the cached first fit.
     """
 
     model_fingerprint: str
@@ -51,10 +53,12 @@ class CompactJob:
     follow_ups: tuple[tuple[int, ...], ...] = ()
     request_id: str = ""
     kv_dtype: str = ""
+    fit_round: int = 0
 
     def key(self) -> str:
         """Identity of the result: what determines it, i.e. the model, the prefix tokens, the
-        spec (method, budget, query policy, ...) and the kv dtype; not the follow-ups."""
+        spec (method, budget, query policy, ...), the kv dtype and the fit round; not the
+        follow-ups."""
         ident: dict[str, object] = {
             "model": self.model_fingerprint,
             "prefix": prefix_hash(self.token_ids),
@@ -62,6 +66,8 @@ class CompactJob:
         }
         if self.kv_dtype:  # absent for float32: keys of float32 results stay as they were
             ident["kv_dtype"] = self.kv_dtype
+        if self.fit_round:  # absent for first fits: their keys stay as they were
+            ident["fit_round"] = self.fit_round
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     @staticmethod

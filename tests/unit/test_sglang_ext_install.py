@@ -245,7 +245,9 @@ def test_runner_checks_results_on_its_own_thread(compacted: Any) -> None:
     seen: list[str] = []
 
     class Instant:
-        async def compact(self, token_ids: Any, follow_ups: Any) -> CompactedPrefix:
+        async def compact(
+            self, token_ids: Any, follow_ups: Any, fit_round: int = 0
+        ) -> CompactedPrefix:
             await asyncio.sleep(0)
             return prefix
 

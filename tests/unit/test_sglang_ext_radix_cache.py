@@ -69,6 +69,7 @@ class FakeRunner:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[list[int], list[list[int]]]] = []
+        self.rounds: list[int] = []  # the fit round of each submission
         self.results: list[Any] = []
         self.epoch = 0
         self.pending = 0
@@ -78,8 +79,9 @@ class FakeRunner:
         self.epoch += 1
         return self.epoch
 
-    def submit(self, token_ids: list[int], follow_ups: list[list[int]]) -> None:
+    def submit(self, token_ids: list[int], follow_ups: list[list[int]], fit_round: int = 0) -> None:
         self.submitted.append((list(token_ids), follow_ups))
+        self.rounds.append(fit_round)
 
     def drain(self) -> list[Any]:
         out, self.results = self.results, []

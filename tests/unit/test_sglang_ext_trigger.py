@@ -58,7 +58,7 @@ def test_branch_point_with_enough_hits_is_sent_with_follow_ups() -> None:
     t.remember("other", [7, 8, 9])
     assert offer(t, node(DOC, hits=1, children=2)) is None  # too few hits: not a candidate
     assert offer(t, node([*DOC, 1, 2, 3], hits=2, children=0)) is None  # repeated prompt
-    tokens, follow_ups = offer(
+    tokens, follow_ups, _ = offer(
         t, node(DOC, hits=2, children=2), node(DOC[:280], hits=3, children=2)
     )
     assert tokens == DOC  # the longest candidate
@@ -112,7 +112,7 @@ def test_path_stops_short_of_the_branch_by_the_margin() -> None:
     t, _ = trigger(min_hits=2, boundary_margin=8, follow_up_tokens=64)
     t.remember("a", [*DOC, 7, 1])
     t.remember("b", [*DOC, 7, 2])
-    tokens, follow_ups = offer(t, node([*DOC, 7], hits=2, children=2))
+    tokens, follow_ups, _ = offer(t, node([*DOC, 7], hits=2, children=2))
     assert tokens == DOC[:-7]  # 301-token branch path minus 8
     assert follow_ups == [[*DOC[-7:], 7, 2], [*DOC[-7:], 7, 1]]
     t2, _ = trigger(min_hits=2, boundary_margin=64)
@@ -128,7 +128,7 @@ def test_replicas_that_branch_a_token_apart_ask_for_the_same_prefix() -> None:
         t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=64)
         t.remember("a", [*branch, 1])
         t.remember("b", [*branch, 2])
-        tokens, _ = offer(t, node(branch, hits=2, children=2))
+        tokens, _, _ = offer(t, node(branch, hits=2, children=2))
         picked.append(tokens)
     assert picked[0] == picked[1] == DOC[:256]  # 292 and 293 both go down to 256
     t, _ = trigger(min_hits=2, boundary_margin=8, align_tokens=512)

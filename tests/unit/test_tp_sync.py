@@ -60,7 +60,7 @@ class DelayedCompactor:
         self.prefix, self.delay_s, self.fail = prefix, delay_s, fail
         self.calls: list[tuple[int, ...]] = []
 
-    async def compact(self, token_ids: Any, follow_ups: Any) -> CompactedPrefix:
+    async def compact(self, token_ids: Any, follow_ups: Any, fit_round: int = 0) -> CompactedPrefix:
         self.calls.append(tuple(token_ids))
         await asyncio.sleep(self.delay_s)
         if self.fail:
@@ -210,10 +210,10 @@ def test_two_ranks_install_their_heads_at_the_same_poll(compacted: Any, tmp_path
 def test_agreement_needs_every_rank_and_drops_on_any_failure() -> None:
     reports = [
         RankReport(1, ready=(3, 4, 5), written=(7,), failed=((4, True, "bad slice"),)),
-        RankReport(0, submissions=((9, (1, 2), ()),), ready=(5, 4, 6), written=(7, 8)),
+        RankReport(0, submissions=((9, (1, 2), (), 0),), ready=(5, 4, 6), written=(7, 8)),
     ]
     deal = agree(reports)
-    assert deal.submissions == ((9, (1, 2), ()),)
+    assert deal.submissions == ((9, (1, 2), (), 0),)
     assert deal.begin == (5,)  # 4 failed on rank 1, 6 not on rank 1 yet; rank 0's order
     assert deal.finish == (7,)
     assert deal.drop == {4: (4, True, "rank 1: bad slice")}

@@ -13,20 +13,22 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "token_ids", "request_id", "spec_json", "follow_ups", "kv_dtype")
+    __slots__ = ("model_fingerprint", "token_ids", "request_id", "spec_json", "follow_ups", "kv_dtype", "fit_round")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_UPS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FIT_ROUND_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     spec_json: str
     follow_ups: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     kv_dtype: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    fit_round: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., follow_ups: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., fit_round: _Optional[int] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
