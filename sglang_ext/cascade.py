@@ -91,7 +91,9 @@ def plan_cascade(
         req_to_token: [R, W] int32/int64 slot table (SGLang's `req_to_token_pool`).
         req_pool_indices, seq_lens, q_lens: [B] ints (tensors on any device, or lists).
         prefixes: per request its compacted prefix (t_max, T), or None / (0, 0) when plain;
-            a [B, 2] integer tensor (any device) or a length-B sequence of host ints.
+            a [B, 2] integer tensor (any device) or a length-B sequence of host ints. A
+            request given as plain attends its whole row in the tail call (aliases in it
+            would be read, masked by their -inf beta: correct, but not cheaper).
         sm_scale: logit scale (None: 1/sqrt(D)).
         causal_block: C, new tokens of one tail block call (>= 1).
     Returns:
