@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.biased_attention._common import AttentionOutput
 from kernels.biased_attention.triton import BiasedPagedAttention
 from kernels.merge_state.triton import merge_state
 
@@ -65,49 +66,12 @@ def plan_batch(
     Raises:
         ValueError: inconsistent lengths or shapes; the message names the offending values.
     """
-    rows = _host(req_pool_indices, "req_pool_indices")
-    lens, qls = _host(seq_lens, "seq_lens"), _host(q_lens, "q_lens")
-    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"req_to_token must be [R, W] int32/int64, got {req_to_token.dtype} "
-            f"{tuple(req_to_token.shape)}"
-        )
-    if not rows.numel() == lens.numel() == qls.numel():
-        raise ValueError(
-            f"req_pool_indices, seq_lens, q_lens must all be [B], got {rows.numel()}, "
-            f"{lens.numel()}, {qls.numel()} entries"
-        )
-    if causal_block < 1:
-        raise ValueError(f"causal_block must be >= 1, got {causal_block}")
-    num_rows, width = req_to_token.shape
-    bad = (qls < 1) | (qls > lens) | (lens > width) | (rows < 0) | (rows >= num_rows)
-    if bool(bad.any()):
-        b = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"request {b}: need 1 <= q_len <= seq_len <= W={width} and 0 <= row < R={num_rows}, "
-            f"got q_len={int(qls[b])} seq_len={int(lens[b])} row={int(rows[b])}"
-        )
+    rows, lens, qls = _check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    num_tokens = int(qls.sum())
-    if bool((qls == 1).all()):
-        blocks = _plan(req_to_token, rows, torch.zeros_like(lens), lens, None, sm_scale, **heads)
-        return BatchPlan(num_tokens, blocks, None)
-    prefix = lens - qls
-    c = causal_block
-    num_blocks = (qls + c - 1) // c
-    blk_req = torch.repeat_interleave(torch.arange(rows.numel()), num_blocks)
-    j = torch.arange(blk_req.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[blk_req]
-    blk_q = torch.clamp(qls[blk_req] - j * c, max=c)
-    qo_indptr = torch.zeros(blk_q.numel() + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(blk_q, 0)
-    blk_start = torch.zeros_like(blk_req)
-    blk_len = prefix[blk_req] + j * c
-    blocks = _plan(req_to_token, rows[blk_req], blk_start, blk_len, qo_indptr, sm_scale, **heads)
-    tok_req = torch.repeat_interleave(torch.arange(rows.numel()), qls)
-    i = torch.arange(num_tokens) - (torch.cumsum(qls, 0) - qls)[tok_req]
-    diag_start = prefix[tok_req] + (i // c) * c
-    diagonal = _plan(req_to_token, rows[tok_req], diag_start, i % c + 1, None, sm_scale, **heads)
-    return BatchPlan(num_tokens, blocks, diagonal)
+    blocks, diagonal = _plan_causal(
+        req_to_token, rows, torch.zeros_like(lens), lens, qls, sm_scale, causal_block, **heads
+    )
+    return BatchPlan(int(qls.sum()), blocks, diagonal)
 
 
 def run_batch(
@@ -122,11 +86,7 @@ def run_batch(
     Returns out [n, H_q, D] in q's dtype; mutates nothing. ValueError on shapes that do not
     match the plan (raised by the kernel wrappers).
     """
-    part = plan.blocks.run(q, k_cache, v_cache, beta_layer)
-    if plan.diagonal is None:
-        return part.out
-    diag = plan.diagonal.run(q, k_cache, v_cache, beta_layer)
-    return merge_state(part.out, part.lse, diag.out, diag.lse, out_dtype=q.dtype).out
+    return _run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer).out
 
 
 def paged_biased_attention(
@@ -183,6 +143,84 @@ def _host(x: Lengths, name: str) -> torch.Tensor:
     if t.dim() != 1 or t.is_floating_point():
         raise ValueError(f"{name} must be a 1-D integer [B], got {t.dtype} {tuple(t.shape)}")
     return t.long()
+
+
+def _check_batch(
+    req_to_token: torch.Tensor, req_pool_indices: Lengths, seq_lens: Lengths, q_lens: Lengths
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate one batch; returns rows, seq_lens, q_lens as host int64 [B] tensors."""
+    rows = _host(req_pool_indices, "req_pool_indices")
+    lens, qls = _host(seq_lens, "seq_lens"), _host(q_lens, "q_lens")
+    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"req_to_token must be [R, W] int32/int64, got {req_to_token.dtype} "
+            f"{tuple(req_to_token.shape)}"
+        )
+    if not rows.numel() == lens.numel() == qls.numel():
+        raise ValueError(
+            f"req_pool_indices, seq_lens, q_lens must all be [B], got {rows.numel()}, "
+            f"{lens.numel()}, {qls.numel()} entries"
+        )
+    num_rows, width = req_to_token.shape
+    bad = (qls < 1) | (qls > lens) | (lens > width) | (rows < 0) | (rows >= num_rows)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"request {b}: need 1 <= q_len <= seq_len <= W={width} and 0 <= row < R={num_rows}, "
+            f"got q_len={int(qls[b])} seq_len={int(lens[b])} row={int(rows[b])}"
+        )
+    return rows, lens, qls
+
+
+def _plan_causal(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    qls: torch.Tensor,
+    sm_scale: float | None,
+    causal_block: int,
+    **heads: int,
+) -> tuple[BiasedPagedAttention, BiasedPagedAttention | None]:
+    """Plan blocks + diagonal (module legend) of request b over its row's entries
+    [starts[b], lens[b]), whose last qls[b] are its new tokens (host int64 [B], validated;
+    starts[b] <= lens[b] - qls[b]). All q_len 1: one call, diagonal None."""
+    if causal_block < 1:
+        raise ValueError(f"causal_block must be >= 1, got {causal_block}")
+    if bool((qls == 1).all()):
+        return _plan(req_to_token, rows, starts, lens - starts, None, sm_scale, **heads), None
+    prefix = lens - qls
+    c = causal_block
+    num_blocks = (qls + c - 1) // c
+    blk_req = torch.repeat_interleave(torch.arange(rows.numel()), num_blocks)
+    j = torch.arange(blk_req.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[blk_req]
+    blk_q = torch.clamp(qls[blk_req] - j * c, max=c)
+    qo_indptr = torch.zeros(blk_q.numel() + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(blk_q, 0)
+    blk_start = starts[blk_req]
+    blk_len = prefix[blk_req] + j * c - blk_start
+    blocks = _plan(req_to_token, rows[blk_req], blk_start, blk_len, qo_indptr, sm_scale, **heads)
+    tok_req = torch.repeat_interleave(torch.arange(rows.numel()), qls)
+    i = torch.arange(int(qls.sum())) - (torch.cumsum(qls, 0) - qls)[tok_req]
+    diag_start = prefix[tok_req] + (i // c) * c
+    diagonal = _plan(req_to_token, rows[tok_req], diag_start, i % c + 1, None, sm_scale, **heads)
+    return blocks, diagonal
+
+
+def _run_causal(
+    blocks: BiasedPagedAttention,
+    diagonal: BiasedPagedAttention | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    beta_layer: torch.Tensor,
+) -> AttentionOutput:
+    """Run `_plan_causal`'s calls and merge them: out [n, H_q, D] (q's dtype), lse [n, H_q]."""
+    part = blocks.run(q, k_cache, v_cache, beta_layer)
+    if diagonal is None:
+        return part
+    diag = diagonal.run(q, k_cache, v_cache, beta_layer)
+    return merge_state(part.out, part.lse, diag.out, diag.lse, out_dtype=q.dtype)
 
 
 def _gather(

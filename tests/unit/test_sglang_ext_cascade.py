@@ -1,0 +1,207 @@
+"""`sglang_ext.cascade` on mixed batches (compacted + plain requests) against `biased_sdpa`
+over the FULL rows, aliases and -inf beta included (CPU under TRITON_INTERPRET=1, and CUDA)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.merge_state.triton import merge_state
+from sglang_ext.cascade import CascadePlan, Prefixes, plan_cascade, run_cascade
+from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.sdpa import biased_sdpa
+
+S, H_KV, G, D = 80, 2, 2, 24
+H_Q = H_KV * G
+SCALE = 0.35
+NODES = {"A": (5, 9), "B": (4, 6)}  # node: (t_max, T)
+# Per request: its node (None: plain) and its own tokens (the tail, or the whole plain row).
+REQUESTS = [("A", 7), (None, 8), ("A", 5), ("B", 6), (None, 3)]
+POOL_ROWS = [3, 0, 5, 1, 4]
+HEADS = dict(num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D)
+
+
+class Batch(SimpleNamespace):
+    k: torch.Tensor  # [S, H_kv, D]
+    v: torch.Tensor
+    beta: torch.Tensor  # [S, H_kv] fp32
+    r2t: torch.Tensor  # [6, 24] int32
+    rows: list[torch.Tensor]  # per request: its full row [n_b] (aliases included)
+    prefixes: list[tuple[int, int] | None]
+
+
+def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
+    """Shuffled slots; node slots get random beta with -inf on head 1's padding; the alias
+    slot has random K/V (so reading it would show) and beta -inf."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(S, H_KV, D, generator=g), torch.randn(S, H_KV, D, generator=g)
+    beta = torch.zeros(S, H_KV)
+    beta[ALIAS_SLOT] = float("-inf")
+    free = (torch.randperm(S - 1, generator=g) + 1).tolist()
+    node_slots = {}
+    for name, (t_max, _) in NODES.items():
+        slots = torch.tensor([free.pop() for _ in range(t_max)])
+        beta[slots] = torch.randn(t_max, H_KV, generator=g)
+        beta[slots[t_max - 2 :], 1] = float("-inf")  # head 1 kept t_max - 2 entries
+        node_slots[name] = slots
+    r2t = torch.randint(1, S, (6, 24), generator=g, dtype=torch.int32)  # junk past seq_len
+    rows, prefixes = [], []
+    for (node, n_own), pool_row in zip(REQUESTS, POOL_ROWS):
+        own = torch.tensor([free.pop() for _ in range(n_own)])
+        if node is None:
+            row, prefix = own, None
+        else:
+            t_max, t_log = NODES[node]
+            row = torch.cat([node_slots[node], torch.full((t_log - t_max,), ALIAS_SLOT), own])
+            prefix = (t_max, t_log)
+        r2t[pool_row, : row.numel()] = row.int()
+        rows.append(row)
+        prefixes.append(prefix)
+    return Batch(k=k.to(device, dtype), v=v.to(device, dtype), beta=beta.to(device),
+                 r2t=r2t.to(device), rows=rows, prefixes=prefixes)  # fmt: skip
+
+
+def full_row_reference(b: Batch, q: torch.Tensor, q_lens: list[int]) -> torch.Tensor:
+    """`biased_sdpa` per request over its whole row (aliases included), fp32 on the CPU."""
+    outs, start = [], 0
+    for slots, q_len in zip(b.rows, q_lens):
+        qr = q[start : start + q_len].float().cpu().movedim(0, 1)  # [H_q, q, D]
+        k = b.k.float().cpu()[slots].movedim(0, 1)  # [H_kv, n, D]
+        v = b.v.float().cpu()[slots].movedim(0, 1)
+        beta = b.beta.cpu()[slots]
+        outs.append(biased_sdpa(qr, k, v, beta, slots.numel() - q_len, SCALE).movedim(0, 1))
+        start += q_len
+    return torch.cat(outs)
+
+
+def q_lens_for(mode: str) -> list[int]:
+    if mode == "decode":
+        return [1] * len(REQUESTS)
+    if mode == "extend":  # every tail (plain: whole row) is new
+        return [n_own for _, n_own in REQUESTS]
+    return [3, 5, 5, 2, 1]  # chunked prefill: requests 0, 1, 3, 4 have part of the tail cached
+
+
+def plan_for(
+    b: Batch, q_lens: list[int], causal_block: int = 64, prefixes: Prefixes | None = None
+) -> CascadePlan:
+    seq_lens = [r.numel() for r in b.rows]
+    return plan_cascade(b.r2t, torch.tensor(POOL_ROWS), seq_lens, q_lens,
+                        b.prefixes if prefixes is None else prefixes, sm_scale=SCALE,
+                        causal_block=causal_block, **HEADS)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "causal_block"),
+    [("decode", 64), ("extend", 2), ("extend", 64), ("chunked", 2), ("chunked", 64)],
+)
+def test_matches_full_row_reference(mode: str, causal_block: int) -> None:
+    b = make_batch()
+    q_lens = q_lens_for(mode)
+    q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(1))
+    plan = plan_for(b, q_lens, causal_block)
+    got = run_cascade(plan, q, b.k, b.v, b.beta)
+    assert got.shape == (sum(q_lens), H_Q, D) and got.dtype == q.dtype
+    torch.testing.assert_close(got, full_row_reference(b, q, q_lens), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend", "chunked"])
+def test_plan_reads_no_alias_and_one_prefix_call_per_node(mode: str) -> None:
+    b = make_batch()
+    q_lens = q_lens_for(mode)
+    plan = plan_for(b, q_lens, causal_block=2)
+    assert plan.groups == ((0, 2), (3,))
+    assert plan.prefix is not None and plan.prefix_tokens is not None
+    prefix = plan.prefix.planned
+    assert prefix.qo_indptr.numel() - 1 == 2  # node A once (requests 0 and 2), node B once
+    assert prefix.kv_indptr.tolist() == [0, 5, 9]  # t_max of A, t_max of B
+    group_a = q_lens[0] + q_lens[2]
+    assert prefix.qo_indptr.tolist() == [0, group_a, group_a + q_lens[3]]
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    want_tokens = [starts[i] + j for i in (0, 2, 3) for j in range(q_lens[i])]
+    assert plan.prefix_tokens.tolist() == want_tokens
+    slots = plan.slots_read()
+    assert ALIAS_SLOT not in slots.tolist()
+    want = torch.unique(torch.cat([r[r != ALIAS_SLOT] for r in b.rows]))
+    assert torch.equal(slots.cpu(), want)  # every other entry of every row is read
+
+
+def test_plain_batch_has_no_prefix_part() -> None:
+    b = make_batch()
+    b.prefixes = [None] * len(REQUESTS)
+    q_lens = q_lens_for("chunked")
+    plan = plan_for(b, q_lens, prefixes=torch.zeros(len(REQUESTS), 2, dtype=torch.int32))
+    assert plan.prefix is None and plan.groups == ()
+    q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(2))
+    assert ALIAS_SLOT in plan.slots_read().tolist()  # plain rows are read whole
+    got = run_cascade(plan, q, b.k, b.v, b.beta)
+    torch.testing.assert_close(got, full_row_reference(b, q, q_lens), atol=2e-5, rtol=1e-4)
+
+
+def test_merge_with_empty_prefix_side_is_the_tail() -> None:
+    """A plain token's prefix state (out 0, lse -inf) leaves the tail state as it is; both
+    sides empty (a fully masked head) gives 0, not NaN."""
+    g = torch.Generator().manual_seed(4)
+    tail_out, tail_lse = torch.randn(3, H_Q, D, generator=g), torch.randn(3, H_Q, generator=g)
+    tail_lse[2, 1] = -math.inf
+    tail_out[2, 1] = 0.0
+    empty, no_lse = torch.zeros(3, H_Q, D), torch.full((3, H_Q), -math.inf)
+    got = merge_state(empty, no_lse, tail_out, tail_lse)
+    assert torch.equal(got.out, tail_out)
+    torch.testing.assert_close(got.lse, tail_lse)
+    assert got.lse[2, 1] == -math.inf and not got.out.isnan().any()
+
+
+def test_rejects_bad_prefixes_and_rows() -> None:
+    b = make_batch()
+    q_lens = q_lens_for("extend")
+    bad = list(b.prefixes)
+    bad[2] = (10, 9)
+    with pytest.raises(ValueError, match=r"request 2: .* got t_max=10 T=9"):
+        plan_for(b, q_lens, prefixes=bad)
+    bad[2] = (5, 12)  # T past seq_len - q_len = 9
+    with pytest.raises(ValueError, match=r"request 2: .*seq_len - q_len = 9, got t_max=5 T=12"):
+        plan_for(b, q_lens, prefixes=bad)
+    bad[2] = (0, 4)
+    with pytest.raises(ValueError, match=r"request 2: .* got t_max=0 T=4"):
+        plan_for(b, q_lens, prefixes=bad)
+    with pytest.raises(ValueError, match=r"prefixes has 4 entries for B=5"):
+        plan_for(b, q_lens, prefixes=b.prefixes[:4])
+    with pytest.raises(ValueError, match=r"integer \[B=5, 2\] tensor"):
+        plan_for(b, q_lens, prefixes=torch.zeros(5, 3, dtype=torch.long))
+    r2t = b.r2t.clone()
+    r2t[POOL_ROWS[2], 3] = r2t[POOL_ROWS[1], 0]  # request 2's node slot 3 is not A's
+    with pytest.raises(ValueError, match=r"request 2: row entry 3 .* differs from request 0's"):
+        plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
+    r2t = b.r2t.clone()
+    r2t[POOL_ROWS[3], 5] = 11  # inside node B's aliases [4, 6)
+    with pytest.raises(ValueError, match=r"request 3: row entry 5 \(slot 11\) is not ALIAS_SLOT"):
+        plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
+    r2t = b.r2t.clone()
+    r2t[POOL_ROWS[3], 1] = ALIAS_SLOT
+    with pytest.raises(ValueError, match=r"request 3: row entry 1 \(slot 0\) is ALIAS_SLOT"):
+        plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
+    plan = plan_for(b, q_lens)
+    with pytest.raises(ValueError, match=r"q must be \[n=29, H_q, D\]"):
+        run_cascade(plan, torch.zeros(28, H_Q, D), b.k, b.v, b.beta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "chunked"])
+def test_matches_full_row_reference_on_cuda(mode: str) -> None:
+    b = make_batch(device="cuda", dtype=torch.bfloat16)
+    q_lens = q_lens_for(mode)
+    q = torch.randn(sum(q_lens), H_Q, D, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor([r.numel() for r in b.rows], device="cuda")
+    plan = plan_cascade(b.r2t, torch.tensor(POOL_ROWS, device="cuda"), seq_lens,
+                        torch.tensor(q_lens, device="cuda"),
+                        torch.tensor([p or (0, 0) for p in b.prefixes], device="cuda"),
+                        sm_scale=SCALE, causal_block=2, **HEADS)  # fmt: skip
+    assert ALIAS_SLOT not in plan.slots_read().tolist()
+    got = run_cascade(plan, q, b.k, b.v, b.beta)
+    assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), full_row_reference(b, q, q_lens),
+                               atol=2e-2, rtol=2e-2)  # fmt: skip
