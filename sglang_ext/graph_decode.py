@@ -70,7 +70,8 @@ class GraphDecodePlan:
     sm_scale: float | None = None
     num_splits: int | None = None
     block_n: int | None = None
-    chunk_size: int = field(init=False)
+    chunk_size: int = field(init=False)  # entries per split (a multiple of block_n)
+    _launch: tuple[float, int, int] = field(init=False, repr=False)  # scale, block_n, splits
     kv_indptr: torch.Tensor = field(init=False, repr=False)  # [max_bs+1] int32
     kv_indices: torch.Tensor = field(init=False, repr=False)  # [max_bs*C] int32
     lens: torch.Tensor = field(init=False, repr=False)  # [max_bs] int32 table lengths
@@ -105,6 +106,7 @@ class GraphDecodePlan:
             raise ValueError(f"num_splits must be >= 1, got {splits}")
         self.chunk_size = math.ceil(self.max_context / splits / block_n) * block_n
         self.block_n, self.num_splits = block_n, math.ceil(self.max_context / self.chunk_size)
+        self._launch = (self.sm_scale, block_n, self.num_splits)
         dev, i32 = self.device, torch.int32
         rows_q = self.max_bs * self.num_qo_heads
         self.kv_indptr = torch.zeros(self.max_bs + 1, dtype=i32, device=dev)
@@ -227,8 +229,10 @@ class GraphDecodePlan:
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty((n, self.num_qo_heads, self.head_dim), dtype=q.dtype, device=q.device)
-        splits, rows_q = self.num_splits or 1, n * self.num_qo_heads
+        scale, block_n, splits = self._launch
+        rows_q = n * self.num_qo_heads
         o_part = self._o_part[: splits * rows_q * self.head_dim]
+        # one tile per request: tile_req = qo_indptr[:-1] = arange, tile_start = 0
         tables = (self.kv_indptr, self.kv_indices, self._qo_indptr, self._qo_indptr,
                   self._tile_start)  # fmt: skip
         launch_decode(
@@ -236,8 +240,7 @@ class GraphDecodePlan:
             o_part.view(splits, n, self.num_qo_heads, self.head_dim),
             self._lse_part[: splits * rows_q].view(splits, n, self.num_qo_heads),
             out, self._lse[:rows_q].view(n, self.num_qo_heads),
-            sm_scale=float(self.sm_scale or 0.0), chunk_size=self.chunk_size,
-            block_n=self.block_n or 16,
+            sm_scale=scale, chunk_size=self.chunk_size, block_n=block_n,
         )  # fmt: skip
         return out
 
