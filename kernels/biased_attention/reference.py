@@ -40,6 +40,7 @@ from kernels.biased_attention._common import (
 __all__ = [
     "attention_bias",
     "biased_attention",
+    "compacted_slot_table",
     "decode",
     "extend",
     "paged_decode",
@@ -254,6 +255,30 @@ def paged_decode(
         q, decode_qo_indptr(q), k_cache, v_cache, beta_cache, kv_indptr, kv_indices,
         sm_scale=sm_scale,
     )  # fmt: skip
+
+
+def compacted_slot_table(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_physical: torch.Tensor,
+    prefix_logical: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The alias-free slot table of a batch over ``req_to_token [R, W]`` (host loop).
+
+    Request b (row ``rows[b]``, n_b = ``seq_lens[b]``, a compacted prefix with p_b physical
+    slots and logical length T_b, both 0 for a plain request) reads its row's columns
+    [0, p_b) then [T_b, n_b). Returns ``kv_indptr [B+1]`` and ``kv_indices [nnz]`` int32 on
+    the CPU; the reference of ``kernels.biased_attention.graph.fill_slot_table``.
+    """
+    table = req_to_token.cpu()
+    indptr, pieces = [0], []
+    for row, n, p, t in zip(*(x.cpu().tolist() for x in (rows, seq_lens, prefix_physical,
+                                                           prefix_logical))):  # fmt: skip
+        pieces += [table[row, :p], table[row, t:n]]
+        indptr.append(indptr[-1] + p + n - t)
+    indices = torch.cat(pieces) if pieces else torch.zeros(0, dtype=table.dtype)
+    return torch.tensor(indptr, dtype=torch.int32), indices.to(torch.int32)
 
 
 # ---- private helpers -------------------------------------------------------------------
