@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -195,10 +196,12 @@ def compaction_args(
     min_hits: int = 2,
     min_prefix_tokens: int = 256,
     timeout_s: float = 600.0,
+    refit_at: Sequence[int] = (),
 ) -> list[str]:
     """`launch_server` flags that turn the plugin on against `endpoint`. The workloads ask
     one document `min_hits` different questions: its path is sent at the `min_hits`-th
-    (`--compaction-min-continuations` set to `min_hits`)."""
+    (`--compaction-min-continuations` set to `min_hits`). They measure one fit per document:
+    no refits unless `refit_at` gives the question counts (`--compaction-refit-at`)."""
     return [
         "--compaction-endpoint", endpoint,
         "--compaction-method", method,
@@ -207,6 +210,7 @@ def compaction_args(
         "--compaction-min-continuations", str(min_hits),
         "--compaction-min-prefix-tokens", str(min_prefix_tokens),
         "--compaction-timeout", str(timeout_s),
+        "--compaction-refit-at", ",".join(str(n) for n in refit_at) or "none",
     ]  # fmt: skip
 
 
