@@ -1,27 +1,45 @@
 """What a user's NEXT question gets after a compaction, offline (transformers, CPU).
 
-For each needle document of ``harness.workload`` (``--docs``, index 0..) the prompts of the
-SEEN questions (``questions()``: the sharing requests the plugin fits on) and the UNSEEN ones
-(``unseen_questions()``: asked only after the install, never in the fit) are tokenized. The
-shared prefix is cut as the plugin's trigger cuts it (``harness.workload.compacted_length``:
-the seen questions' branch point, less the boundary margin, down to the alignment). The full
-prefix answers every question greedily (``--answer-tokens``; ``compactor.eval``'s reference).
+Documents (``harness.workload``): ``--docs`` needle documents (index 0..) and ``--prose-docs``
+prose documents with no needles (``prose_document``, index 0..; rows say ``kind``). Each is
+asked ``--seen-questions`` N SEEN questions (``many_questions(N)``: the sharing requests the
+plugin fits on; the six ``questions()`` first) and six UNSEEN ones (``unseen_questions()`` /
+``prose_unseen_questions()``: asked only after the install, never in the fit). The shared
+prefix is cut as the plugin's trigger cuts it (``harness.workload.compacted_length``: the seen
+questions' branch point, less the boundary margin, down to the alignment). The full prefix
+answers every question greedily (``--answer-tokens``; ``compactor.eval``'s reference).
 
 Each configuration (``--configs``: a name in CONFIGS = the plugin's ``PLUGIN_SPEC`` with a
 few fields overridden; ``baseline`` overrides none) is fitted, for each refit step k
-(``--refit-steps``), on the first k seen questions' suffixes (cut to the plugin's
-``follow_up_tokens``) as the plugin sends them. Reported per configuration and k, averaged
-over documents:
+(``--refit-steps``, up to N; the plugin itself sends at most ``CompactionConfig.max_follow_ups``
+follow-ups, so larger k is a what-if), on the first k seen questions' suffixes (cut to the
+plugin's ``follow_up_tokens``) as the plugin sends them. ``target-x`` configurations choose
+their ratio by held-out error (``spec.target_error`` x, ``ratio`` the ceiling; they need
+k >= 2: smaller k are skipped, listed in the meta's ``skipped``); ``gvote`` chooses its own
+budget per head. Per document and (configuration, k):
 
 - seen_agree16 / unseen_agree16: the share of fitted / unseen questions whose first
   ``--answer-tokens`` greedy tokens on the compacted prefix equal those on the full prefix;
 - unseen_logppl_gap: mean log-prob gap of the full prefix's greedy answer tokens on the
   unseen questions, teacher-forced under the compacted vs the full prefix (nats per token,
   ``compactor.eval.evaluate_prefix``); also unseen_token_agreement (teacher-forced argmax)
-  and unseen_needles (needle answers that name the needle);
+  and unseen_needles (needle answers that name the needle; None for prose documents);
+- unseen_attn_error: the measure ``spec.target_error`` targets, on the unseen questions: the
+  relative attention-output error of their queries (each with the full prefix's greedy
+  answer of the plugin's ``follow_up_answer_tokens`` appended, recorded on the full prefix,
+  as ``compactor.pipeline.target`` records its held-out queries) vs the full prefix
+  (``target.held_out_error``);
+- ratio: the configured ratio; for target configurations the chosen one (``chosen_ratio``,
+  with ``estimated_error``, ``target_error`` and ``target_met``: unseen_attn_error <=
+  target), for gvote its realized kept fraction; kept_ratio: kept entries / (L H_kv T);
 - seconds: one compaction (all stages).
 
-    .venv/bin/python benchmarks/next_question.py --docs 2 --configs baseline,ratio-0.2
+The summary rows (per configuration, k and kind) average them over documents, with
+``target_met_share`` (targets) and ``mean_chosen_ratio``; the meta's ``memory_vs_baseline``
+compares the target and gvote configurations' mean ratio with the plugin's ratio.
+
+    .venv/bin/python benchmarks/next_question.py --docs 2 --prose-docs 2 \\
+        --configs baseline,target-0.2,gvote --refit-steps 2,8,32
 """
 
 from __future__ import annotations
@@ -34,7 +52,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIGS", "config_spec", "main", "measure_document", "plot", "summarize"]
+__all__ = [
+    "CONFIGS",
+    "config_spec",
+    "main",
+    "measure_document",
+    "memory_vs_baseline",
+    "plot",
+    "summarize",
+]
 
 # name -> CompactionSpec.replace(...) overrides of the plugin's spec
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -46,6 +72,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-answers": {"queries": {"follow_up_answer_tokens": 0}},
     "off-policy": {"on_policy": False},
     "am-omp-fast": {"method": "am-omp-fast"},
+    # the ratio is the ceiling of the search (spec.candidate_ratios)
+    "target-0.1": {"target_error": 0.1, "ratio": 0.3},
+    "target-0.2": {"target_error": 0.2, "ratio": 0.3},
+    # GVote ignores the ratio: it keeps each head's nucleus (compactor.methods.gvote)
+    "gvote": {"method": "gvote"},
 }
 _METRICS = (
     "seen_agree16",
@@ -53,8 +84,12 @@ _METRICS = (
     "unseen_logppl_gap",
     "unseen_token_agreement",
     "unseen_needles",
+    "unseen_attn_error",
+    "kept_ratio",
+    "estimated_error",
     "seconds",
 )
+KINDS = ("needle", "prose")
 
 
 def config_spec(name: str) -> Any:
@@ -77,47 +112,75 @@ def measure_document(
     configs: Sequence[str],
     refit_steps: Sequence[int],
     answer_tokens: int = 16,
+    kind: str = "needle",
+    seen_questions: int = 6,
 ) -> list[dict[str, Any]]:
-    """One row per (configuration, k) for document `index` (see the module docstring).
+    """One row per (configuration, k) for document `index` of `kind` (module docstring),
+    then its ``full`` row (the uncompacted answers). Target configurations at k < 2 are left
+    out (their search holds one of >= 2 follow-ups out).
 
-    Raises ValueError on a refit step outside [1, len(questions())] or a document too short
-    for the plugin to compact.
+    Raises ValueError on an unknown kind, a refit step outside [1, seen_questions] or a
+    document too short for the plugin to compact.
     """
-    from benchmarks._shared_prefix import common_length, greedy_answers, prompt_ids, same_first
+    from benchmarks._shared_prefix import (
+        attention_error,
+        common_length,
+        greedy_answers,
+        prompt_ids,
+        question_queries,
+        same_first,
+    )
     from compactor import hf
     from compactor.eval.harness import EvalCase, build_reference, evaluate_prefix
     from compactor.pipeline import Hooks, compact_prefix
-    from harness.workload import (
-        compacted_length,
-        document,
-        needle_correct,
-        questions,
-        unseen_questions,
-    )
-    from sglang_ext.config import CompactionConfig
+    from harness import workload as wl
+    from sglang_ext.config import PLUGIN_SPEC, CompactionConfig
 
-    seen_q, unseen_q = questions(), unseen_questions()
+    if kind not in KINDS:
+        raise ValueError(f"document kind {kind!r} not in {KINDS}")
+    prose = kind == "prose"
+    seen_q = wl.many_questions(seen_questions, prose=prose)
+    unseen_q = wl.prose_unseen_questions() if prose else wl.unseen_questions()
     for k in refit_steps:
         if not 1 <= k <= len(seen_q):
             raise ValueError(f"refit step {k} not in [1, {len(seen_q)}]")
-    doc = document(sentences, index)
+    doc = wl.prose_document(sentences, index) if prose else wl.document(sentences, index)
     seen_p, unseen_p = prompt_ids(tokenizer, doc, seen_q), prompt_ids(tokenizer, doc, unseen_q)
-    t = compacted_length(common_length(seen_p))
+    t = wl.compacted_length(common_length(seen_p))
     if t < 2 or common_length([seen_p[0], *unseen_p]) < t:
-        raise ValueError(f"document {index} with {sentences} sentences: prefix of {t} tokens")
+        raise ValueError(f"{kind} document {index} with {sentences} sentences: prefix of {t}")
     prefix = seen_p[0][:t]
     seen_s, unseen_s = [p[t:] for p in seen_p], [p[t:] for p in unseen_p]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ref_unseen = build_reference(
-        model, tokenizer, EvalCase(f"doc{index}-unseen", prefix, unseen_s), answer_tokens
+        model, tokenizer, EvalCase(f"{kind}{index}-unseen", prefix, unseen_s), answer_tokens
     )
     full = hf.PrefixState.full(ref_unseen.prefill)
-    stock_seen = greedy_answers(model, full, seen_s, answer_tokens, eos)
     cut = CompactionConfig.follow_up_tokens
+    max_k = max(refit_steps)
+    stock_seen = greedy_answers(model, full, seen_s[:max_k], answer_tokens, eos)
+    unseen_queries = question_queries(
+        model,
+        tokenizer,
+        prefix,
+        ref_unseen.prefill,
+        [s[:cut] for s in unseen_s],
+        PLUGIN_SPEC.queries.follow_up_answer_tokens,
+    )
+
+    def needle_share(answers: Sequence[list[int]]) -> float | None:
+        if prose:
+            return None
+        return _share(
+            [wl.needle_correct(q, tokenizer.decode(a), index) for q, a in zip(unseen_q, answers)]
+        )
+
     rows = []
     for name in configs:
         spec = config_spec(name)
         for k in refit_steps:
+            if spec.target_error is not None and k < 2:
+                continue
             t0 = time.perf_counter()
             follow = [s[:cut] for s in seen_s[:k]]
             compacted, _ = compact_prefix(
@@ -128,49 +191,63 @@ def measure_document(
             got_seen = greedy_answers(model, state, seen_s[:k], answer_tokens, eos)
             got_unseen = greedy_answers(model, state, unseen_s, answer_tokens, eos)
             ev = evaluate_prefix(model, tokenizer, ref_unseen, compacted)
-            needles = [
-                needle_correct(q, tokenizer.decode(a), index) for q, a in zip(unseen_q, got_unseen)
-            ]
-            rows.append(
-                {
-                    "config": name,
-                    "method": spec.method,
-                    "ratio": spec.ratio,
-                    "sources": list(spec.queries.sources),
-                    "k": k,
-                    "doc": index,
-                    "prefix_tokens": t,
-                    "seen_agree16": sum(
-                        same_first(a, b, answer_tokens) for a, b in zip(stock_seen, got_seen)
-                    )
-                    / k,
-                    "unseen_agree16": sum(
-                        same_first(a, b, answer_tokens)
-                        for a, b in zip(ref_unseen.answers, got_unseen)
-                    )
-                    / len(unseen_s),
-                    "unseen_logppl_gap": ev["logppl_gap"],
-                    "unseen_token_agreement": ev["agreement"],
-                    "unseen_needles": _share(needles),
-                    "seconds": seconds,
-                    "unseen_answers": [tokenizer.decode(a) for a in got_unseen],
-                }
-            )
+            attn = attention_error(model, compacted, ref_unseen.prefill, unseen_queries)
+            row = {
+                "config": name,
+                "kind": kind,
+                "method": spec.method,
+                **_budget_fields(spec, compacted, attn),
+                "sources": list(spec.queries.sources),
+                "k": k,
+                "doc": index,
+                "prefix_tokens": t,
+                "seen_agree16": sum(
+                    same_first(a, b, answer_tokens) for a, b in zip(stock_seen, got_seen)
+                )
+                / k,
+                "unseen_agree16": sum(
+                    same_first(a, b, answer_tokens) for a, b in zip(ref_unseen.answers, got_unseen)
+                )
+                / len(unseen_s),
+                "unseen_logppl_gap": ev["logppl_gap"],
+                "unseen_token_agreement": ev["agreement"],
+                "unseen_needles": needle_share(got_unseen),
+                "unseen_attn_error": attn,
+                "seconds": seconds,
+                "unseen_answers": [tokenizer.decode(a) for a in got_unseen],
+            }
+            rows.append(row)
     rows.append(
         {
             "config": "full",
+            "kind": kind,
             "doc": index,
             "prefix_tokens": t,
-            "unseen_needles": _share(
-                [
-                    needle_correct(q, tokenizer.decode(a), index)
-                    for q, a in zip(unseen_q, ref_unseen.answers)
-                ]
-            ),
+            "unseen_needles": needle_share(ref_unseen.answers),
             "unseen_answers": [tokenizer.decode(a) for a in ref_unseen.answers],
         }
     )
     return rows
+
+
+def _budget_fields(spec: Any, compacted: Any, attn: float) -> dict[str, Any]:
+    """ratio (configured; chosen for a target spec; realized for gvote), kept_ratio, and the
+    target's chosen_ratio / estimated_error / target_error / target_met (None otherwise)."""
+    kept = compacted.kept_fraction()
+    search = compacted.params.get("budget_search")
+    out: dict[str, Any] = {
+        "ratio": kept if spec.method == "gvote" else spec.ratio,
+        "kept_ratio": kept,
+        "chosen_ratio": None,
+        "estimated_error": None,
+        "target_error": spec.target_error,
+        "target_met": None,
+    }
+    if search is not None:
+        out["ratio"] = out["chosen_ratio"] = search["chosen_ratio"]
+        out["estimated_error"] = search["estimated_error"]
+        out["target_met"] = attn <= search["target_error"]
+    return out
 
 
 def _share(flags: Sequence[bool | None]) -> float | None:
@@ -180,52 +257,115 @@ def _share(flags: Sequence[bool | None]) -> float | None:
 
 
 def summarize(per_doc: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (configuration, k): the metrics' means over documents, with `docs` (count).
+    """Per (configuration, k, kind): the metrics' means over documents, with `docs` (count),
+    `ratio` (mean: the chosen / realized one for target and gvote configurations),
+    `mean_chosen_ratio` and `target_met_share` (target configurations; else None).
 
     The uncompacted ``full`` rows (answers only) are left out.
     """
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in per_doc:
         if r["config"] != "full":
-            groups.setdefault((r["config"], r["k"]), []).append(r)
+            groups.setdefault((r["config"], r["k"], r.get("kind", "needle")), []).append(r)
     out = []
-    for (name, k), rs in groups.items():
+    for (name, k, kind), rs in groups.items():
         row: dict[str, Any] = {
             "config": name,
+            "kind": kind,
             "method": rs[0]["method"],
-            "ratio": rs[0]["ratio"],
+            "ratio": _mean([r["ratio"] for r in rs]),
             "sources": rs[0]["sources"],
             "k": k,
             "docs": len(rs),
+            "target_error": rs[0].get("target_error"),
+            "mean_chosen_ratio": _mean([r.get("chosen_ratio") for r in rs]),
+            "target_met_share": _share([r.get("target_met") for r in rs]),
         }
         for m in _METRICS:
-            vals = [r[m] for r in rs if r[m] is not None]
-            row[m] = sum(vals) / len(vals) if vals else None
+            row[m] = _mean([r.get(m) for r in rs])
         out.append(row)
     return out
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Unseen agreement and logppl gap against k, one line per configuration."""
+def memory_vs_baseline(
+    rows: Sequence[dict[str, Any]], baseline_ratio: float | None
+) -> list[dict[str, Any]]:
+    """For each summary row of a target or gvote configuration: its mean (chosen / realized)
+    ratio against `baseline_ratio` (the plugin's fixed one): ``memory_vs_baseline`` > 1 keeps
+    more entries than the plugin does today. Empty when the plugin has no fixed ratio."""
+    if not baseline_ratio:
+        return []
+    return [
+        {
+            "config": r["config"],
+            "kind": r["kind"],
+            "k": r["k"],
+            "mean_ratio": r["ratio"],
+            "baseline_ratio": baseline_ratio,
+            "memory_vs_baseline": r["ratio"] / baseline_ratio,
+            "target_met_share": r["target_met_share"],
+        }
+        for r in rows
+        if r["target_error"] is not None or r["method"] == "gvote"
+    ]
+
+
+def _mean(vals: Sequence[float | None]) -> float | None:
+    """The mean of the non-None values (None when all are None)."""
+    got = [v for v in vals if v is not None]
+    return sum(got) / len(got) if got else None
+
+
+def plot(
+    rows: Sequence[dict[str, Any]],
+    path: str | Path,
+    title: str,
+    per_doc: Sequence[dict[str, Any]] = (),
+) -> None:
+    """Five panels against k, one line per configuration and kind (prose dashed), and the
+    target configurations' realized unseen error against their target, per document."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     panels = (
         ("unseen_agree16", "unseen: strict first-N agreement"),
         ("seen_agree16", "seen (fitted): strict first-N agreement"),
         ("unseen_logppl_gap", "unseen: logppl gap (nats/token)"),
+        ("unseen_attn_error", "unseen: relative attention-output error"),
+        ("ratio", "ratio (chosen / realized for target, gvote)"),
     )
-    for ax, (key, label) in zip(axes, panels):
-        for name in dict.fromkeys(r["config"] for r in rows):
-            rs = sorted((r for r in rows if r["config"] == name), key=lambda r: r["k"])
-            ax.plot([r["k"] for r in rs], [r[key] for r in rs], "o-", label=name)
+    for ax, (key, label) in zip(axes.flat, panels):
+        for name, kind in dict.fromkeys((r["config"], r["kind"]) for r in rows):
+            rs = [r for r in rows if (r["config"], r["kind"]) == (name, kind)]
+            rs = sorted((r for r in rs if r[key] is not None), key=lambda r: r["k"])
+            if rs:
+                style = "o-" if kind == "needle" else "s--"
+                ax.plot([r["k"] for r in rs], [r[key] for r in rs], style, label=f"{name} {kind}")
+        ax.set_xscale("log", base=2)
+        ks = sorted({r["k"] for r in rows})
+        ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("k seen questions fitted")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes.flat[0].legend(fontsize=7)
+    ax = axes.flat[5]
+    targets = [r for r in per_doc if r.get("target_error") is not None]
+    for k in sorted({r["k"] for r in targets}):
+        rs = [r for r in targets if r["k"] == k]
+        ax.scatter(
+            [r["target_error"] for r in rs], [r["unseen_attn_error"] for r in rs], label=f"k={k}"
+        )
+    if targets:
+        top = max(max(r["target_error"], r["unseen_attn_error"]) for r in targets) * 1.1
+        ax.plot([0, top], [0, top], "k:", lw=1, label="realized = target")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("target error")
+    ax.set_ylabel("realized unseen attention error")
+    ax.set_title("target configurations, per document", fontsize=10)
+    ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -238,13 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--docs", type=int, default=2, help="needle documents (workload index 0..)")
+    p.add_argument("--prose-docs", type=int, default=2, help="prose documents (no needles)")
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
     p.add_argument(
         "--configs",
-        default="baseline,ratio-0.2,repeat-prefill,am-omp-fast",
+        default="baseline,ratio-0.2,repeat-prefill,target-0.1,target-0.2,gvote",
         help=f"comma-separated, from: {', '.join(CONFIGS)}",
     )
-    p.add_argument("--refit-steps", default="2,6", help="k: seen questions fitted")
+    p.add_argument("--refit-steps", default="2,8,32", help="k: seen questions fitted")
+    p.add_argument("--seen-questions", type=int, default=32, help="seen questions per document")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default="benchmarks/results/next_question.json")
@@ -261,31 +403,49 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._shared_prefix import ints
 
     steps = ints(args.refit_steps)
+    for k in steps:
+        if not 1 <= k <= args.seen_questions:
+            p.error(f"refit step {k} not in [1, --seen-questions {args.seen_questions}]")
     from benchmarks._meta import provenance
     from compactor import hf
     from compactor.models import resolve_model
-    from sglang_ext.config import PLUGIN_SPEC
+    from sglang_ext.config import PLUGIN_SPEC, CompactionConfig
 
     prov = provenance(argv)
     torch.set_num_threads(args.threads)
     model, tok = hf.load_model(resolve_model(args.model))
     t0 = time.perf_counter()
     per_doc: list[dict[str, Any]] = []
-    for d in range(args.docs):
+    docs = [("needle", d) for d in range(args.docs)] + [
+        ("prose", d) for d in range(args.prose_docs)
+    ]
+    for kind, d in docs:
         per_doc += measure_document(
-            model, tok, d, args.sentences, configs, steps, args.answer_tokens
-        )
-        print(f"document {d} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+            model, tok, d, args.sentences, configs, steps, args.answer_tokens, kind,
+            args.seen_questions,
+        )  # fmt: skip
+        print(f"{kind} document {d} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = summarize(per_doc)
+    skipped = [
+        {"config": c, "k": k, "why": "target_error holds out one of >= 2 follow-ups"}
+        for c in configs
+        for k in steps
+        if k < 2 and "target_error" in CONFIGS[c]
+    ]
     meta = {
         "model": args.model,
         "docs": args.docs,
+        "prose_docs": args.prose_docs,
         "sentences": args.sentences,
+        "seen_questions": args.seen_questions,
         "answer_tokens": args.answer_tokens,
         "threads": args.threads,
         "plugin_spec": PLUGIN_SPEC.to_dict(),
+        "plugin_max_follow_ups": CompactionConfig.max_follow_ups,
         "configs": {c: CONFIGS[c] for c in configs},
         "refit_steps": steps,
+        "skipped": skipped,
+        "memory_vs_baseline": memory_vs_baseline(rows, PLUGIN_SPEC.ratio),
         "seconds": time.perf_counter() - t0,
     }
     out = {"provenance": prov, "meta": meta, "rows": rows, "per_document": per_doc}
@@ -295,21 +455,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         title = (
-            f"next question after a compaction: {args.model}, {args.docs} documents, "
-            f"plugin spec {PLUGIN_SPEC.method} ratio {PLUGIN_SPEC.ratio} + overrides"
+            f"next question after a compaction: {args.model}, {args.docs} needle + "
+            f"{args.prose_docs} prose documents, plugin spec {PLUGIN_SPEC.method} ratio "
+            f"{PLUGIN_SPEC.ratio} + overrides"
         )
-        plot(rows, args.plot, title)
-    head = f"{'config':<16}{'k':>3}{'ratio':>7}{'unseen gap':>12}{'unseen agr':>12}"
-    head += f"{'seen agr':>10}{'needles':>9}{'s':>7}"
+        plot(rows, args.plot, title, per_doc)
+    _print(rows)
+    return 0
+
+
+def _print(rows: Sequence[dict[str, Any]]) -> None:
+    """The summary rows as a text table on stdout."""
+
+    def num(v: float | None, digits: int) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    head = f"{'config':<16}{'kind':>7}{'k':>4}{'ratio':>7}{'unseen gap':>12}{'unseen agr':>12}"
+    head += f"{'seen agr':>10}{'attn err':>10}{'met':>6}{'needles':>9}{'s':>7}"
     print(head)
     for r in rows:
-        needles = "-" if r["unseen_needles"] is None else f"{r['unseen_needles']:.2f}"
         print(
-            f"{r['config']:<16}{r['k']:>3}{r['ratio']:>7}{r['unseen_logppl_gap']:>12.4f}"
-            f"{r['unseen_agree16']:>12.2f}{r['seen_agree16']:>10.2f}{needles:>9}"
-            f"{r['seconds']:>7.1f}"
+            f"{r['config']:<16}{r['kind']:>7}{r['k']:>4}{num(r['ratio'], 3):>7}"
+            f"{num(r['unseen_logppl_gap'], 4):>12}{num(r['unseen_agree16'], 2):>12}"
+            f"{num(r['seen_agree16'], 2):>10}{num(r['unseen_attn_error'], 4):>10}"
+            f"{num(r['target_met_share'], 2):>6}{num(r['unseen_needles'], 2):>9}"
+            f"{num(r['seconds'], 1):>7}"
         )
-    return 0
 
 
 if __name__ == "__main__":

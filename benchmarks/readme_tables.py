@@ -258,12 +258,22 @@ def _agreement(data: list[dict[str, Any]]) -> list[list[str]]:
 
 @table("next_question", "next_question.json")
 def _next_question(data: list[dict[str, Any]]) -> list[list[str]]:
-    rows = [["config", "ratio", "questions fitted (k)", "unseen logppl gap", "unseen agree16",
-             "seen agree16", "s per compaction"]]  # fmt: skip
-    for r in data[0]["rows"]:
+    # result files since issue #21 also have kind (needle/prose), unseen_attn_error and
+    # target_met_share: those columns appear only then
+    rows_in = data[0]["rows"]
+    new = any("kind" in r for r in rows_in)
+    extra = ["kind"] if new else []
+    tail = ["unseen attn error", "targets met"] if new else []
+    rows = [["config", *extra, "ratio", "questions fitted (k)", "unseen logppl gap",
+             "unseen agree16", "seen agree16", *tail, "s per compaction"]]  # fmt: skip
+    for r in rows_in:
+        kind = [r["kind"]] if new else []
+        met = r.get("target_met_share")
+        more = [_f(r["unseen_attn_error"]), "-" if met is None else f"{met:.2f}"] if new else []
         rows.append(
-            [r["config"], f"{r['ratio']:g}", str(r["k"]), _f(r["unseen_logppl_gap"]),
-             f"{r['unseen_agree16']:.2f}", f"{r['seen_agree16']:.2f}", f"{r['seconds']:.0f}"]
+            [r["config"], *kind, f"{r['ratio']:.3g}", str(r["k"]), _f(r["unseen_logppl_gap"]),
+             f"{r['unseen_agree16']:.2f}", f"{r['seen_agree16']:.2f}", *more,
+             f"{r['seconds']:.0f}"]
         )  # fmt: skip
     return rows
 

@@ -5,12 +5,15 @@ the mayor's name, the colour of the mayor's boat); document `i` uses the i-th va
 answers are checkable per document. `questions()` are asked before compaction (the
 compaction fits them); `unseen_questions()` only after, to measure what a user's next
 question gets. The plugin's server tests use document 0 and its six questions; the serving
-demo (`harness.demo`) uses several documents and both sets.
+demo (`harness.demo`) uses several documents and both sets. `many_questions(n)` extends the
+seen set (refits on more questions); `prose_document(...)` is a document with no needles,
+asked `many_questions(n, prose=True)` before and `prose_unseen_questions()` after.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -58,6 +61,50 @@ UNSEEN_OTHER_QUESTIONS = [
     "When did the fishing boats come back?",
 ]
 _NEEDLE_DAYS = (20, 55, 90)
+# More seen questions (many_questions), after questions(): rephrased needle questions, then
+# questions about the filler facts; per-day questions follow.
+_MORE_NEEDLE_QUESTIONS = [
+    "What is the vault's password?",
+    "What is the mayor called?",
+    "What colour is the boat of the mayor?",
+    "Which word is the password of the vault?",
+    "Who governs the harbour town as mayor?",
+]
+_MORE_OTHER_QUESTIONS = [
+    "In which book did the town keep its records?",
+    "When did the fishing boats leave the harbour?",
+    "What colours was the old lighthouse painted?",
+    "What did the merchants sell on the quay?",
+    "What closed the northern road every winter?",
+    "For how long was the northern road closed?",
+    "Which road did the winter storms close?",
+    "Where did the town keep its records?",
+    "What stripe did the lighthouse have?",
+    "At what time of day did the boats return?",
+]
+# A prose document's own sentences (with the filler's), and its generic unseen questions.
+_PROSE = [
+    "A ferry crossed the bay twice a day when the water was calm.",
+    "The baker on the hill sold rye bread and honey cakes.",
+    "Children mended nets on the steps of the customs house.",
+    "A brass bell in the market square rang at six every evening.",
+    "Gulls nested on the roof of the old warehouse by the pier.",
+    "The harbour master wrote the tides on a slate by his door.",
+    "In spring the meadows above the town filled with wild flowers.",
+]
+_MORE_PROSE_QUESTIONS = [
+    "How often did the ferry cross the bay?",
+    "What did the baker on the hill sell?",
+    "Where did the children mend nets?",
+    "When did the bell in the market square ring?",
+    "Where did the gulls nest?",
+    "What did the harbour master write on his slate?",
+]
+PROSE_UNSEEN_QUESTIONS = [
+    "What is the text above about?",
+    "Which animals does the text mention?",
+    "What could a visitor buy in the town?",
+]
 
 
 def _check_index(index: int) -> int:
@@ -101,6 +148,43 @@ def questions() -> list[str]:
 def unseen_questions() -> list[str]:
     """Six more questions, asked only after the install: a user's next questions."""
     return [*_UNSEEN_NEEDLES, *UNSEEN_OTHER_QUESTIONS]
+
+
+def many_questions(n: int, prose: bool = False) -> list[str]:
+    """`n` distinct questions asked before compaction, deterministic; none is an unseen one.
+
+    Needle documents: the six `questions()` first, then rephrased needle questions and
+    questions about the filler facts, then "What happened on day d?" (d = 1, 2, ...).
+    `prose`: for a `prose_document` (no needles): the filler and prose questions, then the
+    same per-day ones. Raises ValueError on n < 0.
+    """
+    if n < 0:
+        raise ValueError(f"many_questions: n must be >= 0, got {n}")
+    if prose:
+        pool = [*OTHER_QUESTIONS, *_MORE_OTHER_QUESTIONS, *_MORE_PROSE_QUESTIONS]
+    else:
+        pool = [*questions(), *_MORE_NEEDLE_QUESTIONS, *_MORE_OTHER_QUESTIONS]
+    pool += [f"What happened on day {d}?" for d in range(1, n - len(pool) + 1)]
+    return pool[:n]
+
+
+def prose_unseen_questions() -> list[str]:
+    """Six questions asked of a `prose_document` only after the install (none about
+    needles): three about the filler, three generic."""
+    return [*UNSEEN_OTHER_QUESTIONS, *PROSE_UNSEEN_QUESTIONS]
+
+
+def prose_document(sentences: int = 110, index: int = 0) -> str:
+    """A document with no needles: a title line, then each day a sentence drawn from the
+    filler and the prose sentences, seeded by `index` (documents differ from each other and
+    from every `document`). Raises ValueError on a negative index."""
+    if index < 0:
+        raise ValueError(f"prose document index {index} must be >= 0")
+    rng = random.Random(1000 + index)
+    pool = [*_FILLER, *_PROSE]
+    out = [f"Chronicle {index} of the harbour town."]
+    out += [f"Day {i}: " + rng.choice(pool) for i in range(sentences)]
+    return " ".join(out)
 
 
 def prompt(doc: str, question: str) -> str:

@@ -7,9 +7,12 @@ import pytest
 from harness.workload import (
     NEEDLE_VALUES,
     document,
+    many_questions,
     needle_correct,
     needles,
     prompt,
+    prose_document,
+    prose_unseen_questions,
     questions,
     unseen_questions,
 )
@@ -51,3 +54,34 @@ def test_unseen_questions_are_new_and_cover_each_needle() -> None:
 def test_unknown_document_index_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="document index 9"):
         document(index=9)
+
+
+@pytest.mark.parametrize("prose", [False, True])
+def test_many_questions_are_distinct_deterministic_and_never_unseen(prose: bool) -> None:
+    pool = many_questions(40, prose=prose)
+    assert len(pool) == len(set(pool)) == 40
+    assert pool == many_questions(40, prose=prose)
+    assert many_questions(8, prose=prose) == pool[:8]  # a smaller pool is a prefix
+    assert not set(pool) & (set(unseen_questions()) | set(prose_unseen_questions()))
+    if prose:  # no needle is asked of a document without needles
+        assert not set(pool) & set(needles(0))
+    else:
+        assert pool[:6] == questions()
+    assert many_questions(0, prose=prose) == []
+    with pytest.raises(ValueError, match="-1"):
+        many_questions(-1, prose=prose)
+
+
+def test_prose_documents_have_no_needles_and_differ() -> None:
+    docs = [prose_document(110, i) for i in range(3)]
+    assert len({d[:200] for d in docs}) == 3
+    assert all(d != document(110, 0) for d in docs)
+    assert prose_document(110, 1) == docs[1]
+    for d in docs:
+        assert not any(v in d for vals in NEEDLE_VALUES for v in vals)
+        assert "Day 109:" in d
+    unseen = prose_unseen_questions()
+    assert len(unseen) == 6 and not set(unseen) & set(needles(0))
+    assert all(needle_correct(q, "falcon", 0) is None for q in unseen)
+    with pytest.raises(ValueError, match="-2"):
+        prose_document(10, -2)
