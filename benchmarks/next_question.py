@@ -64,7 +64,10 @@ __all__ = [
 
 # name -> CompactionSpec.replace(...) overrides of the plugin's spec
 CONFIGS: dict[str, dict[str, Any]] = {
-    "baseline": {},
+    # the plugin's defaults when issue #21 was filed: the questions (with the model's
+    # answers) alone as reference queries
+    "baseline": {"queries": {"sources": ("follow-up",)}},
+    "default": {},  # the plugin's defaults now (sglang_ext.config.PLUGIN_SPEC)
     "ratio-0.2": {"ratio": 0.2},
     "ratio-0.05": {"ratio": 0.05},
     "repeat-prefill": {"queries": {"sources": ("follow-up", "repeat-prefill")}},
@@ -114,10 +117,12 @@ def measure_document(
     answer_tokens: int = 16,
     kind: str = "needle",
     seen_questions: int = 6,
+    steps_of: dict[str, Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (configuration, k) for document `index` of `kind` (module docstring),
-    then its ``full`` row (the uncompacted answers). Target configurations at k < 2 are left
-    out (their search holds one of >= 2 follow-ups out).
+    then its ``full`` row (the uncompacted answers). `steps_of` gives some configurations
+    their own refit steps (else `refit_steps`). Target configurations at k < 2 are left out
+    (their search holds one of >= 2 follow-ups out).
 
     Raises ValueError on an unknown kind, a refit step outside [1, seen_questions] or a
     document too short for the plugin to compact.
@@ -141,7 +146,8 @@ def measure_document(
     prose = kind == "prose"
     seen_q = wl.many_questions(seen_questions, prose=prose)
     unseen_q = wl.prose_unseen_questions() if prose else wl.unseen_questions()
-    for k in refit_steps:
+    steps = {name: list((steps_of or {}).get(name, refit_steps)) for name in configs}
+    for k in (k for ks in steps.values() for k in ks):
         if not 1 <= k <= len(seen_q):
             raise ValueError(f"refit step {k} not in [1, {len(seen_q)}]")
     doc = wl.prose_document(sentences, index) if prose else wl.document(sentences, index)
@@ -157,7 +163,7 @@ def measure_document(
     )
     full = hf.PrefixState.full(ref_unseen.prefill)
     cut = CompactionConfig.follow_up_tokens
-    max_k = max(refit_steps)
+    max_k = max(k for ks in steps.values() for k in ks)
     stock_seen = greedy_answers(model, full, seen_s[:max_k], answer_tokens, eos)
     unseen_queries = question_queries(
         model,
@@ -178,7 +184,7 @@ def measure_document(
     rows = []
     for name in configs:
         spec = config_spec(name)
-        for k in refit_steps:
+        for k in steps[name]:
             if spec.target_error is not None and k < 2:
                 continue
             t0 = time.perf_counter()
@@ -382,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
     p.add_argument(
         "--configs",
-        default="baseline,ratio-0.2,repeat-prefill,target-0.1,target-0.2,gvote",
-        help=f"comma-separated, from: {', '.join(CONFIGS)}",
+        default="baseline,default,target-0.1:8,target-0.2:8,gvote:8",
+        help=f"comma-separated, from: {', '.join(CONFIGS)}; NAME:K+K... gives a "
+        "configuration its own refit steps (else --refit-steps)",
     )
     p.add_argument("--refit-steps", default="2,8,32", help="k: seen questions fitted")
     p.add_argument("--seen-questions", type=int, default=32, help="seen questions per document")
@@ -392,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="benchmarks/results/next_question.json")
     p.add_argument("--plot", default="benchmarks/results/next_question.png")
     args = p.parse_args(argv)
-    configs = [c for c in args.configs.split(",") if c]
+    own_steps = dict(c.split(":", 1) if ":" in c else (c, "") for c in args.configs.split(",") if c)
+    configs = list(own_steps)
     for c in configs:
         if c not in CONFIGS:
             p.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
@@ -403,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._shared_prefix import ints
 
     steps = ints(args.refit_steps)
-    for k in steps:
+    steps_of = {c: ints(ks.replace("+", ",")) for c, ks in own_steps.items() if ks}
+    for k in [*steps, *(k for ks in steps_of.values() for k in ks)]:
         if not 1 <= k <= args.seen_questions:
             p.error(f"refit step {k} not in [1, --seen-questions {args.seen_questions}]")
     from benchmarks._meta import provenance
@@ -422,14 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     for kind, d in docs:
         per_doc += measure_document(
             model, tok, d, args.sentences, configs, steps, args.answer_tokens, kind,
-            args.seen_questions,
+            args.seen_questions, steps_of,
         )  # fmt: skip
         print(f"{kind} document {d} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = summarize(per_doc)
     skipped = [
         {"config": c, "k": k, "why": "target_error holds out one of >= 2 follow-ups"}
         for c in configs
-        for k in steps
+        for k in steps_of.get(c, steps)
         if k < 2 and "target_error" in CONFIGS[c]
     ]
     meta = {
@@ -443,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "plugin_spec": PLUGIN_SPEC.to_dict(),
         "plugin_max_follow_ups": CompactionConfig.max_follow_ups,
         "configs": {c: CONFIGS[c] for c in configs},
-        "refit_steps": steps,
+        "refit_steps": {c: steps_of.get(c, steps) for c in configs},
         "skipped": skipped,
         "memory_vs_baseline": memory_vs_baseline(rows, PLUGIN_SPEC.ratio),
         "seconds": time.perf_counter() - t0,

@@ -37,15 +37,16 @@ TRITON_ATTENTION_BACKEND = "compaction-triton"
 CONFIG_ATTR = "_compaction_config"
 # The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
 SPEC_PREFIX = "compaction-"
-# The plugin's defaults. The sharing requests' own questions are the best reference queries
-# measured so far: on the plugin workload (1.9k-token document, am-highest, ratio 0.1,
-# transformers decoding) fitting on them alone kept 3/3 needles, adding repeat-prefill
-# queries kept 1/3. A prefix that arrives with no follow-ups falls back to repeat-prefill
-# (CompactionSpec.for_follow_ups).
+# The plugin's defaults. Reference queries: the sharing requests' questions (with the model's
+# own answers) plus repeat-prefill (the document read again after itself), chosen on
+# questions the fit never saw (benchmarks/next_question.py, the README's "next question"
+# table: the unseen questions' logppl gap is about half that of the questions alone, at about
+# twice the compaction time). A prefix that arrives with no follow-ups keeps repeat-prefill
+# alone (CompactionSpec.for_follow_ups).
 PLUGIN_SPEC = CompactionSpec(
     method="am-highest",
     ratio=0.1,
-    queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
+    queries=QueryConfig(sources=("follow-up", "repeat-prefill"), follow_up_answer_tokens=32),
     on_policy=True,
 )
 

@@ -40,7 +40,7 @@ def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Wor
     assert prefix.logical_length == len(IDS) and prefix.method == "am-highest"
     assert prefix.params["tokens"] == 9 and prefix.params["ratio"] is None
     assert prefix.params["on_policy"] is True
-    assert prefix.params["query_sources"] == ["follow-up"]
+    assert prefix.params["query_sources"] == list(PLUGIN_SPEC.queries.sources)
     assert all(n == 9 for layer in prefix.kept_per_head() for n in layer)
 
 
