@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+VOCAB = 128  # the tiny model's vocabulary size
+
 
 def tiny_llama(path: Path, seed: int = 0) -> Any:
     """2 layers, 4 q heads / 2 KV heads, head_dim 16, vocab 128; saved to `path`, fp32 eval."""
@@ -14,7 +16,7 @@ def tiny_llama(path: Path, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=128,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -31,6 +33,15 @@ def tiny_llama(path: Path, seed: int = 0) -> Any:
 
     loaded, _ = load_model(path)
     return loaded
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    """`n` token ids drawn uniformly from [0, VOCAB) by a CPU generator seeded with `seed`.
+
+    The same (n, seed) always gives the same list; every id is valid for `tiny_llama`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 
 _REAL: dict[str, Any] = {}

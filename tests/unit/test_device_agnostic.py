@@ -209,11 +209,6 @@ def test_solvers_and_budget_helpers_allocate_nothing_on_the_default_device() -> 
     _assert_equal_outputs(ref, got)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
 def _prefix(model: Any, on_policy: bool) -> Any:
     """am-omp-fast on a 48-token prefix; query sources that cover the reservoir, random and
     prefix queries and generated follow-up answers (the decode path)."""

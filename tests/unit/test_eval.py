@@ -13,16 +13,7 @@ from compactor.pipeline import Hooks, compact_prefix
 from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedLayer, CompactedPrefix
 from tests.unit import test_pipeline  # noqa: F401  (registers the test-identity method)
-from tests.unit._tiny import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _ids(n, seed=0):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.unit._tiny import random_ids
 
 
 def test_attention_errors_identity_and_drop():
@@ -50,7 +41,7 @@ def test_attention_errors_identity_and_drop():
 
 
 def test_eval_full_and_identity_are_zero(tiny):
-    case = EvalCase("t", _ids(30), [_ids(4, 1), _ids(3, 2)])
+    case = EvalCase("t", random_ids(30), [random_ids(4, 1), random_ids(3, 2)])
     ref = build_reference(tiny, None, case, answer_tokens=4)
     assert len(ref.answers) == 2 and ref.heldout[0].shape == (2, 2 * (8 + 7), 16)
     full = evaluate_prefix(tiny, None, ref, None)
@@ -65,7 +56,7 @@ def test_eval_full_and_identity_are_zero(tiny):
 
 
 def test_eval_detects_damage(tiny):
-    case = EvalCase("t", _ids(30, 3), [_ids(4, 4)])
+    case = EvalCase("t", random_ids(30, 3), [random_ids(4, 4)])
     ref = build_reference(tiny, None, case, answer_tokens=4)
     pre = ref.prefill
     layers = [

@@ -23,7 +23,7 @@ from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedPrefix
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob
-from tests.unit._tiny import tiny_llama
+from tests.unit._tiny import random_ids, tiny_llama
 
 SRC = ("repeat-prefill",)
 SPEC = CompactionSpec(method="am-highest", ratio=0.25, queries=QueryConfig(sources=SRC))
@@ -33,9 +33,10 @@ FLAT = [0.02, 0.015, 0.01]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny):
+    """The shared tiny model, with torch set to one thread (as this module always ran)."""
     torch.set_num_threads(1)
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
+    return tiny
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,6 @@ def tiny_dir_with_tokenizer(tmp_path_factory) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
     fast.save_pretrained(str(path))
     return path
-
-
-def _ids(n, seed=0):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _run(model, ids, model_fingerprint=None, **kw):
@@ -87,7 +84,7 @@ def _same_tensors(a: CompactedPrefix, b: CompactedPrefix) -> bool:
 
 
 def test_uniform_default_unchanged_and_flat_curves_reproduce_it(tiny, tmp_path):
-    ids = _ids(48)
+    ids = random_ids(48)
     assert SPEC.head_budgets == "uniform"
     base = _run(tiny, ids)  # the spec's default head budgets
     assert base.params["head_budgets"] == "uniform" and base.params["head_budget_table"] is None
@@ -101,7 +98,7 @@ def test_uniform_default_unchanged_and_flat_curves_reproduce_it(tiny, tmp_path):
 
 
 def test_sensitive_head_gets_more_with_the_same_total(tiny, tmp_path):
-    ids = _ids(48, seed=1)  # T=48, s=4, budget 12 per head (8 non-sink), total 48
+    ids = random_ids(48, seed=1)  # T=48, s=4, budget 12 per head (8 non-sink), total 48
     curves = SensitivityCurves(FR, [[FLAT, FLAT], [STEEP, FLAT]], method="am-highest")
     uni = _run(tiny, ids)
     path = _saved(curves, tmp_path / "c.json")
@@ -113,13 +110,13 @@ def test_sensitive_head_gets_more_with_the_same_total(tiny, tmp_path):
     assert pre.params["head_budget_table"] == kept
     assert pre.params["head_budget_source"] == path
     # the ragged layout decodes (padded per layer) and logits stay finite
-    logits = hf.PrefixState.from_compacted(pre).forward(tiny, _ids(5, seed=9))
+    logits = hf.PrefixState.from_compacted(pre).forward(tiny, random_ids(5, seed=9))
     assert logits.shape == (5, 128) and bool(torch.isfinite(logits).all())
 
 
 def test_auto_reads_the_model_dir_file(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "compactor_model_dir", str(tmp_path))
-    ids = _ids(40, seed=2)
+    ids = random_ids(40, seed=2)
     with pytest.raises(ValueError, match="compactor sensitivity --model") as info:
         _run(tiny, ids, head_budgets="auto", model_fingerprint="fp")
     assert str(sensitivity_path(tmp_path, "am-highest")) in str(info.value)
@@ -146,17 +143,17 @@ def test_bad_curves_or_combinations(tiny, tmp_path, curves, kwargs, match):
     c = SensitivityCurves(FR, curves, meta=kwargs.pop("meta", {}))
     spec = SPEC.replace(head_budgets=_saved(c, tmp_path / "c.json"), **kwargs)
     with pytest.raises(ValueError, match=match):
-        compact_prefix(tiny, None, _ids(40), spec, hooks=Hooks(progress=False))
+        compact_prefix(tiny, None, random_ids(40), spec, hooks=Hooks(progress=False))
 
 
 def test_missing_curves_file_names_it(tiny, tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(ValueError, match=f"no sensitivity curves at {missing}"):
-        _run(tiny, _ids(40), head_budgets=str(missing))
+        _run(tiny, random_ids(40), head_budgets=str(missing))
 
 
 def test_measure_sensitivity_core(tiny, tmp_path):
-    case = EvalCase("rand", _ids(64, seed=3), [_ids(6, seed=4), _ids(5, seed=5)])
+    case = EvalCase("rand", random_ids(64, seed=3), [random_ids(6, seed=4), random_ids(5, seed=5)])
     fit = CompactionSpec(method="am-highest", queries=QueryConfig(sources=SRC))
     curves = measure_sensitivity(
         tiny, None, case, fit, [0.1, 0.5, 1.0], answer_tokens=3, progress=False
@@ -248,7 +245,7 @@ def test_worker_auto_without_curves_is_invalid_request(tiny, tmp_path, monkeypat
     from compactor.workers.worker import run_compaction
 
     monkeypatch.setattr(tiny, "compactor_model_dir", str(tmp_path))
-    job = CompactJob("fp", tuple(_ids(30)), SPEC.replace(ratio=0.3, head_budgets="auto"))
+    job = CompactJob("fp", tuple(random_ids(30)), SPEC.replace(ratio=0.3, head_budgets="auto"))
     with pytest.raises(InvalidRequest, match="no sensitivity curves"):
         run_compaction(tiny, None, "fp", job)
     curves = SensitivityCurves(FR, [[STEEP, FLAT], [FLAT, FLAT]], method="am-highest")

@@ -7,17 +7,7 @@ import torch
 
 from compactor import hf
 from compactor.types import CompactedLayer, CompactedPrefix
-from tests.unit._tiny import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _ids(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 128, (n,), generator=g).tolist()
+from tests.unit._tiny import random_ids
 
 
 def _prefix_from(pre, keep=None, beta=None):
@@ -48,7 +38,7 @@ def test_model_info_and_pool_gqa(tiny):
 
 
 def test_prefill_matches_cache_and_full_logits(tiny):
-    ids = _ids(40)
+    ids = random_ids(40)
     pre = hf.prefill(tiny, ids[:30])
     assert pre.keys[0].shape == (2, 30, 16)
     full = tiny(input_ids=torch.tensor([ids])).logits[0]
@@ -59,7 +49,7 @@ def test_prefill_matches_cache_and_full_logits(tiny):
 
 
 def test_identity_compaction_equals_full_logits(tiny):
-    ids = _ids(45, seed=1)
+    ids = random_ids(45, seed=1)
     pre = hf.prefill(tiny, ids[:32])
     full = tiny(input_ids=torch.tensor([ids])).logits[0, 32:]
     state = hf.PrefixState.from_compacted(_prefix_from(pre))
@@ -70,7 +60,7 @@ def test_identity_compaction_equals_full_logits(tiny):
 
 
 def test_ragged_heads_equal_masked_full_cache(tiny):
-    ids = _ids(36, seed=2)
+    ids = random_ids(36, seed=2)
     pre = hf.prefill(tiny, ids[:30])
     keep = [list(range(0, 30, 2)), list(range(30))]  # head 0 keeps 15, head 1 all 30
     state = hf.PrefixState.from_compacted(_prefix_from(pre, keep))
@@ -84,7 +74,7 @@ def test_ragged_heads_equal_masked_full_cache(tiny):
 
 def test_beta_shifts_attention_like_duplicate_keys(tiny):
     """beta = log 2 on a row == that row present twice (mass doubles)."""
-    ids = _ids(26, seed=3)
+    ids = random_ids(26, seed=3)
     pre = hf.prefill(tiny, ids[:20])
     beta = torch.zeros(40)
     beta[torch.tensor([5, 25])] = float(torch.log(torch.tensor(2.0)))
@@ -96,7 +86,7 @@ def test_beta_shifts_attention_like_duplicate_keys(tiny):
 
 def test_logical_positions_after_compaction(tiny):
     """Keep the first 10 of T=24 rows: new tokens must sit at positions 24.., not 10.."""
-    ids = _ids(30, seed=4)
+    ids = random_ids(30, seed=4)
     T, k = 24, 10
     pre = hf.prefill(tiny, ids[:T])
     state = hf.PrefixState.from_compacted(_prefix_from(pre, [list(range(k))] * 2))
@@ -115,7 +105,7 @@ def test_logical_positions_after_compaction(tiny):
 
 
 def test_record_queries_reproduce_attention(tiny):
-    ids = _ids(20, seed=5)
+    ids = random_ids(20, seed=5)
     captured = {}
     attn = tiny.model.layers[1].self_attn
     h = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
@@ -134,7 +124,7 @@ def test_record_queries_reproduce_attention(tiny):
 
 
 def test_greedy_generate_and_errors(tiny):
-    ids = _ids(20, seed=6)
+    ids = random_ids(20, seed=6)
     pre = hf.prefill(tiny, ids[:16])
     out = hf.greedy_generate(tiny, hf.PrefixState.full(pre), ids[16:], 5)
     ref = tiny.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, 20:].tolist()
@@ -148,7 +138,7 @@ def test_greedy_generate_and_errors(tiny):
 
 
 def test_batched_generate_matches_one_by_one(tiny):
-    ids = _ids(30, seed=7)
+    ids = random_ids(30, seed=7)
     pre = hf.prefill(tiny, ids[:20])
     state = hf.PrefixState.full(pre)
     prompts = [ids[20:23], ids[20:30], ids[25:26]]

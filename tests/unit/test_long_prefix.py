@@ -11,17 +11,7 @@ from compactor.queries import QueryConfig, collect_queries, plan_queries
 from compactor.service.engine import AUTO_CHUNK_TOKENS, auto_chunk_size
 from compactor.spec import CompactionSpec
 from compactor.workers.job import CompactJob
-from tests.unit._tiny import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _ids(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 128, (n,), generator=g).tolist()
+from tests.unit._tiny import random_ids
 
 
 def _close(a, b):
@@ -29,7 +19,7 @@ def _close(a, b):
 
 
 def test_chunked_prefill_matches_one_call(tiny):
-    ids = _ids(50, seed=1)
+    ids = random_ids(50, seed=1)
     whole = hf.prefill(tiny, ids, with_queries=True)
     for chunk in (7, 16, 49):  # uneven last chunk, exact split, one token left over
         part = hf.prefill(tiny, ids, with_queries=True, chunk=chunk)
@@ -50,16 +40,16 @@ def test_short_prefill_is_one_call(tiny):
     calls = []
     h = tiny.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
-        hf.prefill(tiny, _ids(40), chunk=40)
+        hf.prefill(tiny, random_ids(40), chunk=40)
         assert len(calls) == 1
-        hf.prefill(tiny, _ids(40), chunk=13)
+        hf.prefill(tiny, random_ids(40), chunk=13)
         assert len(calls) == 1 + 4
     finally:
         h.remove()
 
 
 def test_long_append_runs_in_mask_bounded_blocks(tiny, monkeypatch):
-    ids = _ids(60, seed=2)
+    ids = random_ids(60, seed=2)
     pre = hf.prefill(tiny, ids[:20])
     state = hf.PrefixState.full(pre)
     want = state.fork().forward(tiny, ids[20:])  # [40, V], one call
@@ -81,7 +71,7 @@ def test_long_append_runs_in_mask_bounded_blocks(tiny, monkeypatch):
 
 
 def test_per_head_beta_counts_every_query_head(tiny, monkeypatch):
-    pre = hf.prefill(tiny, _ids(20))
+    pre = hf.prefill(tiny, random_ids(20))
     bias = torch.zeros(2, 2, 20)
     bias[:, 1, 3] = -1.0  # heads differ: the mask is per query head (4 of them)
     state = hf.PrefixState(list(pre.keys), list(pre.values), bias, 20)
@@ -91,7 +81,7 @@ def test_per_head_beta_counts_every_query_head(tiny, monkeypatch):
 
 
 def test_collect_queries_joins_the_blocks(tiny, monkeypatch):
-    ids = _ids(30, seed=3)
+    ids = random_ids(30, seed=3)
     pre = hf.prefill(tiny, ids)
     plan = plan_queries(
         tiny, None, ids, pre, QueryConfig(sources=("repeat-prefill",), max_queries_per_head=999)
@@ -137,7 +127,7 @@ def test_service_keys_the_effective_chunk_size(tmp_path):
 def test_generation_batches_are_bounded_by_prefix_copies(tiny, monkeypatch):
     import compactor.queries as queries
 
-    ids = _ids(40, seed=4)
+    ids = random_ids(40, seed=4)
     pre = hf.prefill(tiny, ids[:24])
     kv = sum(t.numel() * 4 for t in (*pre.keys, *pre.values))
     prompts = [ids[24:27], ids[27:35], ids[35:36]]

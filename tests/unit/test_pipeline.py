@@ -12,7 +12,7 @@ from compactor.methods import CompactionMethod, LayerInput, MethodResult, regist
 from compactor.pipeline import Hooks, compact_prefix, split_budget
 from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedLayer
-from tests.unit._tiny import real_model, tiny_llama
+from tests.unit._tiny import random_ids, real_model
 
 
 @register_method("test-identity")
@@ -52,15 +52,6 @@ class _First(CompactionMethod):
         return MethodResult(layer, {})
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _ids(n, seed=0):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 SRC = ("repeat-prefill",)
 QUIET = Hooks(progress=False)
 
@@ -80,7 +71,7 @@ def test_split_budget():
 
 
 def test_identity_pipeline_equals_full_logits(tiny):
-    ids = _ids(40)
+    ids = random_ids(40)
     prefix, times = compact_prefix(
         tiny, None, ids[:32], _spec("test-identity", ratio=1.0), hooks=QUIET
     )
@@ -92,7 +83,7 @@ def test_identity_pipeline_equals_full_logits(tiny):
 
 
 def test_chunked_identity_matches_unchunked(tiny):
-    ids = _ids(50, seed=1)
+    ids = random_ids(50, seed=1)
     a, _ = compact_prefix(tiny, None, ids, _spec("test-identity", ratio=1.0), hooks=QUIET)
     b, _ = compact_prefix(
         tiny, None, ids, _spec("test-identity", ratio=1.0, chunk_size=13), hooks=QUIET
@@ -103,7 +94,7 @@ def test_chunked_identity_matches_unchunked(tiny):
 
 
 def test_sinks_kept_with_beta_zero_and_budget(tiny):
-    ids = _ids(50, seed=2)
+    ids = random_ids(50, seed=2)
     spec = _spec("test-first", ratio=0.2, keep_sink_tokens=3, chunk_size=20)
     prefix, _ = compact_prefix(tiny, None, ids, spec, hooks=QUIET)
     assert prefix.kept_per_head() == [[10, 10], [10, 10]]
@@ -115,7 +106,7 @@ def test_sinks_kept_with_beta_zero_and_budget(tiny):
 
 
 def test_on_policy_runs_and_matches_shapes(tiny):
-    ids = _ids(30, seed=3)
+    ids = random_ids(30, seed=3)
     a, _ = compact_prefix(
         tiny, None, ids, _spec("test-first", tokens=8, on_policy=True), hooks=QUIET
     )
@@ -125,7 +116,7 @@ def test_on_policy_runs_and_matches_shapes(tiny):
 
 
 def test_method_reports_collected_per_layer_and_chunk(tiny):
-    ids = _ids(40, seed=4)
+    ids = random_ids(40, seed=4)
     run = dict(ratio=0.3, keep_sink_tokens=2)
     gv, _ = compact_prefix(tiny, None, ids, _spec("gvote", chunk_size=19, **run), hooks=QUIET)
     report = gv.params["method_report"]
@@ -158,18 +149,18 @@ def test_method_reports_collected_per_layer_and_chunk(tiny):
 def test_bad_arguments(tiny, kwargs, match):
     spec = _spec(kwargs.pop("method", "test-first"), **kwargs)
     with pytest.raises(ValueError, match=match):
-        compact_prefix(tiny, None, _ids(20), spec, hooks=QUIET)
+        compact_prefix(tiny, None, random_ids(20), spec, hooks=QUIET)
 
 
 def test_spec_is_checked_before_the_model_is_touched():
     with pytest.raises(ValueError, match="ratio must be in"):
-        compact_prefix(None, None, _ids(20), _spec("test-first", ratio=2.0), hooks=QUIET)
+        compact_prefix(None, None, random_ids(20), _spec("test-first", ratio=2.0), hooks=QUIET)
 
 
 def test_prebuilt_method_hook(tiny):
     from compactor.methods import get_method
 
-    ids = _ids(30, seed=4)
+    ids = random_ids(30, seed=4)
     spec = _spec("test-first", tokens=8)
     a, _ = compact_prefix(tiny, None, ids, spec, hooks=QUIET)
     meth = get_method("test-first")

@@ -7,16 +7,7 @@ import torch
 
 from compactor import hf
 from compactor.queries import QueryConfig, collect_queries, plan_queries, random_queries, reservoir
-from tests.unit._tiny import real_model, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _ids(n, seed=0):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.unit._tiny import random_ids, real_model
 
 
 def test_reservoir_is_deterministic_and_capped():
@@ -43,7 +34,7 @@ def test_config_validation():
 
 
 def test_sources_shapes_and_repeat_prefill_semantics(tiny):
-    ids = _ids(24)
+    ids = random_ids(24)
     pre = hf.prefill(tiny, ids, with_queries=True)
     cfg = QueryConfig(
         sources=("context-prefill", "repeat-prefill", "random", "follow-up"),
@@ -70,7 +61,7 @@ def test_sources_shapes_and_repeat_prefill_semantics(tiny):
 
 
 def test_follow_up_answers_are_the_full_prefix_greedy_answers(tiny):
-    ids = _ids(20, seed=5)
+    ids = random_ids(20, seed=5)
     pre = hf.prefill(tiny, ids)
     follow = [[1, 2, 3], [4, 5]]
     cfg = QueryConfig(sources=("follow-up",), follow_up_answer_tokens=4)
@@ -85,7 +76,7 @@ def test_follow_up_answers_are_the_full_prefix_greedy_answers(tiny):
 
 
 def test_missing_inputs_raise(tiny):
-    ids = _ids(10)
+    ids = random_ids(10)
     pre = hf.prefill(tiny, ids)
     with pytest.raises(ValueError, match="with_queries"):
         plan_queries(tiny, None, ids, pre, QueryConfig(sources=("random",)))

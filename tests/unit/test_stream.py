@@ -9,13 +9,8 @@ from compactor import hf
 from compactor.pipeline import Hooks, compact_prefix
 from compactor.queries import QueryConfig, collect_queries, plan_queries
 from compactor.spec import CompactionSpec
-from tests.unit._tiny import tiny_llama
-from tests.unit.test_pipeline import _ids  # registers the test-first method
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny"))
+from tests.unit import test_pipeline  # noqa: F401  (registers the test-first method)
+from tests.unit._tiny import random_ids
 
 
 def _recorded(model, state, seq):
@@ -27,7 +22,7 @@ def _recorded(model, state, seq):
 
 @pytest.mark.parametrize("block", [512, 3])
 def test_full_prefix_stream_equals_forward(tiny, block):
-    ids = _ids(40, seed=1)
+    ids = random_ids(40, seed=1)
     pre = hf.prefill(tiny, ids[:30])
     seqs = [ids[30:], ids[35:38]]
     full = hf.PrefixState.full(pre)
@@ -44,7 +39,7 @@ def test_full_prefix_stream_equals_forward(tiny, block):
 
 def test_on_policy_queries_match_hybrid_forward(tiny):
     """Layer l's streamed queries = a whole forward with layers < l compacted (the definition)."""
-    ids = _ids(36, seed=2)
+    ids = random_ids(36, seed=2)
     prefix = ids[:28]
     pre = hf.prefill(tiny, prefix)
     spec = CompactionSpec(
@@ -69,7 +64,7 @@ def test_on_policy_queries_match_hybrid_forward(tiny):
 
 def test_pipeline_on_policy_uses_streamed_queries(tiny):
     """compact_prefix with spec.on_policy fits layer 1 to the stream's queries (not off-policy ones)."""
-    ids = _ids(30, seed=3)
+    ids = random_ids(30, seed=3)
     cfg = QueryConfig(sources=("repeat-prefill",))
     spec = CompactionSpec(method="am-highest", tokens=8, queries=cfg)
     quiet = Hooks(progress=False)
