@@ -67,7 +67,9 @@ class _Batch:
 
 
 class CompactionBackend(AttentionBackend):
-    """The backend registered as `--attention-backend <inner_name>`, wrapped (module docstring).
+    """SGLang's backend `inner_name` (the user's `--attention-backend`), wrapped (module
+    docstring). `cascade`: run compacted batches through `cascade.run_cascade` (None: on CUDA
+    only; True also serves CPU tensors under TRITON_INTERPRET=1, for tests).
 
     Attributes not defined here are read from `inner` (`__getattr__`); AttentionBackend's own
     public attributes and methods are forwarded to it explicitly (`_forward_base_api`).
@@ -81,6 +83,7 @@ class CompactionBackend(AttentionBackend):
         inner = ATTENTION_BACKENDS[inner_name](model_runner)
         check_runner(model_runner, inner, inner_name)
         self.inner, self.inner_name = inner, inner_name
+        self.cascade: bool | None = None
         self._batch: _Batch | None = None
         self._decided: tuple[Any, _Batch | None] | None = None
         self.model_runner = model_runner
@@ -187,13 +190,13 @@ class CompactionBackend(AttentionBackend):
         beta = self.beta_store.beta[layer.layer_id - pool.start_layer]  # [S, H_kv]
         r2t = self.req_to_token_pool.req_to_token
         q3 = q.reshape(-1, h_q, dim)
-        if q.device.type != "cuda":
+        if not (q.device.type == "cuda" if self.cascade is None else self.cascade):
             out = attend_rows(
                 q3, k_buf, v_buf, beta, r2t, batch.rows.tolist(), batch.seq_lens.tolist(),
                 batch.q_lens.tolist(), [p is not None for p in batch.prefixes], layer.scaling,
             )  # fmt: skip
             return out.reshape(-1, h_q * dim)
-        from sglang_ext.cascade import plan_cascade, run_cascade  # Triton: CUDA only
+        from sglang_ext.cascade import plan_cascade, run_cascade  # Triton, imported when used
 
         key = (layer.scaling, h_q, h_kv, dim)
         plan = batch.plans.get(key)

@@ -112,11 +112,13 @@ def test_plain_batch_reaches_the_inner_backend_unchanged(decode: bool) -> None:
     assert graph_gate(True, SimpleNamespace(attn_backend=be), fb) is None  # its graph may replay
 
 
+@pytest.mark.parametrize("cascade", [False, True])  # the CPU path; the CUDA one (interpreted)
 @pytest.mark.parametrize("decode", [True, False])
-def test_mixed_batch_saves_kv_and_matches_full_rows(decode: bool) -> None:
+def test_mixed_batch_saves_kv_and_matches_full_rows(decode: bool, cascade: bool) -> None:
     torch.manual_seed(2)
     runner = real_runner()
     be = wrapped(runner)
+    be.cascade = cascade
     rows, q_lens = mixed_rows(runner, decode)
     calls = spy(be.inner, SPIED)
     fb = forward_batch(rows, [1, 2, 3], q_lens, decode)
