@@ -197,3 +197,23 @@ def test_no_installed_prefix_costs_no_lookup() -> None:
     fb.req_pool_indices = None  # never read while nothing is compacted
     be.init_forward_metadata(fb)
     assert be.compacted_batch(fb) is None
+
+
+def test_plugin_gates_both_graph_runners() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import sglang_ext
+
+    sglang_ext.register()
+    for runner in sglang_ext._GRAPH_RUNNERS:
+        hooks = HookRegistry._hooks[f"{runner}.can_run_graph"]
+        assert any(hook is sglang_ext._graph_gate for _, hook, _ in hooks), runner
+    runner = real_runner()
+    be = wrapped(runner)
+    rows, q_lens = mixed_rows(runner, True)
+    graph_runner = SimpleNamespace(attn_backend=None, model_runner=SimpleNamespace(attn_backend=be))
+    mixed = forward_batch(rows, [1, 2, 3], q_lens, True)
+    assert sglang_ext._graph_gate(True, graph_runner, mixed) is False
+    assert sglang_ext._graph_gate(False, graph_runner, mixed) is None  # SGLang said no already
+    plain = forward_batch([PLAIN_ROW], [1], [1], True)
+    assert sglang_ext._graph_gate(True, graph_runner, plain) is None
