@@ -11,10 +11,13 @@ which applies them after all plugins have run:
   config (`sglang_ext.server_args.log_changes`).
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
-  record and select the `compaction` radix-cache backend and attention backend
-  (`compaction-triton` on CUDA, `compaction` elsewhere), and resolve and fingerprint the
-  checkpoint (a directory or a Hub ID in the local cache) before any weights load; without
-  it, nothing changes and SGLang runs stock.
+  record and select the `compaction` radix-cache backend and the `compaction` attention
+  backend, which wraps the user's `--attention-backend` (`sglang_ext.wrapped_backend`), and
+  resolve and fingerprint the checkpoint (a directory or a Hub ID in the local cache) before
+  any weights load; without it, nothing changes and SGLang runs stock.
+- AFTER `can_run_graph` of SGLang's decode and prefill CUDA-graph runners: a batch with a
+  compacted request runs eagerly (`wrapped_backend.graph_gate`); other batches replay the
+  wrapped backend's graphs.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
@@ -40,6 +43,10 @@ _WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
 _SOURCES = ("disk", "tensor", "distributed", "ipc")
+_GRAPH_RUNNERS = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner",
+)
 
 
 def register() -> None:
@@ -58,6 +65,7 @@ def register() -> None:
         ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
         ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
         *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
+        *((f"{runner}.can_run_graph", _graph_gate) for runner in _GRAPH_RUNNERS),
     )
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
@@ -101,6 +109,16 @@ def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     poll = getattr(getattr(scheduler, "tree_cache", None), "poll_compactions", None)
     if callable(poll):
         poll()
+
+
+def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook on a CUDA-graph runner's `can_run_graph(forward_batch)`: False for a batch
+    with a compacted request (see `sglang_ext.wrapped_backend.graph_gate`)."""
+    if not result:
+        return None
+    from sglang_ext.wrapped_backend import graph_gate
+
+    return graph_gate(result, graph_runner, *args, **kwargs)
 
 
 def _weights_updated(result: Any, manager: Any, recv_req: Any = None, *a: Any, **kw: Any) -> None:

@@ -21,10 +21,10 @@ from sglang_ext.channel import add_channel_args, check_channel, token_from_env
 __all__ = [
     "ATTENTION_BACKEND",
     "CONFIG_ATTR",
+    "INNER_ATTR",
     "PLUGIN_SPEC",
     "RADIX_CACHE_BACKEND",
     "SPEC_PREFIX",
-    "TRITON_ATTENTION_BACKEND",
     "CompactionConfig",
     "add_cli_args",
     "config_from_namespace",
@@ -33,8 +33,10 @@ __all__ = [
 
 RADIX_CACHE_BACKEND = "compaction"
 ATTENTION_BACKEND = "compaction"
-TRITON_ATTENTION_BACKEND = "compaction-triton"
 CONFIG_ATTR = "_compaction_config"
+# The user's --attention-backend that `compaction` wraps (None: SGLang's default for the model,
+# resolved in the scheduler); an underscore attribute of the record, so it reaches the scheduler.
+INNER_ATTR = "_compaction_inner_attention"
 # The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
 SPEC_PREFIX = "compaction-"
 # The plugin's defaults. Reference queries: the sharing requests' questions (with the model's

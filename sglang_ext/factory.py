@@ -1,9 +1,9 @@
 """Registration of the plugin's backends and the radix-cache factory run in the scheduler.
 
 `register_backends()` adds the name `compaction` to SGLang's radix-cache registry, and the
-attention backends `compaction` (torch_native + beta) and `compaction-triton` (triton + beta,
-CUDA) to its attention-backend registry and `--attention-backend` choices (called from
-`register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
+attention backend `compaction` (`wrapped_backend.CompactionBackend`, wrapping the user's
+`--attention-backend`, `config.INNER_ATTR`) to its attention-backend registry and
+`--attention-backend` choices (called from `register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
 model fingerprint and a `CompactionRunner` for the configured endpoint (with `--tp-size` > 1,
 a `sglang_ext.tp.TpSync` over the scheduler's TP CPU group on every rank, rank 0 deciding and
 each rank's pool shape naming its KV heads); `check_model` resolves
@@ -18,17 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.config import (
-    ATTENTION_BACKEND,
-    RADIX_CACHE_BACKEND,
-    TRITON_ATTENTION_BACKEND,
-    get_config,
-)
+from sglang_ext.config import ATTENTION_BACKEND, INNER_ATTR, RADIX_CACHE_BACKEND, get_config
 
 __all__ = [
     "attach_tp",
     "check_model",
     "create_compaction_cache",
+    "inner_attention_backend",
     "register_backends",
     "resolve_model_dir",
 ]
@@ -37,8 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def register_backends() -> None:
-    """Make `compaction` a radix-cache backend and `compaction` / `compaction-triton`
-    attention backends (idempotent)."""
+    """Make `compaction` a radix-cache backend and an attention backend (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
         register_attention_backend,
@@ -51,29 +46,34 @@ def register_backends() -> None:
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, create_compaction_cache)
-    for name, create in (
-        (ATTENTION_BACKEND, _create_attention_backend),
-        (TRITON_ATTENTION_BACKEND, _create_triton_attention_backend),
-    ):
-        if name not in ATTENTION_BACKENDS:
-            register_attention_backend(name)(create)
-        if name not in ATTENTION_BACKEND_CHOICES:
-            add_attention_backend_choices([name])
+    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])
 
 
 def _create_attention_backend(runner: Any) -> Any:
-    from sglang_ext.attention import CompactionTorchNativeBackend
+    from sglang_ext.wrapped_backend import CompactionBackend
 
-    return CompactionTorchNativeBackend(runner)
+    name = inner_attention_backend(runner)
+    backend = CompactionBackend(runner, name)
+    logger.info("sglang_ext: attention backend %r wraps %r", ATTENTION_BACKEND, name)
+    return backend
 
 
-def _create_triton_attention_backend(runner: Any) -> Any:
-    """Like SGLang's `triton` factory, which refuses encoder-decoder models too."""
-    if runner.model_config.is_encoder_decoder:
-        raise ValueError(f"{TRITON_ATTENTION_BACKEND!r} does not serve encoder-decoder models")
-    from sglang_ext.triton_backend import CompactionTritonBackend
+def inner_attention_backend(runner: Any) -> str:
+    """The backend `compaction` wraps in this model runner: the name stored on the record
+    (`config.INNER_ATTR`, from the user's `--attention-backend`), else SGLang's default for
+    the runner's device and model (`get_default_attn_backend`; `torch_native` on CPU)."""
+    server_args = getattr(runner, "server_args", None)
+    name = getattr(server_args, INNER_ATTR, None)
+    if name is not None:
+        return str(name)
+    if str(getattr(runner, "device", "cpu")).split(":", 1)[0] == "cpu":
+        return "torch_native"
+    from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
 
-    return CompactionTritonBackend(runner)
+    return str(get_default_attn_backend(server_args, runner.use_mla_backend, runner.model_config))
 
 
 def create_compaction_cache(ctx: Any) -> Any:

@@ -29,10 +29,14 @@ _ATTR = "compaction_beta"
 
 
 class BetaStore:
-    """beta [L, S, H_kv] fp32 (0 for ordinary slots) and `compacted` [S] bool.
+    """beta [L, S, H_kv] fp32 (0 for ordinary slots) and `compacted` [S] bool, on the pool's
+    device, and `prefixes` on the host: first physical slot -> (t_max, T) of each written
+    compacted prefix.
 
     Attention adds beta only for requests whose KV row touches a `compacted` slot; every
-    other request runs the stock path, bit for bit.
+    other request runs the stock path, bit for bit. A compacted prefix hangs off the radix
+    root, so a row touches one iff its first slot is a key of `prefixes`: a look-up of one
+    slot per request, no scan of the row.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, device: Any):
@@ -44,6 +48,7 @@ class BetaStore:
         self.beta = torch.zeros(num_layers, num_slots, num_kv_heads, dtype=torch.float32,
                                 device=device)  # fmt: skip
         self.compacted = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.prefixes: dict[int, tuple[int, int]] = {}
         self.alias_ready = False
 
     @classmethod
@@ -69,9 +74,25 @@ class BetaStore:
         self.alias_ready = True
 
     def clear(self, slots: torch.Tensor) -> None:
-        """Give slots back to ordinary use: beta 0, not compacted (mutates the store)."""
+        """Give slots back to ordinary use: beta 0, not compacted, no prefix starting on one
+        of them (mutates the store)."""
         self.beta[:, slots, :] = 0.0
         self.compacted[slots] = False
+        if self.prefixes:
+            for slot in slots.reshape(-1).tolist():
+                self.prefixes.pop(slot, None)
+
+    def mark_prefix(self, slots: torch.Tensor, logical_length: int) -> None:
+        """Record that a compacted prefix of logical length T = `logical_length` holds
+        `slots` [t_max] (its rows start on `slots[0]`; mutates `prefixes`)."""
+        t_max = int(slots.numel())
+        if not 1 <= t_max <= logical_length:
+            raise ValueError(f"a compacted prefix needs 1 <= t_max={t_max} <= T={logical_length}")
+        self.prefixes[int(slots[0])] = (t_max, int(logical_length))
+
+    def prefix_of(self, first_slot: int) -> tuple[int, int] | None:
+        """(t_max, T) of the compacted prefix whose rows start on `first_slot`, else None."""
+        return self.prefixes.get(first_slot)
 
     def touches(self, slots: torch.Tensor) -> bool:
         """Whether any of `slots` [n] int is compacted (or the alias)."""
@@ -93,7 +114,7 @@ def write_layers(
 ) -> None:
     """Write `layers` (default all) of `prefix` into `slots` [t_max] int64 (t_max = the
     longest head of any layer, `head_counts(prefix).max()`) of `kvcache` and
-    `store` (mutates both; marks `slots` compacted).
+    `store` (mutates both; marks `slots` compacted and records the prefix, `mark_prefix`).
 
     `check(i, k, v, beta)` sees each layer cast to the pool's dtype (k, v [H_kv, t_max, D],
     beta [H_kv, t_max]) before it is written; what it raises stops the write there.
@@ -125,3 +146,4 @@ def write_layers(
         v_buf[dev_slots] = v.transpose(0, 1)
         store.beta[i, dev_slots] = beta.t().to(store.beta.device)
     store.compacted[slots.to(store.compacted.device)] = True
+    store.mark_prefix(slots, prefix.logical_length)

@@ -3,11 +3,13 @@ refuses.
 
 `apply_to_server_args` runs in the AFTER hook on `ServerArgs.from_cli_args` when
 `--compaction-endpoint` is given: it stores the `CompactionConfig` on the record
-(`config.CONFIG_ATTR`), selects the `compaction` radix-cache backend and the attention
-backend (`compaction-triton` on CUDA, `compaction` elsewhere), and refuses, with a
-ValueError naming the flag, what the plugin cannot serve with (no radix cache, paging,
-another radix-cache backend, split prefill/decode attention backends, explicit CUDA
-graphs with the Triton backend, and the parallel layouts of `check_parallelism`).
+(`config.CONFIG_ATTR`), selects the `compaction` radix-cache backend and the `compaction`
+attention backend, which wraps the user's `--attention-backend` (its name stored on the record,
+`config.INNER_ATTR`; `sglang_ext.wrapped_backend`): batches without compacted prefixes run the
+user's backend, CUDA graphs included. It refuses, with a ValueError naming the flag, what the
+plugin cannot serve with (no radix cache, paging, another radix-cache backend, split
+prefill/decode attention backends, and the parallel layouts of `check_parallelism`; the
+wrapper refuses MLA, fp8 KV and the like when it is built).
 Each setting it changes is noted on the record, old value -> new value with the reason, and
 logged by `log_changes` once SGLang has configured logging (the `configure_logger` hook of the
 main process: `from_cli_args` runs before any log handler exists).
@@ -22,8 +24,8 @@ from typing import Any
 from sglang_ext.config import (
     ATTENTION_BACKEND,
     CONFIG_ATTR,
+    INNER_ATTR,
     RADIX_CACHE_BACKEND,
-    TRITON_ATTENTION_BACKEND,
     CompactionConfig,
 )
 
@@ -36,9 +38,10 @@ CHANGES_ATTR = "compaction_changes"  # [(logging level, message)] not yet logged
 def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     """Store `cfg` on the record and select the plugin's backends (mutates `server_args`).
 
-    Attention: `compaction-triton` on a CUDA device (or for `--attention-backend triton`),
-    which also disables CUDA graphs (a replayed graph would skip beta); `compaction` (torch)
-    elsewhere or for `--attention-backend torch_native`.
+    Attention: `compaction`, wrapping the user's `--attention-backend` (stored as
+    `config.INNER_ATTR`); unset, it wraps `torch_native` on CPU (the engine this project
+    serves on there) and, elsewhere, SGLang's default for the model, resolved in the scheduler
+    (`INNER_ATTR` None). CUDA graphs stay as the user set them.
 
     Raises:
         ValueError: the record selects something the plugin cannot serve with.
@@ -55,20 +58,14 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
             f"--compaction-endpoint selects --radix-cache-backend {RADIX_CACHE_BACKEND!r}; "
             f"got {backend!r}"
         )
-    attention = _attention_backend(server_args)
-    if attention == TRITON_ATTENTION_BACKEND:
-        _require_no_cuda_graph(server_args)
+    inner = _inner_backend(server_args)
     setattr(server_args, CONFIG_ATTR, cfg)
+    setattr(server_args, INNER_ATTR, inner)
     _change(server_args, "radix_cache_backend", RADIX_CACHE_BACKEND,
             "the plugin's cache, which serves requests from compacted prefixes")  # fmt: skip
-    why = "triton + beta" if attention == TRITON_ATTENTION_BACKEND else "torch_native + beta"
-    _change(server_args, "attention_backend", attention, f"the plugin's beta-aware backend, {why}")
-    graphs_on = not getattr(server_args, "disable_cuda_graph", False)
-    if attention == TRITON_ATTENTION_BACKEND and graphs_on:
-        server_args.disable_cuda_graph = True
-        _note(server_args, logging.WARNING,
-              "sglang_ext: CUDA graphs disabled (--disable-cuda-graph False -> True): a replayed "
-              f"graph would skip the compaction biases of {TRITON_ATTENTION_BACKEND!r}")  # fmt: skip
+    wrapped = inner if inner is not None else "SGLang's default for the model"
+    _change(server_args, "attention_backend", ATTENTION_BACKEND,
+            f"wraps {wrapped}: stock kernels for batches without compacted prefixes")  # fmt: skip
 
 
 def log_changes(server_args: Any) -> int:
@@ -114,7 +111,10 @@ def _device(server_args: Any) -> str:
     return str(device).split(":", 1)[0]
 
 
-def _attention_backend(server_args: Any) -> str:
+def _inner_backend(server_args: Any) -> str | None:
+    """The backend `compaction` wraps: the user's `--attention-backend`; when it is unset (or
+    `compaction` itself), `torch_native` on CPU and None (SGLang's default for the model,
+    resolved in the scheduler) elsewhere."""
     attn = getattr(server_args, "attention_backend", None)
     split = {
         name: getattr(server_args, name, None)
@@ -123,37 +123,17 @@ def _attention_backend(server_args: Any) -> str:
     given = [f"--{k.replace('_', '-')} {v!r}" for k, v in split.items() if v is not None]
     if given:
         raise ValueError(
-            "--compaction-endpoint selects one attention backend for prefill and decode; "
+            "--compaction-endpoint wraps one attention backend for prefill and decode; "
             f"drop {', '.join(given)}"
         )
-    device = _device(server_args)
-    if attn in ("triton", TRITON_ATTENTION_BACKEND) or (attn is None and device == "cuda"):
-        if device != "cuda":
-            raise ValueError(
-                f"--attention-backend {attn!r} with --compaction-endpoint needs a CUDA device, "
-                f"got device {device!r}"
-            )
-        return TRITON_ATTENTION_BACKEND
-    if attn in (None, "torch_native", ATTENTION_BACKEND):
-        return ATTENTION_BACKEND
-    raise ValueError(
-        f"--compaction-endpoint serves with {ATTENTION_BACKEND!r} (torch_native + beta) or, on "
-        f"CUDA, {TRITON_ATTENTION_BACKEND!r} (triton + beta); got --attention-backend {attn!r}"
-    )
-
-
-def _require_no_cuda_graph(server_args: Any) -> None:
-    """ValueError when CUDA graphs were asked for explicitly (they would skip beta)."""
-    asked = {
-        name: value
-        for name in ("cuda_graph_config", "cuda_graph_backend_decode", "cuda_graph_backend_prefill")
-        if (value := getattr(server_args, name, None)) not in (None, "disabled")
-    }
-    if asked:
-        raise ValueError(
-            f"{TRITON_ATTENTION_BACKEND!r} runs without CUDA graphs (a replayed graph would skip "
-            f"the compaction biases); got {asked}"
-        )
+    if attn == ATTENTION_BACKEND:  # set up already, or asked for by name: wrap the default
+        if hasattr(server_args, INNER_ATTR):
+            inner: str | None = getattr(server_args, INNER_ATTR)
+            return inner
+        attn = None
+    if attn is None and _device(server_args) == "cpu":
+        return "torch_native"
+    return None if attn is None else str(attn)
 
 
 def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:

@@ -1,14 +1,16 @@
-"""The plugin's biased torch_native attention against kernels/biased_attention/reference.py."""
+"""The plugin's CPU biased attention (`sglang_ext.attention`) against the reference, on SGLang's
+real CPU pools (`real_runner`, `mixed_rows`: reused by the wrapped-backend tests)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from kernels.biased_attention.reference import biased_attention
-from sglang_ext.attention import CompactionTorchNativeBackend, biased_sdpa, physical_entries
+from sglang_ext.attention import attend_rows, biased_sdpa, physical_entries
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
 
 
@@ -47,51 +49,23 @@ def test_biased_sdpa_rejects_bad_shapes() -> None:
                     torch.zeros(5, 3), 4, None)  # fmt: skip
 
 
-def _backend(num_slots: int = 64, layers: int = 2, h_kv: int = 2, d: int = 16):  # type: ignore[no-untyped-def]
-    k_bufs = [torch.randn(num_slots, h_kv, d) for _ in range(layers)]
-    v_bufs = [torch.randn(num_slots, h_kv, d) for _ in range(layers)]
-    pool = SimpleNamespace(
-        layer_num=layers, start_layer=0,
-        get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i],
-    )  # fmt: skip
-    r2t = SimpleNamespace(req_to_token=torch.zeros(4, 128, dtype=torch.int32))
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
-    return CompactionTorchNativeBackend(runner), k_bufs, v_bufs
+NUM_SLOTS, LAYERS, H_KV, D = 96, 2, 2, 16
 
 
-def test_decode_mixed_batch_stock_and_compacted() -> None:
-    torch.manual_seed(1)
-    be, k_bufs, v_bufs = _backend()
-    store: BetaStore = be.beta_store
-    r2t = be.req_to_token_pool.req_to_token
-    plain = torch.arange(10, 20)  # an ordinary request
-    comp = torch.tensor([30, 31, 32, ALIAS_SLOT, ALIAS_SLOT, 40, 41])  # compacted + aliases + own
-    r2t[1, :10], r2t[2, :7] = plain.int(), comp.int()
-    store.enable_alias()
-    store.compacted[torch.tensor([30, 31, 32])] = True
-    store.beta[1, torch.tensor([30, 31, 32])] = torch.tensor([[0.5, -1.0], [0.0, 2.0], [-0.3, 0.1]])
-    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([10, 7]),
-                            out_cache_loc=None)  # fmt: skip
-    be.init_forward_metadata(batch)
-    assert be.reads[0] is None and be.reads[1].tolist() == [30, 31, 32, 40, 41]
-    q = torch.randn(2, 4, 16)  # [tokens, H_q, D]
-    out = torch.empty_like(q)
-    be._layer = 1
-    be._run_sdpa_forward_decode(q, out, k_bufs[1], v_bufs[1], r2t, batch.req_pool_indices,
-                                batch.seq_lens, None, scaling=0.25, enable_gqa=True,
-                                causal=False, is_cross_attn=False, sliding_window_size=None)  # fmt: skip
-    stock = torch.empty_like(q)
-    be2, *_ = _backend()
-    be2.reads = []
-    be2._run_sdpa_forward_decode(q[:1], stock[:1], k_bufs[1], v_bufs[1], r2t,
-                                 batch.req_pool_indices[:1], batch.seq_lens[:1], None,
-                                 scaling=0.25, enable_gqa=True, causal=False,
-                                 is_cross_attn=False, sliding_window_size=None)  # fmt: skip
-    assert torch.equal(out[0], stock[0])  # the ordinary request took the stock path
-    beta = store.beta[1, comp]
-    want = _reference(q[1:2].movedim(0, 1), k_bufs[1][comp].movedim(0, 1),
-                      v_bufs[1][comp].movedim(0, 1), beta, 6, 0.25)  # fmt: skip
-    assert torch.allclose(out[1], want.movedim(0, 1)[0], atol=1e-5)
+def real_runner(num_slots: int = NUM_SLOTS, layers: int = LAYERS, h_kv: int = H_KV, d: int = D):  # type: ignore[no-untyped-def]
+    """A model-runner stand-in holding SGLang's real CPU pools (fp32 MHA KV pool with random
+    K/V, a req_to_token table): what SGLang's attention backends read from a runner."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    pool = MHATokenToKVPool(num_slots, 1, torch.float32, h_kv, d, layers, "cpu", False)
+    for i in range(layers):
+        pool.get_key_buffer(i).copy_(torch.randn(num_slots + 1, h_kv, d))
+        pool.get_value_buffer(i).copy_(torch.randn(num_slots + 1, h_kv, d))
+    r2t = ReqToTokenPool(8, 128, "cpu", False)
+    model_config = SimpleNamespace(is_encoder_decoder=False)
+    return SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool,
+                           use_mla_backend=False, model_config=model_config,
+                           server_args=SimpleNamespace())  # fmt: skip
 
 
 def test_physical_entries_drops_the_aliases_only() -> None:
@@ -104,66 +78,79 @@ def test_physical_entries_drops_the_aliases_only() -> None:
 # A compacted prefix of T = 13 logical tokens in t_max = 4 physical slots (head 1 keeps 3:
 # its 4th slot has beta = -inf), 9 aliases; an ordinary child node below it, then the tails.
 PHYS, T, CHILD = [50, 51, 52, 53], 13, [60, 61]
+PLAIN_ROW = list(range(10, 16))
 
 
-def _mixed_batch(decode: bool):  # type: ignore[no-untyped-def]
-    """Rows: plain, compacted + tail, compacted + child + tail; q new tokens per request."""
-    be, k_bufs, v_bufs = _backend(num_slots=96, layers=2, h_kv=2, d=16)
-    store: BetaStore = be.beta_store
+def mixed_rows(runner: Any, decode: bool) -> tuple[list[list[int]], list[int]]:
+    """Write three rows into the runner's pools: plain, compacted + tail, compacted + child +
+    tail; install the compacted prefix's beta (mutates the pools). Returns rows, q_lens."""
+    store = BetaStore.for_pool(runner.token_to_kv_pool)
     store.enable_alias()
     phys = torch.tensor(PHYS)
     store.compacted[phys] = True
-    store.beta[:, phys] = torch.randn(2, 4, 2)
+    store.beta[:, phys] = torch.randn(LAYERS, len(PHYS), H_KV)
     store.beta[:, phys[3], 1] = float("-inf")
+    store.mark_prefix(phys, T)
     prefix = PHYS + [ALIAS_SLOT] * (T - len(PHYS))
     q_lens = [1, 1, 1] if decode else [3, 1, 4]
-    rows = [list(range(10, 16)), [*prefix, 70, 71, 72], prefix + CHILD + [80, 81, 82, 83]]
-    r2t = be.req_to_token_pool.req_to_token
+    rows = [PLAIN_ROW, [*prefix, 70, 71, 72], prefix + CHILD + [80, 81, 82, 83]]
+    r2t = runner.req_to_token_pool.req_to_token
     for i, row in enumerate(rows):
         r2t[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    seq_lens = torch.tensor([len(r) for r in rows])
-    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2, 3]), seq_lens=seq_lens,
-                            out_cache_loc=None)  # fmt: skip
-    return be, k_bufs, v_bufs, batch, rows, q_lens
+    return rows, q_lens
+
+
+def full_row_reference(runner: Any, layer: int, q: torch.Tensor, rows: list[list[int]],
+                       q_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
+    """The all-entries path: every slot of each row, aliases masked by their beta = -inf.
+    q [tokens, H_q, D]; returns [tokens, H_q, D]."""
+    pool, store = runner.token_to_kv_pool, BetaStore.for_pool(runner.token_to_kv_pool)
+    out, start = torch.empty_like(q), 0
+    for row, q_len in zip(rows, q_lens):
+        slots = torch.tensor(row)
+        qs = q[start : start + q_len].movedim(0, 1)
+        want = biased_sdpa(qs, pool.get_key_buffer(layer)[slots].movedim(0, 1),
+                           pool.get_value_buffer(layer)[slots].movedim(0, 1),
+                           store.beta[layer, slots], len(row) - q_len, scale)  # fmt: skip
+        out[start : start + q_len] = want.movedim(0, 1)
+        start += q_len
+    return out
 
 
 @pytest.mark.parametrize("decode", [True, False])
-def test_compacted_requests_read_physical_slots_and_tail_only(decode: bool) -> None:
+def test_attend_rows_reads_physical_slots_and_matches_full_rows(decode: bool) -> None:
     torch.manual_seed(3)
-    be, k_bufs, v_bufs, batch, rows, q_lens = _mixed_batch(decode)
-    be.init_forward_metadata(batch)
-    assert be.reads[0] is None  # plain: the stock path
-    assert be.reads[1].tolist() == [*PHYS, 70, 71, 72]
-    assert be.reads[2].tolist() == PHYS + CHILD + [80, 81, 82, 83]
-    assert all(ALIAS_SLOT not in r.tolist() for r in be.reads[1:])
+    runner = real_runner()
+    rows, q_lens = mixed_rows(runner, decode)
+    q = torch.randn(sum(q_lens), 2 * H_KV, D)  # [tokens, H_q, D]
+    pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    store = BetaStore.for_pool(pool)
+    for layer in range(LAYERS):
+        want = full_row_reference(runner, layer, q, rows, q_lens, 0.25)
+        k_alias = pool.get_key_buffer(layer)[ALIAS_SLOT].clone()
+        pool.get_key_buffer(layer)[ALIAS_SLOT] = float("nan")  # read, it would poison the output
+        got = attend_rows(q, pool.get_key_buffer(layer), pool.get_value_buffer(layer),
+                          store.beta[layer], r2t, [1, 2, 3], [len(r) for r in rows], q_lens,
+                          [False, True, True], 0.25)  # fmt: skip
+        pool.get_key_buffer(layer)[ALIAS_SLOT] = k_alias
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
-    q = torch.randn(sum(q_lens), 4, 16)  # [tokens, H_q, D], H_q = 2 * H_kv
-    kw = dict(scaling=0.25, enable_gqa=True, causal=not decode, is_cross_attn=False,
-              sliding_window_size=None)  # fmt: skip
-    r2t, idx, seq_lens = be.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
-    prefix_lens = seq_lens - torch.tensor(q_lens)
-    extra = () if decode else (prefix_lens, torch.tensor(q_lens))
-    for layer in range(2):
-        be._layer = layer
-        run = be._run_sdpa_forward_decode if decode else be._run_sdpa_forward_extend
-        out = run(q, torch.empty_like(q), k_bufs[layer], v_bufs[layer], r2t, idx, seq_lens,
-                  *extra, None, **kw)  # fmt: skip
-        stock = torch.empty_like(q[: q_lens[0]])
-        plain = CompactionTorchNativeBackend._run_sdpa_forward_decode if decode else (
-            CompactionTorchNativeBackend._run_sdpa_forward_extend)  # fmt: skip
-        be.reads = []  # the stock code of SGLang, on the plain request alone
-        plain(be, q[: q_lens[0]], stock, k_bufs[layer], v_bufs[layer], r2t, idx[:1],
-              seq_lens[:1], *(x[:1] for x in extra), None, **kw)  # fmt: skip
-        be.init_forward_metadata(batch)
-        assert torch.equal(out[: q_lens[0]], stock)
-        start = q_lens[0]
-        for row, q_len in zip(rows[1:], q_lens[1:]):
-            # the all-entries path: every slot of the row, aliases masked by beta = -inf
-            slots = torch.tensor(row)
-            qs = q[start : start + q_len].movedim(0, 1)
-            want = biased_sdpa(qs, k_bufs[layer][slots].movedim(0, 1),
-                               v_bufs[layer][slots].movedim(0, 1),
-                               be.beta_store.beta[layer, slots], len(row) - q_len, 0.25)  # fmt: skip
-            got = out[start : start + q_len].movedim(0, 1)
-            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-            start += q_len
+
+def test_attend_rows_rejects_bad_lengths() -> None:
+    runner = real_runner()
+    pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    args = (pool.get_key_buffer(0), pool.get_value_buffer(0), torch.zeros(NUM_SLOTS, H_KV), r2t)
+    with pytest.raises(ValueError, match="differ in length"):
+        attend_rows(torch.zeros(1, 4, D), *args, [1], [4], [1, 1], [False], None)
+    with pytest.raises(ValueError, match="q has 2 tokens"):
+        attend_rows(torch.zeros(2, 4, D), *args, [1], [4], [1], [False], None)
+
+
+def test_store_records_prefixes_by_first_slot() -> None:
+    store = BetaStore.for_pool(real_runner().token_to_kv_pool)
+    store.mark_prefix(torch.tensor(PHYS), T)
+    assert store.prefix_of(PHYS[0]) == (len(PHYS), T) and store.prefix_of(PHYS[1]) is None
+    with pytest.raises(ValueError, match="t_max=4 <= T=3"):
+        store.mark_prefix(torch.tensor(PHYS), 3)
+    store.clear(torch.tensor(PHYS))
+    assert store.prefix_of(PHYS[0]) is None and not store.prefixes

@@ -1,17 +1,17 @@
 """The Triton path for compacted prefixes: `attention_triton` against `biased_sdpa` per
-request (CPU under TRITON_INTERPRET=1, and on CUDA; no SGLang needed), and
-`CompactionTritonBackend`'s stock-or-biased dispatch (needs SGLang)."""
+request (CPU under TRITON_INTERPRET=1, and on CUDA; no SGLang needed). The backend that runs
+compacted batches on CUDA (`wrapped_backend`, through `cascade`) is tested in
+test_sglang_ext_wrapped_backend.py and test_sglang_ext_cascade.py."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
 
 from sglang_ext.attention_triton import paged_biased_attention, plan_batch, row_slots
-from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
+from sglang_ext.kv_store import ALIAS_SLOT
 from sglang_ext.sdpa import biased_sdpa
 
 S, H_KV, G, D = 96, 2, 3, 32
@@ -129,142 +129,3 @@ def test_matches_biased_sdpa_on_cuda(mode: str) -> None:
     assert got.device.type == "cuda" and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), sdpa_per_request(b, q, q_lens),
                                atol=2e-2, rtol=2e-2)  # fmt: skip
-
-
-# --- CompactionTritonBackend dispatch (SGLang's TritonAttnBackend parts stubbed) ---
-
-
-class FakePool:
-    """One layer of an MHA pool: the buffers, and set_kv_buffer as SGLang's writes them."""
-
-    start_layer, layer_num = 0, 1
-
-    def __init__(self, b: Batch):
-        self.k, self.v, self.writes = b.k, b.v, 0
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v
-
-    def set_kv_buffer(self, layer: Any, loc: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[loc.loc], self.v[loc.loc] = k.view(-1, H_KV, D), v.view(-1, H_KV, D)
-        self.writes += 1
-
-
-def make_backend(b: Batch, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    from sglang_ext.triton_backend import CompactionTritonBackend
-
-    stock: list[str] = []
-
-    def stub(name: str) -> Any:
-        def run(self: Any, *args: Any, **kwargs: Any) -> str:
-            stock.append(name)
-            return "stock"
-
-        return run
-
-    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata", lambda self, fb: None)
-    for name in ("forward_decode", "forward_extend"):
-        monkeypatch.setattr(TritonAttnBackend, name, stub(name))
-    be = CompactionTritonBackend.__new__(CompactionTritonBackend)
-    be.token_to_kv_pool, be.req_to_token = FakePool(b), b.r2t
-    be.use_mla, be.dcp_size = False, 1
-    be.forward_metadata = SimpleNamespace(swa_out_cache_loc=None)
-    be._setup()
-    store: BetaStore = be.beta_store
-    store.enable_alias()
-    store.beta[0], store.compacted[:] = b.beta, b.compacted
-    return be, stock
-
-
-def layer(**kw: Any) -> Any:
-    from sglang.srt.layers.radix_attention import AttentionType
-
-    base = dict(layer_id=0, tp_q_head_num=H_Q, tp_k_head_num=H_KV, qk_head_dim=D, v_head_dim=D,
-                scaling=SCALE, is_cross_attention=False, sliding_window_size=-1, logit_cap=0.0,
-                attn_type=AttentionType.DECODER, k_scale=None)  # fmt: skip
-    return SimpleNamespace(**{**base, **kw})
-
-
-def forward_batch(b: Batch, mode: str, requests: list[int], q_lens: list[int]) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    new = torch.cat([b.rows[i][b.rows[i].numel() - q :] for i, q in zip(requests, q_lens)])
-    return SimpleNamespace(
-        forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
-        req_pool_indices=torch.tensor([POOL_ROWS[i] for i in requests]),
-        seq_lens=torch.tensor([b.rows[i].numel() for i in requests]), seq_lens_cpu=None,
-        extend_seq_lens_cpu=q_lens, encoder_lens=None, out_cache_loc=new,
-        out_cache_loc_is_physical=False,
-    )  # fmt: skip
-
-
-def test_backend_plain_batch_takes_stock_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    b = make_batch()
-    be, stock = make_backend(b, monkeypatch)
-    fb = forward_batch(b, "decode", [1], [1])
-    be.init_forward_metadata(fb)
-    q = torch.zeros(1, H_Q * D)
-    assert be.forward_decode(q, q, q, layer(), fb) == "stock" and stock == ["forward_decode"]
-    fb = forward_batch(b, "extend", [1], [17])
-    be.init_forward_metadata(fb)
-    assert be.forward_extend(q, q, q, layer(), fb) == "stock" and be.token_to_kv_pool.writes == 0
-
-
-@pytest.mark.parametrize("mode", ["decode", "extend"])
-def test_backend_biased_batch_saves_kv_and_matches(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    b = make_batch(seed=2)
-    want_k, want_v = b.k.clone(), b.v.clone()
-    be, stock = make_backend(b, monkeypatch)
-    q_lens = [1, 1, 1] if mode == "decode" else extend_q_lens(b)
-    fb = forward_batch(b, mode, [0, 1, 2], q_lens)
-    be.init_forward_metadata(fb)
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(sum(q_lens), H_Q * D, generator=g)
-    k, v = (
-        torch.randn(sum(q_lens), H_KV * D, generator=g),
-        torch.randn(sum(q_lens), H_KV * D, generator=g),
-    )
-    want_k[fb.out_cache_loc], want_v[fb.out_cache_loc] = k.view(-1, H_KV, D), v.view(-1, H_KV, D)
-    forward = be.forward_decode if mode == "decode" else be.forward_extend
-    out = forward(q, k, v, layer(), fb)
-    assert stock == [] and be.token_to_kv_pool.writes == 1
-    assert torch.equal(b.k, want_k) and torch.equal(b.v, want_v)
-    want = sdpa_per_request(b, q.view(-1, H_Q, D), q_lens)
-    torch.testing.assert_close(out, want.reshape(-1, H_Q * D), atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize(("kw", "what"), [({"sliding_window_size": 64}, "sliding window"),
-                                          ({"is_cross_attention": True}, "cross attention"),
-                                          ({"logit_cap": 30.0}, "logit soft cap")])  # fmt: skip
-def test_backend_rejects_unsupported_layers(
-    kw: dict[str, Any], what: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    b = make_batch()
-    be, _ = make_backend(b, monkeypatch)
-    fb = forward_batch(b, "decode", [0], [1])
-    be.init_forward_metadata(fb)
-    q = torch.zeros(1, H_Q * D)
-    with pytest.raises(ValueError, match=what):
-        be.forward_decode(q, q, q, layer(**kw), fb)
-
-
-def test_backend_rejects_speculative_modes_on_compacted_rows(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    b = make_batch()
-    be, _ = make_backend(b, monkeypatch)
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    fb = forward_batch(b, "decode", [0], [1])
-    fb.forward_mode = ForwardMode.TARGET_VERIFY
-    with pytest.raises(ValueError, match="do not support forward mode"):
-        be.init_forward_metadata(fb)
-    be.init_forward_metadata(forward_batch(b, "decode", [1], [1]))  # plain rows: stock, no error
-    assert be._batch is None

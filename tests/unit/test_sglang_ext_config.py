@@ -12,8 +12,8 @@ import torch
 from sglang_ext.config import (
     ATTENTION_BACKEND,
     CONFIG_ATTR,
+    INNER_ATTR,
     RADIX_CACHE_BACKEND,
-    TRITON_ATTENTION_BACKEND,
     CompactionConfig,
 )
 from sglang_ext.server_args import CHANGES_ATTR, apply_to_server_args, log_changes
@@ -31,74 +31,73 @@ def server_args(**kw: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("device", "attention", "want"),
+    ("device", "attention", "inner"),
     [
-        ("cpu", None, ATTENTION_BACKEND),
-        ("cpu", "torch_native", ATTENTION_BACKEND),
-        ("cuda", None, TRITON_ATTENTION_BACKEND),
-        ("cuda:1", None, TRITON_ATTENTION_BACKEND),
-        ("cuda", "triton", TRITON_ATTENTION_BACKEND),
-        ("cuda", TRITON_ATTENTION_BACKEND, TRITON_ATTENTION_BACKEND),
-        ("cuda", "torch_native", ATTENTION_BACKEND),  # an explicit torch choice is kept
-        ("xpu", None, ATTENTION_BACKEND),
+        ("cpu", None, "torch_native"),
+        ("cpu", "torch_native", "torch_native"),
+        ("cpu", ATTENTION_BACKEND, "torch_native"),  # asked for by name: wraps the default
+        ("cuda", None, None),  # SGLang's default for the model, resolved in the scheduler
+        ("cuda:1", None, None),
+        ("cuda", "triton", "triton"),
+        ("cuda", "flashinfer", "flashinfer"),
+        ("cuda", "fa3", "fa3"),
+        ("cuda", "torch_native", "torch_native"),
+        ("xpu", None, None),
     ],
 )
-def test_selects_backend_by_device(device: str, attention: str | None, want: str) -> None:
+def test_wraps_the_users_backend(device: str, attention: str | None, inner: str | None) -> None:
     args = server_args(device=device, attention_backend=attention)
     apply_to_server_args(args, CFG)
-    assert args.attention_backend == want
+    assert args.attention_backend == ATTENTION_BACKEND and getattr(args, INNER_ATTR) == inner
     assert args.radix_cache_backend == RADIX_CACHE_BACKEND and getattr(args, CONFIG_ATTR) is CFG
-    assert args.disable_cuda_graph is (want == TRITON_ATTENTION_BACKEND)
+    assert args.disable_cuda_graph is False  # plain batches keep the inner backend's graphs
+    apply_to_server_args(args, CFG)  # a record set up already keeps its inner backend
+    assert args.attention_backend == ATTENTION_BACKEND and getattr(args, INNER_ATTR) == inner
 
 
-@pytest.mark.parametrize(("cuda", "cpu_engine", "want"), [
-    (True, "0", TRITON_ATTENTION_BACKEND), (True, "1", ATTENTION_BACKEND),
-    (False, "0", ATTENTION_BACKEND),
+@pytest.mark.parametrize(("cuda", "cpu_engine", "inner"), [
+    (True, "0", None), (True, "1", "torch_native"), (False, "0", "torch_native"),
 ])  # fmt: skip
 def test_unset_device_resolves_like_sglang(
-    cuda: bool, cpu_engine: str, want: str, monkeypatch: pytest.MonkeyPatch
+    cuda: bool, cpu_engine: str, inner: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", cpu_engine)
     args = server_args()
     apply_to_server_args(args, CFG)
-    assert args.attention_backend == want
+    assert args.attention_backend == ATTENTION_BACKEND and getattr(args, INNER_ATTR) == inner
 
 
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
         (
-            {"device": "cuda", "attention_backend": "flashinfer"},
-            "got --attention-backend 'flashinfer'",
-        ),
-        (
-            {"device": "cpu", "attention_backend": "flashinfer"},
-            "got --attention-backend 'flashinfer'",
-        ),
-        ({"device": "cpu", "attention_backend": "triton"}, "needs a CUDA device, got device 'cpu'"),
-        ({"device": "cuda", "cuda_graph_backend_decode": "full"}, "without CUDA graphs.*'full'"),
-        (
             {"device": "cuda", "prefill_attention_backend": "fa3"},
             "--prefill-attention-backend 'fa3'",
         ),
+        (
+            {"device": "cuda", "decode_attention_backend": "triton"},
+            "--decode-attention-backend 'triton'",
+        ),
         ({"device": "cuda", "page_size": 16}, "page_size 1 only, got 16"),
+        ({"disable_radix_cache": True}, "--disable-radix-cache"),
     ],
 )
 def test_rejects_incompatible_args(kw: dict[str, Any], match: str) -> None:
     args = server_args(**kw)
     with pytest.raises(ValueError, match=match):
         apply_to_server_args(args, CFG)
-    assert not hasattr(args, CONFIG_ATTR)  # nothing applied
+    assert not hasattr(args, CONFIG_ATTR) and not hasattr(args, INNER_ATTR)  # nothing applied
 
 
-def test_cuda_graph_disabled_explicitly_is_accepted() -> None:
-    args = server_args(device="cuda", cuda_graph_backend_decode="disabled")
+def test_cuda_graphs_asked_for_are_kept() -> None:
+    args = server_args(device="cuda", cuda_graph_backend_decode="full")
     apply_to_server_args(args, CFG)
-    assert args.attention_backend == TRITON_ATTENTION_BACKEND and args.disable_cuda_graph
+    assert args.attention_backend == ATTENTION_BACKEND and not args.disable_cuda_graph
+    assert args.cuda_graph_backend_decode == "full"
 
 
-def test_register_backends_adds_both_attention_backends() -> None:
+def test_register_backends_adds_the_attention_backend() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
@@ -106,8 +105,9 @@ def test_register_backends_adds_both_attention_backends() -> None:
 
     register_backends()
     register_backends()  # idempotent
-    for name in (ATTENTION_BACKEND, TRITON_ATTENTION_BACKEND):
-        assert name in ATTENTION_BACKENDS and ATTENTION_BACKEND_CHOICES.count(name) == 1
+    assert ATTENTION_BACKEND in ATTENTION_BACKENDS
+    assert ATTENTION_BACKEND_CHOICES.count(ATTENTION_BACKEND) == 1
+    assert "compaction-triton" not in ATTENTION_BACKENDS  # the wrapper serves CUDA too
 
 
 def _parse(*argv: str) -> Any:
@@ -250,23 +250,19 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
 
 
 def test_each_change_is_logged_with_old_and_new_value(caplog: pytest.LogCaptureFixture) -> None:
-    args = server_args(device="cuda", attention_backend="triton")
+    args = server_args(device="cuda", attention_backend="flashinfer")
     with caplog.at_level("INFO", logger="sglang_ext.server_args"):
         apply_to_server_args(args, CFG)
         assert caplog.records == []  # no log handler exists yet when from_cli_args runs
-        assert log_changes(args) == 3
+        assert log_changes(args) == 2
         assert log_changes(args) == 0 and not hasattr(args, CHANGES_ATTR)  # logged once
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
-    assert len(lines) == 3, lines
-    assert lines[0] == ("INFO", f"sglang_ext: --radix-cache-backend unset -> "
-                        f"{RADIX_CACHE_BACKEND} (the plugin's cache, which serves requests "
-                        "from compacted prefixes)")  # fmt: skip
-    assert lines[1] == ("INFO", f"sglang_ext: --attention-backend triton -> "
-                        f"{TRITON_ATTENTION_BACKEND} (the plugin's beta-aware backend, "
-                        "triton + beta)")  # fmt: skip
-    level, msg = lines[2]
-    assert level == "WARNING" and msg.startswith("sglang_ext: CUDA graphs disabled (")
-    assert "False -> True" in msg and "skip the compaction biases" in msg
+    assert lines == [
+        ("INFO", f"sglang_ext: --radix-cache-backend unset -> {RADIX_CACHE_BACKEND} (the "
+                 "plugin's cache, which serves requests from compacted prefixes)"),
+        ("INFO", f"sglang_ext: --attention-backend flashinfer -> {ATTENTION_BACKEND} (wraps "
+                 "flashinfer: stock kernels for batches without compacted prefixes)"),
+    ]  # fmt: skip
 
 
 def test_unchanged_settings_are_not_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -274,14 +270,15 @@ def test_unchanged_settings_are_not_logged(caplog: pytest.LogCaptureFixture) -> 
                        radix_cache_backend=RADIX_CACHE_BACKEND)  # fmt: skip
     apply_to_server_args(args, CFG)
     assert log_changes(args) == 0
-    args = server_args(device="cuda", disable_cuda_graph=True)
+    args = server_args(device="cuda")
     apply_to_server_args(args, CFG)
     with caplog.at_level("INFO", logger="sglang_ext.server_args"):
         assert log_changes(args) == 2
     msgs = [r.getMessage() for r in caplog.records]
     assert not any("CUDA graphs" in m for m in msgs), msgs
-    assert msgs[1].startswith(
-        f"sglang_ext: --attention-backend unset -> {TRITON_ATTENTION_BACKEND}"
+    assert msgs[1] == (
+        f"sglang_ext: --attention-backend unset -> {ATTENTION_BACKEND} (wraps SGLang's default "
+        "for the model: stock kernels for batches without compacted prefixes)"
     )
 
 
@@ -298,6 +295,6 @@ def test_configure_logger_hook_logs_the_changes(caplog: pytest.LogCaptureFixture
     assert [m for m in msgs if "->" in m] == [
         f"sglang_ext: --radix-cache-backend unset -> {RADIX_CACHE_BACKEND} (the plugin's cache, "
         "which serves requests from compacted prefixes)",
-        f"sglang_ext: --attention-backend unset -> {ATTENTION_BACKEND} (the plugin's beta-aware "
-        "backend, torch_native + beta)",
+        f"sglang_ext: --attention-backend unset -> {ATTENTION_BACKEND} (wraps torch_native: "
+        "stock kernels for batches without compacted prefixes)",
     ]

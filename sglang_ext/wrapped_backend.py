@@ -1,0 +1,311 @@
+"""`CompactionBackend`: the user's attention backend, wrapped; beta only for batches that need it.
+
+`--compaction-endpoint` selects the attention backend `compaction`, which builds the backend
+SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION_BACKENDS[name]
+(runner)`; the name rides on the record, `config.INNER_ATTR`) and wraps it:
+
+- Per forward (`init_forward_metadata`, or earlier in SGLang's CUDA-graph gate) it decides
+  whether any request's row starts on a compacted prefix: a compacted prefix hangs off the
+  radix root, so request b is compacted iff `BetaStore.prefix_of(req_to_token[row_b, 0])`
+  names one; (t_max, T) come from the same host look-up, with no scan of the row. Cost: none
+  while no compacted prefix is installed; otherwise one gather of B first slots, read on the
+  host (on CUDA, one device->host copy of B ints per forward: the only host sync added).
+- No compacted request: every call (metadata, `forward`, `forward_extend`, `forward_decode`,
+  the CUDA-graph hooks, any other attribute) goes to `inner` unchanged, with the same
+  arguments, and returns its result.
+- Compacted requests: `inner`'s metadata is still built; each layer writes the new K/V into
+  the pool as the stock code does, then attends physical entries + tail with beta: on CPU
+  `attention.attend_rows` (torch SDPA per request), on CUDA `cascade.run_cascade` (Triton,
+  each compacted node's slots once per group, tails causal, merged by LSE), eagerly.
+- CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
+  compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
+  prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
+  Capturing compacted decode through `graph_decode.GraphDecodePlan` is the next step.
+
+Refused with a ValueError naming the flag (`check_runner` at construction, `check_layer` at a
+biased forward): MLA, decode context parallelism, KV caches other than fp16/bf16/fp32 (fp8),
+encoder-decoder models, sliding-window, cross, non-causal, soft-capped or scaled-KV layers,
+and speculative / dLLM forward modes on compacted rows.
+
+Legend: B requests, n new tokens, H_q / H_kv heads, D head dim, S pool slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sglang_ext.attention import attend_rows
+from sglang_ext.config import ATTENTION_BACKEND
+from sglang_ext.kv_store import BetaStore
+
+__all__ = ["CompactionBackend", "check_layer", "check_runner", "graph_gate"]
+
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# AttentionBackend attributes SGLang sets on the backend it built: kept on the wrapper
+_OWN = frozenset({"prefill_attention_backend_str", "decode_attention_backend_str"})
+
+
+class _Batch:
+    """Host copies of a batch with compacted requests: rows, seq_lens, q_lens [B] int64,
+    prefixes [B] (t_max, T) or None, and the cascade plans by (scale, heads)."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        q_lens: torch.Tensor,
+        prefixes: list[tuple[int, int] | None],
+    ):
+        self.rows, self.seq_lens, self.q_lens, self.prefixes = rows, seq_lens, q_lens, prefixes
+        self.plans: dict[tuple[Any, ...], Any] = {}  # cascade.CascadePlan
+
+
+class CompactionBackend(AttentionBackend):
+    """SGLang's backend `inner_name` (the user's `--attention-backend`), wrapped (module
+    docstring). `cascade`: run compacted batches through `cascade.run_cascade` (None: on CUDA
+    only; True also serves CPU tensors under TRITON_INTERPRET=1, for tests).
+
+    Attributes not defined here are read from `inner` (`__getattr__`); AttentionBackend's own
+    public attributes and methods are forwarded to it explicitly (`_forward_base_api`).
+    """
+
+    def __init__(self, model_runner: Any, inner_name: str):
+        if inner_name == ATTENTION_BACKEND or inner_name not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend {inner_name!r} cannot be wrapped by {ATTENTION_BACKEND!r}"
+            )
+        inner = ATTENTION_BACKENDS[inner_name](model_runner)
+        check_runner(model_runner, inner, inner_name)
+        self.inner, self.inner_name = inner, inner_name
+        self.cascade: bool | None = None
+        self._batch: _Batch | None = None
+        self._decided: tuple[Any, _Batch | None] | None = None
+        self.model_runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.beta_store = BetaStore.for_pool(self.token_to_kv_pool)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # ---- the decision ---------------------------------------------------------------------
+    def compacted_batch(self, forward_batch: Any) -> _Batch | None:
+        """The batch's compacted requests (None: none, the stock path). Memoized per
+        ForwardBatch object until the next metadata call. ValueError for a forward mode the
+        biased path does not serve when a request is compacted."""
+        decided = self._decided
+        if decided is not None and decided[0] is forward_batch:
+            return decided[1]
+        batch = self._plan(forward_batch)
+        self._decided = (forward_batch, batch)
+        return batch
+
+    def _plan(self, fb: Any) -> _Batch | None:
+        store = self.beta_store
+        if not store.prefixes or fb.seq_lens is None or fb.forward_mode.is_idle():
+            return None
+        if fb.seq_lens.numel() == 0:
+            return None
+        r2t = self.req_to_token_pool.req_to_token
+        first = r2t[fb.req_pool_indices.to(r2t.device), 0].tolist()  # B ints: one sync on CUDA
+        lens = _host(fb, "seq_lens")
+        prefixes = [store.prefix_of(s) if n > 0 else None for s, n in zip(first, lens.tolist())]
+        if all(p is None for p in prefixes):
+            return None
+        mode = fb.forward_mode
+        if mode.is_decode():
+            q_lens = torch.ones_like(lens)
+        elif mode.is_extend() and not (mode.is_target_verify() or mode.is_dllm_extend()):
+            ext = getattr(fb, "extend_seq_lens_cpu", None)
+            q_lens = torch.tensor(ext) if ext is not None else fb.extend_seq_lens.cpu()
+        else:
+            raise ValueError(f"compacted prefixes do not support forward mode {mode!r}")
+        return _Batch(_host(fb, "req_pool_indices"), lens, q_lens.long(), prefixes)
+
+    # ---- metadata -------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: Any) -> Any:
+        """Decide stock vs biased for this forward (consumes `compacted_batch`'s memo), then
+        the inner backend's own metadata."""
+        self._batch = self.compacted_batch(forward_batch)
+        self._decided = None
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Graph capture / replay: only plain batches get here (`graph_gate`)."""
+        self._batch = None
+        self._decided = None
+        return self.inner.init_forward_metadata_out_graph(forward_batch, *args, **kwargs)
+
+    # ---- forwards -------------------------------------------------------------------------
+    def forward(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = self._batch
+        if batch is None:
+            return self.inner.forward(q, k, v, layer, forward_batch, *args, **kwargs)
+        return self._forward_biased(batch, q, k, v, layer, forward_batch, args, kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = self._batch
+        if batch is None:
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+        return self._forward_biased(batch, q, k, v, layer, forward_batch, args, kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = self._batch
+        if batch is None:
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
+        return self._forward_biased(batch, q, k, v, layer, forward_batch, args, kwargs)
+
+    def _forward_biased(
+        self,
+        batch: _Batch,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Save K/V like the stock code, then biased attention for the whole batch.
+
+        q [n, H_q * D] (or [n, H_q, D]); returns [n, H_q * D]. Mutates the KV pool.
+        """
+        extras = dict(kwargs)
+        save_kv_cache = args[0] if args else extras.pop("save_kv_cache", True)
+        check_layer(layer, forward_batch, {**extras, "positional": args[1:] or None})
+        h_q, h_kv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        pool = self.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            loc = KVWriteLoc.for_batch(forward_batch)
+            pool.set_kv_buffer(layer, loc, k.view(-1, h_kv, dim), v.view(-1, h_kv, dim))
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        beta = self.beta_store.beta[layer.layer_id - pool.start_layer]  # [S, H_kv]
+        r2t = self.req_to_token_pool.req_to_token
+        q3 = q.reshape(-1, h_q, dim)
+        if not (q.device.type == "cuda" if self.cascade is None else self.cascade):
+            out = attend_rows(
+                q3, k_buf, v_buf, beta, r2t, batch.rows.tolist(), batch.seq_lens.tolist(),
+                batch.q_lens.tolist(), [p is not None for p in batch.prefixes], layer.scaling,
+            )  # fmt: skip
+            return out.reshape(-1, h_q * dim)
+        from sglang_ext.cascade import plan_cascade, run_cascade  # Triton, imported when used
+
+        key = (layer.scaling, h_q, h_kv, dim)
+        plan = batch.plans.get(key)
+        if plan is None:
+            plan = plan_cascade(
+                r2t, batch.rows, batch.seq_lens, batch.q_lens, batch.prefixes,
+                num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=dim, sm_scale=layer.scaling,
+            )  # fmt: skip
+            batch.plans[key] = plan
+        return run_cascade(plan, q3, k_buf, v_buf, beta).reshape(-1, h_q * dim)
+
+
+def _forward_base_api() -> None:
+    """Forward every AttentionBackend attribute and method the wrapper does not define to
+    `inner` (class attributes as properties; mutates `CompactionBackend`, once, at import)."""
+
+    def attribute(name: str) -> property:
+        def get(self: CompactionBackend) -> Any:
+            return getattr(self.inner, name)
+
+        def set_(self: CompactionBackend, value: Any) -> None:
+            setattr(self.inner, name, value)
+
+        return property(get, set_)
+
+    def method(name: str) -> Any:
+        def call(self: CompactionBackend, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.inner, name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    own = vars(CompactionBackend)
+    for name, value in vars(AttentionBackend).items():
+        if name.startswith("_") or name in own or name in _OWN:
+            continue
+        forward = method(name) if callable(value) else attribute(name)
+        setattr(CompactionBackend, name, forward)
+
+
+_forward_base_api()
+
+
+def graph_gate(
+    result: Any, graph_runner: Any, forward_batch: Any = None, *a: Any, **kw: Any
+) -> Any:
+    """AFTER hook on SGLang's `DecodeCudaGraphRunner.can_run_graph` and
+    `PrefillCudaGraphRunner.can_run_graph`: False for a batch with a compacted request (it
+    then runs eagerly, with beta), else None (SGLang's answer stands)."""
+    if not result or forward_batch is None:
+        return None
+    backend = getattr(graph_runner, "attn_backend", None)
+    if backend is None:
+        backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
+    if (
+        isinstance(backend, CompactionBackend)
+        and backend.compacted_batch(forward_batch) is not None
+    ):
+        return False
+    return None
+
+
+def check_runner(model_runner: Any, inner: Any, inner_name: str) -> None:
+    """ValueError naming `--attention-backend` for a layout the biased path cannot serve."""
+    pool = model_runner.token_to_kv_pool
+    dtype = pool.get_key_buffer(pool.start_layer).dtype
+    model_config = getattr(model_runner, "model_config", None)
+    problems = [
+        what
+        for what, bad in (
+            ("MLA", bool(getattr(model_runner, "use_mla_backend", False))),
+            ("decode context parallelism", (getattr(inner, "dcp_size", 1) or 1) > 1),
+            (f"KV cache dtype {dtype}", dtype not in _KV_DTYPES),
+            ("encoder-decoder model", bool(getattr(model_config, "is_encoder_decoder", False))),
+        )
+        if bad
+    ]
+    if problems:
+        raise ValueError(
+            f"--attention-backend {inner_name!r} with --compaction-endpoint: compacted prefixes "
+            f"need plain MHA/GQA with an fp16/bf16/fp32 KV cache; got {', '.join(problems)}"
+        )
+
+
+def check_layer(layer: Any, forward_batch: Any, extras: dict[str, Any]) -> None:
+    """ValueError for the attention variants the biased path does not implement."""
+    problems = [
+        name
+        for name, bad in (
+            ("encoder", getattr(forward_batch, "encoder_lens", None) is not None),
+            ("cross attention", bool(layer.is_cross_attention)),
+            ("sliding window", (layer.sliding_window_size or -1) > -1),  # as RadixAttention
+            ("non-causal", layer.attn_type != AttentionType.DECODER),
+            ("logit soft cap", (layer.logit_cap or 0) > 0),
+            ("xai temperature", getattr(layer, "xai_temperature_len", -1) > 0),
+            ("kv scales", layer.k_scale is not None),
+            ("v head dim != qk head dim", layer.v_head_dim != layer.qk_head_dim),
+            (f"extra inputs {sorted(extras)}", any(x is not None for x in extras.values())),
+        )
+        if bad
+    ]
+    if problems:
+        raise ValueError(
+            "compacted prefixes support neither encoder nor sliding-window attention nor "
+            f"these variants; layer {layer.layer_id} has: {', '.join(problems)}"
+        )
+
+
+def _host(forward_batch: Any, name: str) -> torch.Tensor:
+    """`forward_batch.<name>` as a host int64 tensor, from its `<name>_cpu` copy if it has one."""
+    cpu = getattr(forward_batch, f"{name}_cpu", None)
+    return (cpu if cpu is not None else getattr(forward_batch, name)).cpu().long()
