@@ -326,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--docs", type=int, default=2, help="needle documents (workload index 0..)")
+    p.add_argument("--docs", type=int, default=3, help="needle documents (workload index 0..)")
     p.add_argument("--prose-docs", type=int, default=2, help="prose documents (no needles)")
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
     p.add_argument(
         "--configs",
-        default="baseline,default,target-0.1:8,target-0.2:8,gvote:8",
+        default="baseline,default,target-0.1:8,gvote:8",
         help=f"comma-separated, from: {', '.join(CONFIGS)}; NAME:K+K... gives a "
         "configuration its own refit steps (else --refit-steps)",
     )
