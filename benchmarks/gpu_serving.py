@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import json
 import random
+import signal
 import sys
 import time
 import urllib.request
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--method", default="am-highest")
         p.add_argument("--compaction-timeout", type=float, default=600.0)
     a = ap.parse_args(argv)
+    # `timeout` sends SIGTERM: exit through the ExitStacks so the servers' groups are killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.cmd == "make-model":
         tok = a.tokenizer
         if tok is None:

@@ -260,7 +260,9 @@ class WorkerPool:
         cfg = self.config
         name = f"worker-{next(self._names)}"
         if cfg.mode == "local":
-            worker = await asyncio.to_thread(Worker, cfg.model_dir, cfg.device, 1, cfg.layer_delay_s)
+            worker = await asyncio.to_thread(
+                Worker, cfg.model_dir, cfg.device, 1, cfg.layer_delay_s
+            )
             return LocalReplica(name, worker)
         import ray
 
