@@ -142,6 +142,11 @@ import sglang.srt.utils.common as c, sglang.srt.utils as u
 for m in (c, u):
     m.is_cuda = m.is_cuda_alike = lambda: True
 import sgl_kernel; assert sgl_kernel.__standin__
+import torch  # an H100 as SGLang's import-time checks see it
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.device_count = lambda: 1
+torch.version.cuda = "13.0"
 import sglang.srt.models.llama, sglang.srt.layers.sampler
 import sglang.srt.layers.attention.flashinfer_backend, sglang.srt.model_executor.model_runner
 import sglang.srt.managers.scheduler, sglang.srt.mem_cache.memory_pool
@@ -243,3 +248,17 @@ def test_script_syntax() -> None:
     for script in ("gpu_serving.sh", "gpu_checks.sh"):
         proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_compactor_serve_device_flag() -> None:
+    """The script's `compactor serve --in-process --device cuda` (workers on the GPU)."""
+    from compactor.cli import build_parser
+    from compactor.workers.pool import PoolConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--in-process", "--device", "cuda"])
+    assert args.device == "cuda"
+    assert parser.parse_args(["serve", "--model", "m"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--device", "tpu"])
+    assert PoolConfig(model_dir="m").device == "cpu"
