@@ -171,7 +171,7 @@ def make_model(
 
 
 _DECODE = re.compile(
-    r"Decode batch.*?#running-req:\s*(\d+).*?cuda graph:\s*(True|False).*?"
+    r"Decode batch.*?#running-req:\s*(\d+).*?\w+ graph:\s*(True|False).*?"
     r"gen throughput \(token/s\):\s*([0-9.]+)"
 )
 

@@ -42,6 +42,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,22 +58,39 @@ from benchmarks._gpu_serving_lib import (  # noqa: E402
     step_time_s,
 )
 
-BATCH = 64
-PREFIX_TOKENS = 32768
-QUESTION_TOKENS = 32
-IDLE_PROMPT, IDLE_OUT, PREFIX_OUT = 256, 256, 128
+
+@dataclass(frozen=True)
+class Workload:
+    """The phases' sizes and device (GPU: the issue's; `--cpu-smoke`: the same code path on
+    a CPU SGLang server, tiny, to check the script's plumbing without a GPU)."""
+
+    device: str = "cuda"
+    batch: int = 64
+    prefix_tokens: int = 32768
+    question_tokens: int = 32
+    idle_prompt: int = 256
+    idle_out: int = 256
+    prefix_out: int = 128
+
+
+GPU = Workload()
+CPU_SMOKE = Workload("cpu", batch=4, prefix_tokens=1024, idle_prompt=64, idle_out=24,
+                     prefix_out=24)  # fmt: skip
 TINY = LlamaShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
                   max_positions=2048)  # fmt: skip
 
 
 def server_args(a: argparse.Namespace) -> list[str]:
-    """Flags every GPU server gets (stock and plugin alike)."""
+    """Flags every server gets (stock and plugin alike)."""
+    w: Workload = a.w
+    common = ["--enable-metrics", "--decode-log-interval", "1",
+              "--max-running-requests", str(w.batch)]  # fmt: skip
+    if w.device == "cpu":
+        return ["--attention-backend", "torch_native", *common]
     return [
-        "--attention-backend", "flashinfer",
-        "--enable-metrics", "--decode-log-interval", "1",
+        "--attention-backend", "flashinfer", *common,
         "--mem-fraction-static", str(a.mem_fraction),
-        "--cuda-graph-max-bs", str(BATCH),
-        "--max-running-requests", str(BATCH),
+        "--cuda-graph-max-bs", str(w.batch),
     ]  # fmt: skip
 
 
@@ -134,6 +152,14 @@ def burst(srv: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
     }
 
 
+def flush_cache(url: str) -> None:
+    """Empty the radix cache (SGLang answers plain text; 400 while requests are running)."""
+    req = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/flush_cache answered {resp.status}: {resp.read()[:200]!r}")
+
+
 def random_ids(n: int, seed: int, vocab: int, low: int = 100) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(low, vocab) for _ in range(n)]
@@ -148,30 +174,31 @@ def eight_b(a: argparse.Namespace, plugin: bool) -> dict[str, Any]:
     name = "plugin8b" if plugin else "stock8b"
     logs = a.state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {"phase": name, "model": str(a.model)}
+    w: Workload = a.w
+    rec: dict[str, Any] = {"phase": name, "model": str(a.model), "workload": asdict(w)}
     with contextlib.ExitStack() as stack:
         extra = server_args(a)
         if plugin:
             svc = CompactorService(a.model, logs / "compactor-8b.log", in_process=True,
-                                   extra_args=["--device", "cuda"], startup_timeout=600)  # fmt: skip
+                                   extra_args=["--device", a.w.device], startup_timeout=600)  # fmt: skip
             start_all(stack, [svc])
             extra += compaction_args(svc.endpoint, a.ratio, a.method, min_hits=2,
                                      timeout_s=a.compaction_timeout)  # fmt: skip
             # am-highest on one 32k chunk takes minutes a layer on an H100 (README's GPU
             # table: 24.6 s at 16k); 1k chunks take ~0.05 s a layer
             extra += ["--compaction-chunk-size", str(a.chunk_size)]
-        srv = SGLangServer(a.model, logs / f"sglang-{name}.log", device="cuda",
+        srv = SGLangServer(a.model, logs / f"sglang-{name}.log", device=w.device,
                            max_total_tokens=a.max_total_tokens, extra_args=extra,
                            startup_timeout=600)  # fmt: skip
         start_all(stack, [srv])
         facts = server_facts(srv)
         rec["server"] = facts
-        idle = [random_ids(IDLE_PROMPT, 1000 + i, vocab) for i in range(BATCH)]
-        rec["idle"] = burst(srv, idle, IDLE_OUT)
+        idle = [random_ids(w.idle_prompt, 1000 + i, vocab) for i in range(w.batch)]
+        rec["idle"] = burst(srv, idle, w.idle_out)
         print(f"  [{name}] idle decode {rec['idle']['decode_tokens_per_s']} tok/s", flush=True)
-        srv.post("/flush_cache", {})
-        prefix = random_ids(PREFIX_TOKENS, 7, vocab)
-        prompts = [prefix + random_ids(QUESTION_TOKENS, 100 + i, vocab) for i in range(BATCH)]
+        flush_cache(srv.url)
+        prefix = random_ids(w.prefix_tokens, 7, vocab)
+        prompts = [prefix + random_ids(w.question_tokens, 100 + i, vocab) for i in range(w.batch)]
         for p in prompts[:2]:
             generate_ids(srv.url, p, 1)
         end = time.monotonic()
@@ -179,7 +206,7 @@ def eight_b(a: argparse.Namespace, plugin: bool) -> dict[str, Any]:
             rec["compaction"] = wait_for_compactions(srv, 1, a.compaction_timeout, progress=True)
             end = time.monotonic()
         rec["pool_after_warmup"] = read_pool(srv.url, idle_since=end).as_dict()
-        rec["prefix"] = burst(srv, prompts, PREFIX_OUT)
+        rec["prefix"] = burst(srv, prompts, w.prefix_out)
         print(f"  [{name}] held {rec['pool_after_warmup']['held']} slots, decode step "
               f"{rec['prefix']['decode_step_s']} s", flush=True)  # fmt: skip
     rec["backends"] = [str(facts.get("attention_backend"))]
@@ -207,7 +234,7 @@ def identity(a: argparse.Namespace) -> dict[str, Any]:
     doc = document()
     with contextlib.ExitStack() as stack:
         svc = CompactorService(model, logs / "compactor-smollm2.log", in_process=True,
-                               extra_args=["--device", "cuda"])  # fmt: skip
+                               extra_args=["--device", a.w.device])  # fmt: skip
         start_all(stack, [svc])
         servers = {}
         for name, extra in (
@@ -217,8 +244,9 @@ def identity(a: argparse.Namespace) -> dict[str, Any]:
                           "--compaction-param", 'inner="am-highest"']),
         ):  # fmt: skip
             servers[name] = SGLangServer(model, logs / f"sglang-smollm2-{name}.log",
-                                         device="cuda", max_total_tokens=16384,
-                                         extra_args=server_args(a) + extra)  # fmt: skip
+                                         device=a.w.device, max_total_tokens=16384,
+                                         extra_args=server_args(a) + extra,
+                                         startup_timeout=540)  # fmt: skip
             start_all(stack, [servers[name]])
         ident = servers["identity"]
         for q in questions()[:2]:
@@ -289,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
         p.add_argument("--device", default=None, help="report: the machine's name")
         p.add_argument("--mem-fraction", type=float, default=0.88)
-        p.add_argument("--max-total-tokens", type=int, default=PREFIX_TOKENS + 20000)
+        p.add_argument("--max-total-tokens", type=int, default=GPU.prefix_tokens + 20000)
+        p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, a CPU server")
         p.add_argument("--ratio", type=float, default=0.1)
         p.add_argument("--method", default="am-highest")
         p.add_argument("--compaction-timeout", type=float, default=600.0)
@@ -314,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print("checks:", res.checks())
         return 0
     a.state.mkdir(parents=True, exist_ok=True)
+    a.w = CPU_SMOKE if a.cpu_smoke else GPU
     if a.cmd == "identity":
         rec = identity(a)
     else:
