@@ -263,12 +263,22 @@ def identity(a: argparse.Namespace) -> dict[str, Any]:
         }
         facts = {name: server_facts(srv) for name, srv in servers.items()}
     same = [x == y for x, y in zip(answers["stock"], answers["identity"])]
+    # where each answer first leaves stock's (None: equal): bf16 rounding of the service's
+    # KV vs SGLang's own shows as late divergences, a wrong install as early ones
+    first_diff = [
+        None
+        if x == y
+        else next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        for x, y in zip(answers["stock"], answers["identity"])
+    ]
     return {
         "phase": "identity",
         "model": str(model),
         "compaction": comp,
         "questions": asked,
         "equal_per_question": same,
+        "first_diff_per_question": first_diff,
+        "answers": answers,
         "identity_outputs_equal": bool(comp.get("installed_total", 0) >= 1 and all(same)),
         "server": facts,
         "backends": [str(f.get("attention_backend")) for f in facts.values()],
