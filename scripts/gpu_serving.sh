@@ -4,7 +4,7 @@
 # in $OUT. Run from the repo root with the machine's own python3 (torch + triton); no .venv.
 #
 #   bash scripts/gpu_serving.sh pack              # HERE (pip works): fills .whl/gpu_serving/p1..pN
-#   OUT=/tmp/o PHASES="identity stock8b plugin8b" bash scripts/gpu_serving.sh   # on the GPU
+#   OUT=/tmp/o PHASES=identity bash scripts/gpu_serving.sh   # on the GPU: the calls below
 #
 # What travels (64 MiB a call, so in parts of <= 56 MiB; `pack` prints the part count):
 #   - the wheels of scripts/gpu_wheels.txt (SGLang 0.5.23 and the pure-Python needs the GPU
