@@ -33,6 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
     p.add_argument("--in-process", action="store_true", help="no Ray: workers are threads here")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="device of --in-process workers (Ray actors take a GPU when the cluster has one)",
+    )
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument(
         "--max-prefix-tokens",
@@ -102,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
                 ray_address=args.ray_address,
                 max_queue=args.max_queue,
                 layer_delay_s=args.test_layer_delay_s,
+                device=args.device,
             ),
             max_prefix_tokens=args.max_prefix_tokens,
             cache_bytes=args.cache_mb << 20,

@@ -49,6 +49,8 @@ class PoolConfig:
         cancel_grace_s: how long a cancelled job may take to stop before its replica is
             counted free anyway.
         layer_delay_s: test-only per-layer sleep passed to each Worker's constructor.
+        device: torch device of "local" replicas ("cpu" or "cuda"); Ray actors take a GPU
+            when the cluster has one.
     """
 
     model_dir: str
@@ -59,6 +61,7 @@ class PoolConfig:
     max_retries: int = 2
     cancel_grace_s: float = 30.0
     layer_delay_s: float = 0.0
+    device: str = "cpu"
 
 
 class Replica:
@@ -257,7 +260,9 @@ class WorkerPool:
         cfg = self.config
         name = f"worker-{next(self._names)}"
         if cfg.mode == "local":
-            worker = await asyncio.to_thread(Worker, cfg.model_dir, "cpu", 1, cfg.layer_delay_s)
+            worker = await asyncio.to_thread(
+                Worker, cfg.model_dir, cfg.device, 1, cfg.layer_delay_s
+            )
             return LocalReplica(name, worker)
         import ray
 
