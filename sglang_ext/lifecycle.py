@@ -236,8 +236,8 @@ class InstallLifecycle:
             self.stats.double_installs += 1
             return None
         t_max = int(head_counts(prefix).max()) if t_max is None else t_max
-        if not 0 < t_max < T:
-            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T}; nothing to save")
+        if not 0 < t_max <= T:  # (t_max = T saves nothing: an identity fit, for checks)
+            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T} tokens")
         bounds = original_bounds(self.kvcache, self._original_slots(ids))
         pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds, fit_round)
         self.protected_size_ += t_max  # held, not evictable, until the node takes them

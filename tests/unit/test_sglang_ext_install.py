@@ -272,3 +272,37 @@ def test_runner_checks_results_on_its_own_thread(compacted: Any) -> None:
         assert job.prefix is prefix and job.epoch == 1
     finally:
         runner.close()
+
+
+def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
+    compacted: Any, prepared_model: Path
+) -> None:
+    """keep-only of am-highest at ratio 1 (every key, beta 0, original values): t_max = T, no
+    alias, and the pool holds the original KV again (what the GPU identity check installs:
+    benchmarks/gpu_serving.py)."""
+    from compactor.hf import load_model
+    from compactor.pipeline import Hooks, compact_prefix
+    from compactor.spec import CompactionSpec, QueryConfig
+    from tests.unit.test_sglang_ext_radix_cache import ORIGINAL_KV
+
+    ids, _, fp = compacted
+    model, tok = load_model(prepared_model)
+    spec = CompactionSpec(
+        method="keep-only",
+        method_params={"inner": "am-highest"},
+        ratio=1.0,
+        queries=QueryConfig(sources=("context-prefill",)),
+    )
+    identity, _ = compact_prefix(model, tok, ids, spec, hooks=Hooks(progress=False))
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    node = cache.install(ids, identity)
+    order = identity.layers[0].kept_indices[:T]  # the kept token of each slot (one order)
+    assert sorted(order.tolist()) == list(range(T))
+    slots = node.compaction.slots[torch.argsort(order)]  # slot of token 0, 1, ...
+    assert node.compaction.t_max == T and len(node.value) == T and 0 not in node.value.tolist()
+    for i, (k, v) in enumerate(ORIGINAL_KV[tuple(ids)]):
+        assert torch.allclose(cache.kvcache.get_key_buffer(i)[slots], k, atol=1e-6)
+        assert torch.allclose(cache.kvcache.get_value_buffer(i)[slots], v, atol=1e-6)
+        assert (cache.beta_store.beta[i, slots] == 0).all()
+    check_accounting(cache)
