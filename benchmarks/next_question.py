@@ -66,7 +66,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # the plugin's defaults when issue #21 was filed: the questions (with the model's
     # answers) alone as reference queries
     "baseline": {"queries": {"sources": ("follow-up",)}},
-    "default": {},  # the plugin's defaults now (sglang_ext.config.PLUGIN_SPEC)
+    # the plugin's defaults at the time of the run (sglang_ext.config.PLUGIN_SPEC, recorded
+    # in the result's meta.plugin_spec): follow-up + repeat-prefill in the committed result
+    "default": {},
     "ratio-0.2": {"ratio": 0.2},
     "ratio-0.05": {"ratio": 0.05},
     "repeat-prefill": {"queries": {"sources": ("follow-up", "repeat-prefill")}},
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
     p.add_argument(
         "--configs",
-        default="baseline,default,target-0.1:8,gvote:8",
+        default="baseline,repeat-prefill,target-0.1:8,gvote:8",
         help=f"comma-separated, from: {', '.join(CONFIGS)}; NAME:K+K... gives a "
         "configuration its own refit steps (else --refit-steps)",
     )

@@ -39,16 +39,18 @@ CONFIG_ATTR = "_compaction_config"
 INNER_ATTR = "_compaction_inner_attention"
 # The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
 SPEC_PREFIX = "compaction-"
-# The plugin's defaults. Reference queries: the sharing requests' questions (with the model's
-# own answers) plus repeat-prefill (the document read again after itself), chosen on
-# questions the fit never saw (benchmarks/next_question.py, the README's "next question"
-# table: the unseen questions' logppl gap is about half that of the questions alone, at about
-# twice the compaction time). A prefix that arrives with no follow-ups keeps repeat-prefill
-# alone (CompactionSpec.for_follow_ups).
+# The plugin's defaults. Reference queries: the sharing requests' questions with the model's
+# own answers, chosen on questions the fit never saw (benchmarks/next_question.py, 3 needle +
+# 2 prose documents; the README's "next question" table): adding repeat-prefill halves the
+# unseen logppl gap of a first fit on 2 questions (0.118 -> 0.055) but lowers strict 16-token
+# agreement (unseen 0.40 -> 0.27, fitted 0.70 -> 0.20); with the refits the questions bring
+# (CompactionConfig.refit_at) the questions alone reach 0.059 at 8 and 0.035 at 32 (repeat-
+# prefill added: 0.052 and 0.056) with the better agreement. A prefix that arrives with no
+# follow-ups falls back to repeat-prefill (CompactionSpec.for_follow_ups).
 PLUGIN_SPEC = CompactionSpec(
     method="am-highest",
     ratio=0.1,
-    queries=QueryConfig(sources=("follow-up", "repeat-prefill"), follow_up_answer_tokens=32),
+    queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
     on_policy=True,
 )
 

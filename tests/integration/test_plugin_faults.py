@@ -113,12 +113,11 @@ def rig(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         flags = compaction_args(
             proxy.address, 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=TIMEOUT_S
         )
-        # the questions alone as reference queries: a compaction well inside TIMEOUT_S (the
-        # faults, not the query mix, are under test here)
-        extra = [*flags, "--compaction-query-sources", "follow-up"]
-        extra += ["--compaction-max-retries", "0", "--enable-metrics"]
         srv = SGLangServer(
-            prepared_model, log_path=logs / "plugin.log", max_total_tokens=8192, extra_args=extra
+            prepared_model,
+            log_path=logs / "plugin.log",
+            max_total_tokens=8192,
+            extra_args=[*flags, "--compaction-max-retries", "0", "--enable-metrics"],
         )
         start_all(stack, [svc, srv])
         yield Rig(srv, proxy)

@@ -126,7 +126,7 @@ def test_plugin_flags_default_to_the_plugin_spec() -> None:
     cfg = _parse()
     assert cfg is not None and cfg.spec == PLUGIN_SPEC
     assert (cfg.spec.method, cfg.spec.ratio, cfg.spec.tokens) == ("am-highest", 0.1, None)
-    assert cfg.spec.queries.sources == ("follow-up", "repeat-prefill")
+    assert cfg.spec.queries.sources == ("follow-up",)
     assert cfg.spec.on_policy is True and cfg.spec.queries.follow_up_answer_tokens == 32
 
 
