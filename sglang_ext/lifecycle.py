@@ -155,11 +155,7 @@ class InstallLifecycle:
         for phash, node in list(self._compacted.items()):
             del self._compacted[phash]
             self._dropped[phash] = node
-            stack = list(node.children.values())
-            while stack:
-                child = stack.pop()
-                self._retired.add(child)
-                stack.extend(child.children.values())
+            self._retire_descendants(node)
         self.trigger.reset()
         old, self.fingerprint = self.fingerprint, fingerprint
         logger.warning(
@@ -316,7 +312,11 @@ class InstallLifecycle:
         new requests (no longer in `_compacted`; the refit's node matches) and are freed
         when their requests let go (`_reap`)."""
         self._superseded.add(old)
-        stack = list(old.children.values())
+        self._retire_descendants(old)
+
+    def _retire_descendants(self, node: TreeNode) -> None:
+        """Mark every node below `node` for freeing when it is an unlocked leaf (`_reap`)."""
+        stack = list(node.children.values())
         while stack:
             child = stack.pop()
             self._retired.add(child)

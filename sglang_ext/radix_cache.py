@@ -307,11 +307,7 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
             node, key = child, key[m:]
         self._retired.update(path)
         if len(key) == 0 and path:
-            stack = list(path[-1].children.values())
-            while stack:
-                n = stack.pop()
-                self._retired.add(n)
-                stack.extend(n.children.values())
+            self._retire_descendants(path[-1])
 
     def _original_slots(self, ids: list[int]) -> torch.Tensor:
         """Slots [n] int64 holding what is left of path `ids`'s original KV, for the
