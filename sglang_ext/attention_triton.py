@@ -26,7 +26,7 @@ from kernels.biased_attention._common import AttentionOutput
 from kernels.biased_attention.triton import BiasedPagedAttention
 from kernels.merge_state.triton import merge_state
 
-__all__ = ["BatchPlan", "paged_biased_attention", "plan_batch", "row_slots", "run_batch"]
+__all__ = ["BatchPlan", "paged_biased_attention", "plan_batch", "run_batch"]
 
 Lengths = torch.Tensor | Sequence[int]
 
@@ -127,15 +127,6 @@ def paged_biased_attention(
     if plan.num_tokens != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens, q_lens sum to {plan.num_tokens}")
     return run_batch(plan, q, k_cache, v_cache, beta_layer)
-
-
-def row_slots(
-    req_to_token: torch.Tensor, req_pool_indices: Lengths, seq_lens: Lengths
-) -> torch.Tensor:
-    """The slots [sum_b n_b] int64 of every request's row [0, n_b), on req_to_token's device."""
-    rows, lens = _host(req_pool_indices, "req_pool_indices"), _host(seq_lens, "seq_lens")
-    _, indices = _gather(req_to_token, rows, torch.zeros_like(lens), lens)
-    return indices.long()
 
 
 def _host(x: Lengths, name: str) -> torch.Tensor:

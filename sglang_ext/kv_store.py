@@ -94,10 +94,6 @@ class BetaStore:
         """(t_max, T) of the compacted prefix whose rows start on `first_slot`, else None."""
         return self.prefixes.get(first_slot)
 
-    def touches(self, slots: torch.Tensor) -> bool:
-        """Whether any of `slots` [n] int is compacted (or the alias)."""
-        return bool(self.compacted[slots].any()) if slots.numel() else False
-
 
 def head_counts(prefix: CompactedPrefix) -> torch.Tensor:
     """t_{l,h} as an [L, H_kv] int64 tensor."""
