@@ -161,10 +161,14 @@ class _Fit:
     installed: bool = False  # a fit is installed and no refit is in flight
 
 
-def _continuations(tails: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The tails that are no prefix of another one (a conversation's earlier turns go)."""
+def _continuations(
+    tails: Iterable[tuple[int, ...]], among: Iterable[tuple[int, ...]] | None = None
+) -> list[tuple[int, ...]]:
+    """The `tails` (in their order) that are no prefix of a longer one of `among` (default:
+    of `tails`): a conversation's earlier turns go."""
     held = list(tails)
-    return [t for t in held if not any(len(u) > len(t) and u[: len(t)] == t for u in held)]
+    others = held if among is None else list(among)
+    return [t for t in held if not any(len(u) > len(t) and u[: len(t)] == t for u in others)]
 
 
 class CompactionTrigger:
@@ -257,11 +261,7 @@ class CompactionTrigger:
         limit = L + self.config.min_prefix_tokens
         asked = [p for p in sharers if len(p) < limit]
         tails = {p[L:] for p in sharers}
-        ends = sum(
-            not any(len(q) > len(tail) and q[: len(tail)] == tail for q in tails)
-            for tail in {p[L:] for p in asked}
-        )
-        return asked, ends
+        return asked, len(_continuations({p[L:] for p in asked}, tails))
 
     def pick(self, path_tokens: Callable[[Any], list[int] | None]) -> Submission | None:
         """The path to send now (marked in flight) and its follow-ups, or None.
