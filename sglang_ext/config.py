@@ -21,6 +21,7 @@ from sglang_ext.channel import add_channel_args, check_channel, token_from_env
 __all__ = [
     "ATTENTION_BACKEND",
     "CONFIG_ATTR",
+    "CPU_INNER_BACKEND",
     "INNER_ATTR",
     "PLUGIN_SPEC",
     "RADIX_CACHE_BACKEND",
@@ -37,6 +38,9 @@ CONFIG_ATTR = "_compaction_config"
 # The user's --attention-backend that `compaction` wraps (None: SGLang's default for the model,
 # resolved in the scheduler); an underscore attribute of the record, so it reaches the scheduler.
 INNER_ATTR = "_compaction_inner_attention"
+# The backend `compaction` wraps on CPU when --attention-backend is unset (the engine this
+# project serves on there; SGLang's own CPU default would be intel_amx).
+CPU_INNER_BACKEND = "torch_native"
 # The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
 SPEC_PREFIX = "compaction-"
 # The plugin's defaults. Reference queries: the sharing requests' questions with the model's

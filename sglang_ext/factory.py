@@ -18,7 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.config import ATTENTION_BACKEND, INNER_ATTR, RADIX_CACHE_BACKEND, get_config
+from sglang_ext.config import (
+    ATTENTION_BACKEND,
+    CPU_INNER_BACKEND,
+    INNER_ATTR,
+    RADIX_CACHE_BACKEND,
+    get_config,
+)
 
 __all__ = [
     "attach_tp",
@@ -70,7 +76,7 @@ def inner_attention_backend(runner: Any) -> str:
     if name is not None:
         return str(name)
     if str(getattr(runner, "device", "cpu")).split(":", 1)[0] == "cpu":
-        return "torch_native"
+        return CPU_INNER_BACKEND
     from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
 
     return str(get_default_attn_backend(server_args, runner.use_mla_backend, runner.model_config))

@@ -24,6 +24,7 @@ from typing import Any
 from sglang_ext.config import (
     ATTENTION_BACKEND,
     CONFIG_ATTR,
+    CPU_INNER_BACKEND,
     INNER_ATTR,
     RADIX_CACHE_BACKEND,
     CompactionConfig,
@@ -132,7 +133,7 @@ def _inner_backend(server_args: Any) -> str | None:
             return inner
         attn = None
     if attn is None and _device(server_args) == "cpu":
-        return "torch_native"
+        return CPU_INNER_BACKEND
     return None if attn is None else str(attn)
 
 
