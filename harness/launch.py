@@ -42,7 +42,14 @@ class ManagedProcess:
     """A child process in its own session, killed with its whole group on `stop()`.
 
     Subclasses give `command()` and `_ready()` (True once the process answers).
+
+    A port picked here (`port=0`) is free when picked but can be taken before the server binds
+    it (an outgoing connection of another process draws from the same ephemeral range); a
+    process that exits saying so is spawned again on a new port, up to `BIND_ATTEMPTS` times.
     """
+
+    BIND_ATTEMPTS = 3
+    _picked_port = False
 
     log_path: str | Path
     startup_timeout: float
@@ -75,8 +82,9 @@ class ManagedProcess:
 
     def spawn(self) -> None:
         """Spawn the process without waiting (start several, then `wait_ready()` each)."""
-        if self.port == 0:
+        if self.port == 0 or self._picked_port:
             self.port = free_port(self.host)
+            self._picked_port = True
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the child's exit
         self._proc = subprocess.Popen(
             self.command(),
@@ -106,6 +114,10 @@ class ManagedProcess:
                     os.killpg(proc.pid, signal.SIGKILL)
             break
 
+    def _lost_port_race(self) -> bool:
+        """True if the process exited because the port picked for it was taken meanwhile."""
+        return self._picked_port and "address already in use" in self.log_tail().lower()
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return Path(self.log_path).read_text(errors="replace")[-chars:]
@@ -132,8 +144,14 @@ class ManagedProcess:
             raise RuntimeError("spawn() the process before waiting for it")
         name = type(self).__name__
         deadline = time.monotonic() + self.startup_timeout
+        attempts = 1
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if self._lost_port_race() and attempts < self.BIND_ATTEMPTS:
+                    attempts += 1
+                    self.stop()  # whatever the leader left behind
+                    self.spawn()  # a fresh port; the log restarts
+                    continue
                 raise ServerStartError(
                     f"{name} exited with code {self._proc.returncode}; log tail:\n"
                     + self.log_tail()
