@@ -1,13 +1,24 @@
 """Whole-model compaction speed per stage vs prefix length, on the real model (CPU by default).
 
     python benchmarks/compaction_speed.py [--lengths 1024,2048,4096,8192] \
-        [--methods am-highest,am-omp-fast] [--omp-max-T 8192] [--ratio 0.1] [--device cpu]
+        [--methods am-highest,am-omp-fast] [--omp-max-T 8192] [--ratio 0.1] [--device cpu] \
+        [--queries plugin|library] [--follow-ups 8] [--chunk-tokens N|none]
 
 For each prefix length T (a needle document from the shipped filler): one
-``compact_prefix`` per method with the default spec (reference queries repeat-prefill +
-self-study), the prefill and the reference queries shared through ``Hooks.reuse`` (timed
-on the first method). The method runs inside the pipeline wrapped so that each layer's
-work is timed in three stages (summed over all layers and KV heads, batched per layer):
+``compact_prefix`` per method with the spec a compaction gets in practice:
+
+- ``--queries plugin`` (default): the SGLang plugin's spec (``sglang_ext.config.PLUGIN_SPEC``:
+  the ``follow-up`` source, 32 greedy answer tokens per follow-up, on-policy) with
+  ``--follow-ups`` questions (``harness.workload.many_questions``; the plugin sends at most
+  ``max_follow_ups`` = 8);
+- ``--queries library``: the library default (repeat-prefill + self-study), which re-reads
+  the whole prefix once more (its cost grows like a second prefill).
+
+The chunk size is the service's rule (``auto_chunk_size`` with ``--chunk-tokens``, default
+the service's ``AUTO_CHUNK_TOKENS``): what ``compactor serve`` would compute for that prefix.
+The prefill and the reference queries are shared through ``Hooks.reuse`` (timed on the first
+method). The method runs inside the pipeline wrapped so that each layer's work is timed in
+three stages (summed over all layers and KV heads, batched per layer):
 
 - selection: the method's pick, with the reference pass it needs (mass, outputs, scores
   or the mass features);
@@ -50,6 +61,7 @@ class StageClock:
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
+        self.queries_per_head = 0  # the most reference queries a layer's fit saw
 
     @contextmanager
     def measure(self, stage: str, sync: Any = None) -> Iterator[None]:
@@ -83,6 +95,7 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
     base = type(get_method(name, **params))
 
     def compact(self: Any, x: Any) -> Any:
+        clock.queries_per_head = max(clock.queries_per_head, int(x.queries.shape[1]))
         with clock.measure("selection", sync):
             sel, report = self.pick(x)
         spec = self.refit_spec()
@@ -201,6 +214,18 @@ def main() -> int:
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--queries",
+        choices=("plugin", "library"),
+        default="plugin",
+        help="the plugin's spec with follow-ups (default) or the library default spec",
+    )
+    ap.add_argument("--follow-ups", type=int, default=8, help="with --queries plugin")
+    ap.add_argument(
+        "--chunk-tokens",
+        default=None,
+        help="the service's auto-chunk limit (default: AUTO_CHUNK_TOKENS; 'none': one chunk)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument(
         "--append",
@@ -215,14 +240,34 @@ def main() -> int:
     from compactor.models import resolve_model
     from compactor.niah import make_niah
     from compactor.pipeline import Hooks, compact_prefix
+    from compactor.service.engine import AUTO_CHUNK_TOKENS, auto_chunk_size
     from compactor.spec import CompactionSpec
+    from harness.workload import many_questions
+    from sglang_ext.config import PLUGIN_SPEC
 
+    limit = {None: AUTO_CHUNK_TOKENS, "none": None}.get(a.chunk_tokens)
+    if a.chunk_tokens not in (None, "none"):
+        limit = int(a.chunk_tokens)
+    base = PLUGIN_SPEC if a.queries == "plugin" else CompactionSpec()
     torch.set_num_threads(a.threads)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else None
     model, tok = hf.load_model(resolve_model(a.model))
     if a.device != "cpu":
         model = model.to(a.device)
-    meta = {**run_meta(a.device, a.threads), "model": a.model, "ratio": a.ratio}
+    fus = None
+    if a.queries == "plugin":
+        fus = [
+            tok(" " + q, add_special_tokens=False).input_ids for q in many_questions(a.follow_ups)
+        ]
+    meta = {
+        **run_meta(a.device, a.threads),
+        "model": a.model,
+        "ratio": a.ratio,
+        "queries": a.queries,
+        "query_sources": list(base.queries.sources),
+        "follow_ups": len(fus or ()),
+        "auto_chunk_tokens": limit,
+    }
     records: list[dict[str, Any]] = []
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "compaction_speed.json"
@@ -239,11 +284,11 @@ def main() -> int:
             if "omp" in name and a.omp_max_T < T:
                 continue
             clock = StageClock()
-            spec = CompactionSpec(method=name, ratio=a.ratio)
+            spec = base.replace(method=name, ratio=a.ratio).for_follow_ups(fus or ())
+            spec = spec.replace(chunk_size=auto_chunk_size(spec, len(ids), limit))
             hooks = Hooks(progress=False, reuse=reuse, method=timed_method(name, clock, sync))
-            _, st = compact_prefix(model, tok, ids, spec, hooks=hooks)
+            _, st = compact_prefix(model, tok, ids, spec, follow_ups=fus, hooks=hooks)
             first = first or st
-            ((_pre, _plan, queries),) = reuse.values()
             wall = {"prefill": first.prefill, "queries": first.queries, **clock.wall}
             cpu = {"prefill": first.cpu_prefill, "queries": first.cpu_queries, **clock.cpu}
             wall["compaction"], cpu["compaction"] = st.compaction, st.cpu_compaction
@@ -253,7 +298,8 @@ def main() -> int:
             rec = {
                 "T": len(ids),
                 "method": name,
-                "n_queries_per_head": int(queries[0].shape[1]),
+                "n_queries_per_head": clock.queries_per_head,
+                "chunk_size": spec.chunk_size,
                 "wall_s": wall,
                 "cpu_s": cpu,
                 "total_s": wall["prefill"] + wall["queries"] + wall["compaction"],

@@ -207,16 +207,19 @@ def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     """Wall seconds per stage (and the process CPU seconds of the whole run) per T."""
     recs = data[0]["records"]
     a, b = "am-highest", "am-omp-fast"
-    head = ["T", "method", "prefill", "queries", "selection", "beta", "values", "total", "CPU s"]
-    rows = [head]
+    head = ["T", "chunks", "method", "prefill", "queries", "selection", "beta", "values", "total"]
+    rows = [head + ["CPU s"]]
     for T in sorted({r["T"] for r in recs}):
         x, y = _rec(recs, T=T, method=a), _rec(recs, T=T, method=b)
 
         def pair(k: str, d: int = 1, x: dict[str, Any] = x, y: dict[str, Any] = y) -> str:
             return f"{x['wall_s'][k]:.{d}f} / {y['wall_s'][k]:.{d}f}"
 
+        size = x.get("chunk_size")
+        chunks = f"{-(-T // size)} x {size}" if size else "1"
         rows.append(
-            [str(T), f"{a} / {b}", f"{x['wall_s']['prefill']:.1f}", f"{x['wall_s']['queries']:.1f}",
+            [str(T), chunks, f"{a} / {b}", f"{x['wall_s']['prefill']:.1f}",
+             f"{x['wall_s']['queries']:.1f}",
              pair("selection", 2), pair("beta", 2), pair("values", 2),
              f"{x['total_s']:.1f} / {y['total_s']:.1f}",
              f"{x['cpu_total_s']:.1f} / {y['cpu_total_s']:.1f}"]

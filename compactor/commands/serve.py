@@ -9,7 +9,22 @@ import signal
 import socket
 from pathlib import Path
 
+from compactor.spec import AUTO_CHUNK_TOKENS
+
 log = logging.getLogger("compactor.serve")
+
+
+def _chunk_tokens(text: str) -> int | None:
+    """--auto-chunk-tokens: a token count >= 64, or 'none'."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 64:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 64 or 'none', got {text!r}")
+    return n
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +65,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-mb", type=int, default=16)
     p.add_argument("--cache-mb", type=int, default=1024)
     p.add_argument("--auto-ratio", type=float, default=0.1, help="ratio used for budget 'auto'")
+    p.add_argument(
+        "--auto-chunk-tokens",
+        type=_chunk_tokens,
+        default=AUTO_CHUNK_TOKENS,
+        metavar="N|none",
+        help="compact a longer prefix whose spec sets no chunk_size in KV chunks of N tokens "
+        f"(default {AUTO_CHUNK_TOKENS}: the fit's cost per chunk stays bounded; 'none': "
+        "always one chunk)",
+    )
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--tls-client-ca", type=Path, help="require client certs signed by this CA")
@@ -113,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_prefix_tokens=args.max_prefix_tokens,
             cache_bytes=args.cache_mb << 20,
             auto_ratio=args.auto_ratio,
+            auto_chunk_tokens=args.auto_chunk_tokens,
         ),
         host=args.host,
         port=args.port,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
-from compactor.spec import CompactionSpec
+from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
 from compactor.types import dtype_from_name
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch
@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 
 # The prefix limit for a model whose config.json gives no max_position_embeddings.
 FALLBACK_MAX_PREFIX_TOKENS = 16384
-# Default of ServiceConfig.auto_chunk_tokens: a longer prefix whose spec leaves chunk_size
-# unset is compacted in chunks of this many tokens (SmolLM2's whole context is one chunk).
-AUTO_CHUNK_TOKENS = 8192
 
 
 def auto_chunk_size(spec: CompactionSpec, num_tokens: int, limit: int | None) -> int | None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from compactor.cli import main
+from compactor.spec import AUTO_CHUNK_TOKENS
 
 
 def test_serve_reports_a_taken_port() -> None:
@@ -141,3 +142,30 @@ def test_cli_spec_defaults_are_the_spec_defaults() -> None:
         ["--model", "m", "--input", "i", "--output", "o", "--ratio", "0.2"]
     )
     assert spec_from_args(ns) == CompactionSpec(ratio=0.2)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, AUTO_CHUNK_TOKENS), ("2048", 2048), ("none", None), ("NONE", None)],
+)
+def test_serve_passes_the_auto_chunk_limit_to_the_service(
+    value: str | None, expected: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import compactor.commands.serve as serve_cmd
+
+    seen: list[Any] = []
+
+    async def run(config: Any) -> None:
+        seen.append(config.service.auto_chunk_tokens)
+
+    monkeypatch.setattr(serve_cmd, "_run", run)
+    argv = ["serve", "--model", "smollm2-135m", "--port", "0", "--in-process"]
+    main([*argv, "--auto-chunk-tokens", value] if value else argv)
+    assert seen == [expected]
+
+
+def test_serve_refuses_a_tiny_auto_chunk_limit(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "smollm2-135m", "--auto-chunk-tokens", "10"])
+    assert info.value.code == 2
+    assert "expected a token count >= 64 or 'none', got '10'" in capsys.readouterr().err
