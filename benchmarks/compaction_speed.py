@@ -268,6 +268,9 @@ def main() -> int:
         "follow_ups": len(fus or ()),
         "auto_chunk_tokens": limit,
     }
+    from benchmarks._meta import provenance
+
+    prov = provenance()
     records: list[dict[str, Any]] = []
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "compaction_speed.json"
@@ -315,7 +318,7 @@ def main() -> int:
                 flush=True,
             )
             every = sorted(kept + records, key=lambda r: (r["method"], r["T"]))
-            out = {"meta": meta, "stages": list(STAGES), "records": every}
+            out = {"provenance": prov, "meta": meta, "stages": list(STAGES), "records": every}
             path.write_text(json.dumps(out, indent=1))
     plot(sorted(kept + records, key=lambda r: (r["method"], r["T"])), path.with_suffix(".png"))
     print(f"wrote {path} and .png")

@@ -207,8 +207,10 @@ def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     """Wall seconds per stage (and the process CPU seconds of the whole run) per T."""
     recs = data[0]["records"]
     a, b = "am-highest", "am-omp-fast"
-    head = ["T", "chunks", "method", "prefill", "queries", "selection", "beta", "values", "total"]
-    rows = [head + ["CPU s"]]
+    rows = [
+        ["T", "chunks", "method", "prefill", "queries", "selection", "beta", "values", "total",
+         "CPU s"]
+    ]  # fmt: skip
     for T in sorted({r["T"] for r in recs}):
         x, y = _rec(recs, T=T, method=a), _rec(recs, T=T, method=b)
 
