@@ -127,6 +127,21 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
     return timed(**params)
 
 
+def add_chunk_tokens(ap: argparse.ArgumentParser) -> None:
+    """--chunk-tokens: the service's auto-chunk limit the run applies (its default)."""
+    from compactor.commands.serve import chunk_tokens_arg
+    from compactor.spec import AUTO_CHUNK_TOKENS
+
+    ap.add_argument(
+        "--chunk-tokens",
+        type=chunk_tokens_arg,
+        default=AUTO_CHUNK_TOKENS,
+        metavar="N|none",
+        help="compact a longer prefix in KV chunks of N tokens, as `compactor serve "
+        f"--auto-chunk-tokens` does (default {AUTO_CHUNK_TOKENS}; 'none': one chunk)",
+    )
+
+
 def run_meta(device: str, threads: int) -> dict[str, Any]:
     """The command, git commit, machine, device and date of this run."""
     import torch
@@ -221,11 +236,7 @@ def main() -> int:
         help="the plugin's spec with follow-ups (default) or the library default spec",
     )
     ap.add_argument("--follow-ups", type=int, default=8, help="with --queries plugin")
-    ap.add_argument(
-        "--chunk-tokens",
-        default=None,
-        help="the service's auto-chunk limit (default: AUTO_CHUNK_TOKENS; 'none': one chunk)",
-    )
+    add_chunk_tokens(ap)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument(
         "--append",
@@ -240,14 +251,12 @@ def main() -> int:
     from compactor.models import resolve_model
     from compactor.niah import make_niah
     from compactor.pipeline import Hooks, compact_prefix
-    from compactor.service.engine import AUTO_CHUNK_TOKENS, auto_chunk_size
+    from compactor.service.engine import auto_chunk_size
     from compactor.spec import CompactionSpec
     from harness.workload import many_questions
     from sglang_ext.config import PLUGIN_SPEC
 
-    limit = {None: AUTO_CHUNK_TOKENS, "none": None}.get(a.chunk_tokens)
-    if a.chunk_tokens not in (None, "none"):
-        limit = int(a.chunk_tokens)
+    limit = a.chunk_tokens
     base = PLUGIN_SPEC if a.queries == "plugin" else CompactionSpec()
     torch.set_num_threads(a.threads)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else None

@@ -11,7 +11,8 @@ attention) and random weights, directly on the device (nothing is downloaded). T
    (am-highest, am-omp-fast) at ``--ratio`` 0.1, with the reference queries the SGLang
    plugin sends (``sglang_ext.config.PLUGIN_SPEC``: the ``follow-up`` source with 32 greedy
    answer tokens per follow-up, on-policy): ``--follow-ups`` random follow-up questions of
-   ``--follow-up-tokens`` tokens each. Each stage is timed (prefill, queries, then per layer
+   ``--follow-up-tokens`` tokens each, in the service's KV chunks (``--chunk-tokens``, default
+   ``AUTO_CHUNK_TOKENS``; ``none`` for one chunk). Each stage is timed (prefill, queries, then per layer
    selection / beta / values, synchronized; see ``benchmarks/compaction_speed.py``) with the
    peak GPU memory.
 2. ``--big-T`` (128k) tokens with ``--big-methods`` (am-highest) and ``--big-follow-ups``
@@ -41,7 +42,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compaction_speed import StageClock, run_meta, timed_method  # noqa: E402
+from benchmarks._meta import provenance  # noqa: E402
+from benchmarks.compaction_speed import (  # noqa: E402
+    StageClock,
+    add_chunk_tokens,
+    run_meta,
+    timed_method,
+)
 
 LLAMA3_8B = {
     "vocab_size": 128256,
@@ -113,11 +120,15 @@ def compact_once(
     follow_ups: int,
     follow_up_tokens: int,
     seed: int,
+    chunk_tokens: int | None,
 ) -> dict[str, Any]:
-    """One whole-model compaction of a random T-token prefix; its stages, memory, kept."""
+    """One whole-model compaction of a random T-token prefix; its stages, memory, kept.
+
+    The chunk size is the service's rule (``auto_chunk_size`` with `chunk_tokens`)."""
     import torch
 
     from compactor.pipeline import Hooks, compact_prefix
+    from compactor.service.engine import auto_chunk_size
 
     cuda = next(model.parameters()).is_cuda
     sync = torch.cuda.synchronize if cuda else None
@@ -129,6 +140,7 @@ def compact_once(
         for _ in range(follow_ups)
     ]
     spec = plugin_spec(method, ratio).for_follow_ups(fus)
+    spec = spec.replace(chunk_size=auto_chunk_size(spec, T, chunk_tokens))
     clock = StageClock()
     hooks = Hooks(
         progress=False,
@@ -150,6 +162,7 @@ def compact_once(
         "ratio": ratio,
         "follow_ups": follow_ups,
         "follow_up_tokens": follow_up_tokens,
+        "chunk_size": spec.chunk_size,
         "spec": spec.to_dict(),
         "wall_s": {
             "prefill": st.prefill,
@@ -232,6 +245,7 @@ def main() -> int:
     ap.add_argument("--layer-H", type=int, default=8)
     ap.add_argument("--layer-D", type=int, default=128)
     ap.add_argument("--layer-methods", default="am-highest,am-omp-fast")
+    add_chunk_tokens(ap)
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: doc,big,layer")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--json-name", default="compaction_speed_gpu.json")
@@ -260,6 +274,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / a.json_name
     result: dict[str, Any] = {
+        "provenance": provenance(),
         "meta": {**run_meta(a.device, torch.get_num_threads()), "model_shape": shape},
         "doc": [],
         "big": [],
@@ -299,7 +314,14 @@ def main() -> int:
             rec = attempt(
                 step,
                 lambda m=model, name=name, T=T, fus=fus: compact_once(
-                    m, T, name, a.ratio, fus, a.follow_up_tokens, seed=T
+                    m,
+                    T,
+                    name,
+                    a.ratio,
+                    fus,
+                    a.follow_up_tokens,
+                    seed=T,
+                    chunk_tokens=a.chunk_tokens,
                 ),
             )
             rec.setdefault("method", name)

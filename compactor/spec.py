@@ -52,6 +52,21 @@ TARGET_ERROR_RATIOS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3)
 AUTO_CHUNK_TOKENS = 4096
 
 
+def parse_chunk_tokens(text: str) -> int | None:
+    """An auto-chunk limit as typed: a token count >= 64, or 'none' (None: one chunk).
+
+    Raises ValueError naming the text otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 64:
+        raise ValueError(f"expected a token count >= 64 or 'none', got {text!r}")
+    return n
+
+
 class SpecError(ValueError):
     """A bad spec value; `field` is the dotted path of the knob (``"queries.sources"``)."""
 

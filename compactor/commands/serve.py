@@ -9,22 +9,17 @@ import signal
 import socket
 from pathlib import Path
 
-from compactor.spec import AUTO_CHUNK_TOKENS
+from compactor.spec import AUTO_CHUNK_TOKENS, parse_chunk_tokens
 
 log = logging.getLogger("compactor.serve")
 
 
-def _chunk_tokens(text: str) -> int | None:
-    """--auto-chunk-tokens: a token count >= 64, or 'none'."""
-    if text.strip().lower() == "none":
-        return None
+def chunk_tokens_arg(text: str) -> int | None:
+    """--auto-chunk-tokens as an argparse type (the benchmarks' --chunk-tokens too)."""
     try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 64:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 64 or 'none', got {text!r}")
-    return n
+        return parse_chunk_tokens(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--auto-ratio", type=float, default=0.1, help="ratio used for budget 'auto'")
     p.add_argument(
         "--auto-chunk-tokens",
-        type=_chunk_tokens,
+        type=chunk_tokens_arg,
         default=AUTO_CHUNK_TOKENS,
         metavar="N|none",
         help="compact a longer prefix whose spec sets no chunk_size in KV chunks of N tokens "

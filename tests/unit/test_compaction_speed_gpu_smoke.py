@@ -25,12 +25,15 @@ def _load_benchmark():
 def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _load_benchmark()
     argv = ["compaction_speed_gpu.py", "--smoke", "--skip", "layer", "--out", str(tmp_path)]
+    argv += ["--chunk-tokens", "300"]  # the service's rule: the 512-token prefix in 2 chunks
     monkeypatch.setattr(sys, "argv", argv)
     assert bench.main() == 0
     out = json.loads((tmp_path / "compaction_speed_gpu_smoke.json").read_text())
     assert out["meta"]["device"] == "cpu" and out["meta"]["git_commit"]
     assert [r["method"] for r in out["doc"]] == ["am-highest", "am-omp-fast"]
     assert [(r["method"], r["T"]) for r in out["big"]] == [("am-highest", 512)]
+    assert [r["chunk_size"] for r in (*out["doc"], *out["big"])] == [None, None, 300]
+    assert out["provenance"]["command"].endswith("--chunk-tokens 300")
     for rec in (*out["doc"], *out["big"]):
         assert "error" not in rec
         assert rec["spec"]["queries"]["sources"] == ["follow-up"] and rec["spec"]["on_policy"]
