@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "AUTO_CHUNK_TOKENS",
+    "DEFAULT_AUTO_RATIO",
     "HEAD_BUDGET_CHOICES",
     "QUERY_SOURCES",
     "SELF_STUDY_PROMPTS",
@@ -27,6 +29,7 @@ __all__ = [
     "CompactionSpec",
     "QueryConfig",
     "SpecError",
+    "parse_chunk_tokens",
     "spec_fields",
 ]
 
@@ -37,6 +40,11 @@ SELF_STUDY_PROMPTS = (
     "Quote the most important sentence of the text above word for word, then continue it.",
     "Structure the key information in the text above as a list of short bullet points.",
 )
+# Budget "auto" of a service request (no ratio, tokens or target_error) maps to this ratio
+# (`compactor serve --auto-ratio`). A budget chosen by measured error is asked for with
+# target_error (compactor.pipeline.target): such a spec is not auto and keeps its ratio (the
+# ceiling) or none (the whole candidate grid).
+DEFAULT_AUTO_RATIO = 0.1
 # Named head-budget choices; any other string is a sensitivity-curves JSON path.
 HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
 # Candidate ratios of a budget chosen by measured error (``target_error``), ascending; a

@@ -9,7 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
-from compactor.spec import AUTO_CHUNK_TOKENS, parse_chunk_tokens
+from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
 
 log = logging.getLogger("compactor.serve")
 
@@ -59,7 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-message-mb", type=int, default=16)
     p.add_argument("--cache-mb", type=int, default=1024)
-    p.add_argument("--auto-ratio", type=float, default=0.1, help="ratio used for budget 'auto'")
+    p.add_argument(
+        "--auto-ratio",
+        type=float,
+        default=DEFAULT_AUTO_RATIO,
+        help=f"ratio used for budget 'auto' (default {DEFAULT_AUTO_RATIO})",
+    )
     p.add_argument(
         "--auto-chunk-tokens",
         type=chunk_tokens_arg,

@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from compactor.spec import CompactionSpec, SpecError
+from compactor.spec import DEFAULT_AUTO_RATIO, HEAD_BUDGET_CHOICES, CompactionSpec, SpecError
 from compactor.types import CompactedPrefix, prefix_hash
 from compactor.workers.errors import InvalidRequest
 
@@ -19,13 +19,8 @@ __all__ = [
     "JobResult",
 ]
 
-# Budget "auto" (no ratio, tokens or target_error) maps to this ratio. A budget chosen by
-# measured error is asked for with spec.target_error (compactor.pipeline.target): such a
-# spec is not auto and keeps its ratio (the ceiling) or none (the whole candidate grid).
-DEFAULT_AUTO_RATIO = 0.1
-# spec.head_budgets a request may ask for: uniform, or the worker model's sensitivity curves
-# (compact_prefix with head_budgets "auto"); file paths are not accepted.
-HEAD_BUDGET_CHOICES: tuple[str, ...] = ("uniform", "auto")
+# spec.head_budgets a request may ask for: HEAD_BUDGET_CHOICES (uniform, or the worker
+# model's sensitivity curves); file paths are not accepted.
 # Bound on generated answer tokens per follow-up (work the request may ask of a worker).
 MAX_FOLLOW_UP_ANSWER_TOKENS = 256
 # Result keys/values dtypes a request may ask for ("" = float32, as computed).
