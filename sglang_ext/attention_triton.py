@@ -26,7 +26,17 @@ from kernels.biased_attention._common import AttentionOutput
 from kernels.biased_attention.triton import BiasedPagedAttention
 from kernels.merge_state.triton import merge_state
 
-__all__ = ["BatchPlan", "paged_biased_attention", "plan_batch", "run_batch"]
+__all__ = [
+    "BatchPlan",
+    "check_batch",
+    "gather_slots",
+    "paged_biased_attention",
+    "plan_batch",
+    "plan_calls",
+    "plan_causal",
+    "run_batch",
+    "run_causal",
+]
 
 Lengths = torch.Tensor | Sequence[int]
 
@@ -66,9 +76,9 @@ def plan_batch(
     Raises:
         ValueError: inconsistent lengths or shapes; the message names the offending values.
     """
-    rows, lens, qls = _check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
+    rows, lens, qls = check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    blocks, diagonal = _plan_causal(
+    blocks, diagonal = plan_causal(
         req_to_token, rows, torch.zeros_like(lens), lens, qls, sm_scale, causal_block, **heads
     )
     return BatchPlan(int(qls.sum()), blocks, diagonal)
@@ -86,7 +96,7 @@ def run_batch(
     Returns out [n, H_q, D] in q's dtype; mutates nothing. ValueError on shapes that do not
     match the plan (raised by the kernel wrappers).
     """
-    return _run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer).out
+    return run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer).out
 
 
 def paged_biased_attention(
@@ -136,7 +146,7 @@ def _host(x: Lengths, name: str) -> torch.Tensor:
     return t.long()
 
 
-def _check_batch(
+def check_batch(
     req_to_token: torch.Tensor, req_pool_indices: Lengths, seq_lens: Lengths, q_lens: Lengths
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate one batch; returns rows, seq_lens, q_lens as host int64 [B] tensors."""
@@ -163,7 +173,7 @@ def _check_batch(
     return rows, lens, qls
 
 
-def _plan_causal(
+def plan_causal(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
     starts: torch.Tensor,
@@ -179,7 +189,7 @@ def _plan_causal(
     if causal_block < 1:
         raise ValueError(f"causal_block must be >= 1, got {causal_block}")
     if bool((qls == 1).all()):
-        return _plan(req_to_token, rows, starts, lens - starts, None, sm_scale, **heads), None
+        return plan_calls(req_to_token, rows, starts, lens - starts, None, sm_scale, **heads), None
     prefix = lens - qls
     c = causal_block
     num_blocks = (qls + c - 1) // c
@@ -190,15 +200,19 @@ def _plan_causal(
     qo_indptr[1:] = torch.cumsum(blk_q, 0)
     blk_start = starts[blk_req]
     blk_len = prefix[blk_req] + j * c - blk_start
-    blocks = _plan(req_to_token, rows[blk_req], blk_start, blk_len, qo_indptr, sm_scale, **heads)
+    blocks = plan_calls(
+        req_to_token, rows[blk_req], blk_start, blk_len, qo_indptr, sm_scale, **heads
+    )
     tok_req = torch.repeat_interleave(torch.arange(rows.numel()), qls)
     i = torch.arange(int(qls.sum())) - (torch.cumsum(qls, 0) - qls)[tok_req]
     diag_start = prefix[tok_req] + (i // c) * c
-    diagonal = _plan(req_to_token, rows[tok_req], diag_start, i % c + 1, None, sm_scale, **heads)
+    diagonal = plan_calls(
+        req_to_token, rows[tok_req], diag_start, i % c + 1, None, sm_scale, **heads
+    )
     return blocks, diagonal
 
 
-def _run_causal(
+def run_causal(
     blocks: BiasedPagedAttention,
     diagonal: BiasedPagedAttention | None,
     q: torch.Tensor,
@@ -206,7 +220,7 @@ def _run_causal(
     v_cache: torch.Tensor,
     beta_layer: torch.Tensor,
 ) -> AttentionOutput:
-    """Run `_plan_causal`'s calls and merge them: out [n, H_q, D] (q's dtype), lse [n, H_q]."""
+    """Run `plan_causal`'s calls and merge them: out [n, H_q, D] (q's dtype), lse [n, H_q]."""
     part = blocks.run(q, k_cache, v_cache, beta_layer)
     if diagonal is None:
         return part
@@ -214,7 +228,7 @@ def _run_causal(
     return merge_state(part.out, part.lse, diag.out, diag.lse, out_dtype=q.dtype)
 
 
-def _gather(
+def gather_slots(
     req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment m = entries [starts[m], starts[m] + lens[m]) of row rows[m] (host int64 [M]):
@@ -232,7 +246,7 @@ def _gather(
     return dev_indptr.to(torch.int32), indices
 
 
-def _plan(
+def plan_calls(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
     starts: torch.Tensor,
@@ -241,7 +255,9 @@ def _plan(
     sm_scale: float | None,
     **heads: int,
 ) -> BiasedPagedAttention:
-    kv_indptr, kv_indices = _gather(req_to_token, rows, starts, lens)
+    """One planned call: segment m (see :func:`gather_slots`) attended by the queries
+    qo_indptr[m]:qo_indptr[m+1] (None: one query each)."""
+    kv_indptr, kv_indices = gather_slots(req_to_token, rows, starts, lens)
     wrapper = BiasedPagedAttention()
     qo = None if qo_indptr is None else qo_indptr.to(req_to_token.device)
     wrapper.plan(kv_indptr, kv_indices, qo_indptr=qo, sm_scale=sm_scale, **heads)

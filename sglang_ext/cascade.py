@@ -34,11 +34,11 @@ from kernels.biased_attention.triton import BiasedPagedAttention
 from kernels.merge_state.triton import merge_state
 from sglang_ext.attention_triton import (
     Lengths,
-    _check_batch,
-    _gather,
-    _plan,
-    _plan_causal,
-    _run_causal,
+    check_batch,
+    gather_slots,
+    plan_calls,
+    plan_causal,
+    run_causal,
 )
 from sglang_ext.kv_store import ALIAS_SLOT
 
@@ -103,7 +103,7 @@ def plan_cascade(
             rows that break the compacted layout (a group whose first t_max slots differ, an
             alias inside [0, t_max), a non-alias inside [t_max, T)); the message names them.
     """
-    rows, lens, qls = _check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
+    rows, lens, qls = check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
     table = _prefix_table(prefixes, rows.numel())
     t_max, t_log = table[:, 0], table[:, 1]
     comp = torch.nonzero((t_max != 0) | (t_log != 0)).flatten()
@@ -115,7 +115,7 @@ def plan_cascade(
             f"{int(lens[b] - qls[b])}, got t_max={int(t_max[b])} T={int(t_log[b])}"
         )
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    blocks, diagonal = _plan_causal(
+    blocks, diagonal = plan_causal(
         req_to_token, rows, t_log, lens, qls, sm_scale, causal_block, **heads
     )
     num_tokens = int(qls.sum())
@@ -125,7 +125,7 @@ def plan_cascade(
     reps = torch.tensor([g[0] for g in groups])
     qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(torch.tensor([int(qls[list(g)].sum()) for g in groups]), 0)
-    prefix = _plan(
+    prefix = plan_calls(
         req_to_token, rows[reps], torch.zeros_like(reps), t_max[reps], qo_indptr, sm_scale,
         **heads,
     )  # fmt: skip
@@ -153,7 +153,7 @@ def run_cascade(
     """
     if q.dim() != 3 or q.shape[0] != plan.num_tokens:
         raise ValueError(f"q must be [n={plan.num_tokens}, H_q, D], got {tuple(q.shape)}")
-    tail = _run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer)
+    tail = run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer)
     if plan.prefix is None or plan.prefix_tokens is None:
         return tail.out
     idx = plan.prefix_tokens.to(q.device)
@@ -196,9 +196,9 @@ def _group(
     for g in groups:
         rep[list(g)] = g[0]
     zeros = torch.zeros_like(comp)
-    ind_ptr, own = _gather(req_to_token, rows[comp], zeros, t_max[comp])
-    _, theirs = _gather(req_to_token, rows[rep[comp]], zeros, t_max[comp])
-    alias_ptr, aliases = _gather(req_to_token, rows[comp], t_max[comp], (t_log - t_max)[comp])
+    ind_ptr, own = gather_slots(req_to_token, rows[comp], zeros, t_max[comp])
+    _, theirs = gather_slots(req_to_token, rows[rep[comp]], zeros, t_max[comp])
+    alias_ptr, aliases = gather_slots(req_to_token, rows[comp], t_max[comp], (t_log - t_max)[comp])
     checks = ((own != theirs), (own == ALIAS_SLOT), (aliases != ALIAS_SLOT))
     found = torch.stack([c.any() for c in checks]).cpu().tolist()
     if not any(found):

@@ -62,11 +62,6 @@ class BetaStore:
         setattr(kvcache, _ATTR, store)
         return store
 
-    @staticmethod
-    def of_pool(kvcache: Any) -> BetaStore | None:
-        store = getattr(kvcache, _ATTR, None)
-        return store if isinstance(store, BetaStore) else None
-
     def enable_alias(self) -> None:
         """Mask the alias slot in every layer and head (done at the first install)."""
         self.beta[:, ALIAS_SLOT, :] = float("-inf")

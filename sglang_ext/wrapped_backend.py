@@ -32,7 +32,7 @@ Legend: B requests, n new tokens, H_q / H_kv heads, D head dim, S pool slots.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -47,6 +47,7 @@ from sglang_ext.kv_store import BetaStore
 __all__ = ["CompactionBackend", "check_layer", "check_runner", "graph_gate"]
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_B = TypeVar("_B", bound=type)
 # AttentionBackend attributes SGLang sets on the backend it built: kept on the wrapper
 _OWN = frozenset({"prefill_attention_backend_str", "decode_attention_backend_str"})
 
@@ -66,13 +67,42 @@ class _Batch:
         self.plans: dict[tuple[Any, ...], Any] = {}  # cascade.CascadePlan
 
 
+def _forwards_base_api(cls: _B) -> _B:
+    """Class decorator: every AttentionBackend attribute and method `cls` does not define is
+    forwarded to `self.inner` (class attributes as properties, methods as calls)."""
+
+    def attribute(name: str) -> property:
+        def get(self: Any) -> Any:
+            return getattr(self.inner, name)
+
+        def set_(self: Any, value: Any) -> None:
+            setattr(self.inner, name, value)
+
+        return property(get, set_)
+
+    def method(name: str) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.inner, name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    own = vars(cls)
+    for name, value in vars(AttentionBackend).items():
+        if name.startswith("_") or name in own or name in _OWN:
+            continue
+        setattr(cls, name, method(name) if callable(value) else attribute(name))
+    return cls
+
+
+@_forwards_base_api
 class CompactionBackend(AttentionBackend):
     """SGLang's backend `inner_name` (the user's `--attention-backend`), wrapped (module
     docstring). `cascade`: run compacted batches through `cascade.run_cascade` (None: on CUDA
     only; True also serves CPU tensors under TRITON_INTERPRET=1, for tests).
 
     Attributes not defined here are read from `inner` (`__getattr__`); AttentionBackend's own
-    public attributes and methods are forwarded to it explicitly (`_forward_base_api`).
+    public attributes and methods are forwarded to it explicitly (`_forwards_base_api`).
     """
 
     def __init__(self, model_runner: Any, inner_name: str):
@@ -207,37 +237,6 @@ class CompactionBackend(AttentionBackend):
             )  # fmt: skip
             batch.plans[key] = plan
         return run_cascade(plan, q3, k_buf, v_buf, beta).reshape(-1, h_q * dim)
-
-
-def _forward_base_api() -> None:
-    """Forward every AttentionBackend attribute and method the wrapper does not define to
-    `inner` (class attributes as properties; mutates `CompactionBackend`, once, at import)."""
-
-    def attribute(name: str) -> property:
-        def get(self: CompactionBackend) -> Any:
-            return getattr(self.inner, name)
-
-        def set_(self: CompactionBackend, value: Any) -> None:
-            setattr(self.inner, name, value)
-
-        return property(get, set_)
-
-    def method(name: str) -> Any:
-        def call(self: CompactionBackend, *args: Any, **kwargs: Any) -> Any:
-            return getattr(self.inner, name)(*args, **kwargs)
-
-        call.__name__ = call.__qualname__ = name
-        return call
-
-    own = vars(CompactionBackend)
-    for name, value in vars(AttentionBackend).items():
-        if name.startswith("_") or name in own or name in _OWN:
-            continue
-        forward = method(name) if callable(value) else attribute(name)
-        setattr(CompactionBackend, name, forward)
-
-
-_forward_base_api()
 
 
 def graph_gate(
