@@ -18,6 +18,9 @@ which applies them after all plugins have run:
 - AFTER `can_run_graph` of SGLang's decode and prefill CUDA-graph runners: a batch with a
   compacted request runs eagerly (`wrapped_backend.graph_gate`); other batches replay the
   wrapped backend's graphs.
+- AFTER `ForwardBatch.init_new`: each request's compacted prefix (or none) is stored on the
+  new ForwardBatch from its ScheduleBatch's requests, on the host
+  (`wrapped_backend.mark_forward_batch`), so the backend decides without reading the device.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
@@ -38,6 +41,7 @@ __all__ = ["PLUGIN_NAME", "register"]
 PLUGIN_NAME = "compaction"
 ANNOUNCEMENT = "sglang_ext: compaction plugin active"
 logger = logging.getLogger(__name__)
+_mark_failed = False  # set once marking raised: later forwards are left unmarked
 _registered = False
 _WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
@@ -66,6 +70,7 @@ def register() -> None:
         ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
         *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
         *((f"{runner}.can_run_graph", _graph_gate) for runner in _GRAPH_RUNNERS),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _mark_batch),
     )
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
@@ -119,6 +124,22 @@ def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> An
     from sglang_ext.wrapped_backend import graph_gate
 
     return graph_gate(result, graph_runner, *args, **kwargs)
+
+
+def _mark_batch(result: Any, cls: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on the classmethod `ForwardBatch.init_new(batch, model_runner, ...)`: mark
+    each request's compacted prefix on the new ForwardBatch, from the ScheduleBatch's
+    requests (see `sglang_ext.wrapped_backend.mark_forward_batch`)."""
+    global _mark_failed
+    if result is None or batch is None or _mark_failed:
+        return
+    from sglang_ext.wrapped_backend import mark_forward_batch
+
+    try:
+        mark_forward_batch(result, batch)
+    except Exception:  # never take the forward down: the backend reads the rows instead
+        _mark_failed = True
+        logger.exception("sglang_ext: marking forward batches failed; deciding from the rows")
 
 
 def _weights_updated(result: Any, manager: Any, recv_req: Any = None, *a: Any, **kw: Any) -> None:

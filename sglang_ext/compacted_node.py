@@ -21,6 +21,7 @@ from sglang_ext.kv_store import ALIAS_SLOT
 __all__ = [
     "CompactionInfo",
     "child_key",
+    "compacted_ancestor",
     "compaction_info",
     "covering",
     "new_compacted_node",
@@ -52,6 +53,18 @@ class CompactionInfo:
 def compaction_info(node: TreeNode) -> CompactionInfo | None:
     """The node's `CompactionInfo`, or None for an ordinary node."""
     return getattr(node, "compaction", None)
+
+
+def compacted_ancestor(node: TreeNode | None) -> CompactionInfo | None:
+    """The `CompactionInfo` of the compacted node on the path from the root to `node` (a
+    request's `last_node`: the node itself or one of its ancestors), else None. Host only:
+    a walk up the parents, a few nodes."""
+    while node is not None:
+        info = compaction_info(node)
+        if info is not None:
+            return info
+        node = node.parent
+    return None
 
 
 def child_key(phash: str, fit_round: int = 0) -> tuple[str, str, int]:

@@ -49,6 +49,9 @@ class BetaStore:
                                 device=device)  # fmt: skip
         self.compacted = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.prefixes: dict[int, tuple[int, int]] = {}
+        # forwards whose host marks disagreed with the rows' first slots (checked on CPU)
+        self.mark_mismatches = 0
+        self.marks_seen = False  # a ForwardBatch was marked (logged once)
         self.alias_ready = False
 
     @classmethod

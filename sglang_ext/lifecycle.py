@@ -95,7 +95,10 @@ class InstallLifecycle:
         alloc = self.token_to_kv_pool_allocator
         pending = sum(int(p.slots.numel()) for p in self._pending)
         tree = self.evictable_size_ + self.protected_size_ - pending
-        if self.stats.read_pool(alloc.available_size(), tree, alloc.size):
+        mismatches = self.beta_store.mark_mismatches
+        changed = mismatches != self.stats.host_mark_mismatches
+        self.stats.host_mark_mismatches = mismatches
+        if self.stats.read_pool(alloc.available_size(), tree, alloc.size) or changed:
             self._export()
         return done
 

@@ -44,6 +44,9 @@ class CompactionStats:
     double_installs: int = 0
     skipped_checkpoints: int = 0  # requests that started before an install, kept off it
     evicted: int = 0
+    # forwards whose host decision disagreed with the rows' first slots (checked on CPU only;
+    # the slot look-up served them): must stay 0
+    host_mark_mismatches: int = 0
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
     physical_tokens: int = 0  # gauge: slots those prefixes hold
@@ -88,6 +91,7 @@ class PrometheusExporter:
         "deferred",
         "fallbacks",
         "evicted",
+        "host_mark_mismatches",
     )
     _GAUGES = (
         "logical_tokens",

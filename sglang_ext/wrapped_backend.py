@@ -5,11 +5,15 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
 (runner)`; the name rides on the record, `config.INNER_ATTR`) and wraps it:
 
 - Per forward (`init_forward_metadata`, or earlier in SGLang's CUDA-graph gate) it decides
-  whether any request's row starts on a compacted prefix: a compacted prefix hangs off the
-  radix root, so request b is compacted iff `BetaStore.prefix_of(req_to_token[row_b, 0])`
-  names one; (t_max, T) come from the same host look-up, with no scan of the row. Cost: none
-  while no compacted prefix is installed; otherwise one gather of B first slots, read on the
-  host (on CUDA, one device->host copy of B ints per forward: the only host sync added).
+  whether any request sits on a compacted prefix, on the host: `mark_forward_batch` (an AFTER
+  hook on `ForwardBatch.init_new`, which still sees the ScheduleBatch) walks each request's
+  `last_node` up to the radix root's child (`compacted_ancestor`; a compacted prefix hangs off
+  the root) and stores its row and (t_max, T) on the ForwardBatch. No device memory is read,
+  so the overlap scheduler keeps its lead. A ForwardBatch built elsewhere (no marks) falls
+  back to the row's first slot, `BetaStore.prefix_of(req_to_token[row_b, 0])` (one copy of B
+  ints to the host). On CPU both are computed and must agree (a disagreement is logged and
+  the slot look-up, the ground truth, serves). Cost: none while no compacted prefix is
+  installed.
 - No compacted request: every call (metadata, `forward`, `forward_extend`, `forward_decode`,
   the CUDA-graph hooks, any other attribute) goes to `inner` unchanged, with the same
   arguments, and returns its result.
@@ -32,7 +36,8 @@ Legend: B requests, n new tokens, H_q / H_kv heads, D head dim, S pool slots.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import logging
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -41,10 +46,51 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.attention import attend_rows
+from sglang_ext.compacted_node import compacted_ancestor
 from sglang_ext.config import ATTENTION_BACKEND
 from sglang_ext.kv_store import BetaStore
 
-__all__ = ["CompactionBackend", "check_layer", "check_runner", "graph_gate"]
+__all__ = [
+    "CompactionBackend",
+    "HostMarks",
+    "check_layer",
+    "check_runner",
+    "graph_gate",
+    "mark_forward_batch",
+]
+
+logger = logging.getLogger(__name__)
+# The ForwardBatch attribute `mark_forward_batch` sets.
+MARKS_ATTR = "compaction_marks"
+
+
+class HostMarks(NamedTuple):
+    """Per request of a ForwardBatch, from its ScheduleBatch: the req_to_token row and the
+    (t_max, T) of the compacted prefix it sits on (None: none)."""
+
+    rows: list[int]
+    prefixes: list[tuple[int, int] | None]
+
+
+def mark_forward_batch(forward_batch: Any, schedule_batch: Any) -> None:
+    """Store `HostMarks` on `forward_batch` when its requests are known and a compacted
+    prefix is installed (mutates `forward_batch`; host work only)."""
+    cache = getattr(schedule_batch, "tree_cache", None)
+    store = getattr(cache, "beta_store", None)
+    reqs = getattr(schedule_batch, "reqs", None)
+    rows_cpu = getattr(schedule_batch, "req_pool_indices_cpu", None)  # host [B] int64
+    if not isinstance(store, BetaStore) or not store.prefixes or not reqs or rows_cpu is None:
+        return
+    rows = [int(r) for r in rows_cpu.tolist()]
+    if len(rows) != len(reqs):
+        return
+    infos = [compacted_ancestor(getattr(r, "last_node", None)) for r in reqs]
+    prefixes = [None if i is None else (i.t_max, i.logical_length) for i in infos]
+    setattr(forward_batch, MARKS_ATTR, HostMarks(rows, prefixes))
+    if not store.marks_seen:
+        store.marks_seen = True
+        logger.info("sglang_ext: compacted requests are marked on the host from now on")
+
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _B = TypeVar("_B", bound=type)
@@ -144,10 +190,15 @@ class CompactionBackend(AttentionBackend):
             return None
         if fb.seq_lens.numel() == 0:
             return None
-        r2t = self.req_to_token_pool.req_to_token
-        first = r2t[fb.req_pool_indices.to(r2t.device), 0].tolist()  # B ints: one sync on CUDA
         lens = _host(fb, "seq_lens")
-        prefixes = [store.prefix_of(s) if n > 0 else None for s, n in zip(first, lens.tolist())]
+        marks = getattr(fb, MARKS_ATTR, None)
+        if isinstance(marks, HostMarks) and len(marks.rows) == lens.numel():
+            rows, prefixes = torch.tensor(marks.rows, dtype=torch.int64), marks.prefixes
+            if self.req_to_token_pool.req_to_token.device.type == "cpu":  # free here: check
+                prefixes = self._checked(marks, self._by_first_slot(rows, lens))
+        else:
+            rows = _host(fb, "req_pool_indices")
+            prefixes = self._by_first_slot(rows, lens)
         if all(p is None for p in prefixes):
             return None
         mode = fb.forward_mode
@@ -158,7 +209,30 @@ class CompactionBackend(AttentionBackend):
             q_lens = torch.tensor(ext) if ext is not None else fb.extend_seq_lens.cpu()
         else:
             raise ValueError(f"compacted prefixes do not support forward mode {mode!r}")
-        return _Batch(_host(fb, "req_pool_indices"), lens, q_lens.long(), prefixes)
+        return _Batch(rows, lens, q_lens.long(), prefixes)
+
+    def _by_first_slot(
+        self, rows: torch.Tensor, lens: torch.Tensor
+    ) -> list[tuple[int, int] | None]:
+        """Each request's prefix from its row's first slot (B ints read from the device)."""
+        r2t = self.req_to_token_pool.req_to_token
+        first = r2t[rows.to(r2t.device), 0].tolist()
+        store = self.beta_store
+        return [store.prefix_of(s) if n > 0 else None for s, n in zip(first, lens.tolist())]
+
+    def _checked(
+        self, marks: HostMarks, truth: list[tuple[int, int] | None]
+    ) -> list[tuple[int, int] | None]:
+        """`truth` (the slot look-up); a disagreement with the host marks is counted in
+        `BetaStore.mark_mismatches` and logged."""
+        if marks.prefixes != truth:
+            self.beta_store.mark_mismatches += 1
+            logger.error(
+                "sglang_ext: host marks %s disagree with the rows' first slots %s (rows %s); "
+                "serving the slot look-up",
+                marks.prefixes, truth, marks.rows,
+            )  # fmt: skip
+        return truth
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: Any) -> Any:

@@ -59,6 +59,9 @@ def test_shared_document_is_compacted_and_answers_hold(
         after = ask_all(srv, doc)
         log = Path(srv.log_path).read_text(errors="replace")
     assert "sglang_ext: installed compacted prefix" in log
+    # the backend decided on the host marks, and on CPU they agreed with every row's slots
+    assert "compacted requests are marked on the host" in log  # the marking hook ran
+    assert "disagree with the rows' first slots" not in log
     # the compacted prefix served every question (matched whole, logical length kept)
     for out in after:
         assert out["meta_info"]["cached_tokens"] >= logical, out["meta_info"]

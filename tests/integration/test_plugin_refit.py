@@ -119,6 +119,9 @@ def test_refit_replaces_the_fit_while_requests_run(prepared_model: Path, tmp_pat
     assert (t0, h0) == (t1, h1) and int(n0) == 2 and int(n1) == 4 and "refit 1" in tail1
     assert len(re.findall(r"installed compacted prefix hash=" + h0, log)) == 2
     assert "refit=1" in log
+    # requests on the old fit and on the refit were told apart on the host, as the rows say
+    assert "compacted requests are marked on the host" in log
+    assert "disagree with the rows' first slots" not in log
     assert service["compactor_compactions_total"] == 2, service  # not the cached first fit
     assert served_before >= 1 and len(results) > served_before
     # some request was running when the refit was swapped in, and was answered

@@ -16,12 +16,20 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_ext.config import INNER_ATTR
 from sglang_ext.factory import _create_attention_backend, inner_attention_backend
 from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
-from sglang_ext.wrapped_backend import CompactionBackend, graph_gate
+from sglang_ext.wrapped_backend import (
+    CompactionBackend,
+    HostMarks,
+    graph_gate,
+    mark_forward_batch,
+)
 from tests.unit.test_sglang_ext_attention import (
+    CHILD,
     H_KV,
     LAYERS,
+    PHYS,
     PLAIN_ROW,
     D,
+    T,
     full_row_reference,
     mixed_rows,
     real_runner,
@@ -217,3 +225,100 @@ def test_plugin_gates_both_graph_runners() -> None:
     assert sglang_ext._graph_gate(False, graph_runner, mixed) is None  # SGLang said no already
     plain = forward_batch([PLAIN_ROW], [1], [1], True)
     assert sglang_ext._graph_gate(True, graph_runner, plain) is None
+
+
+def schedule_batch(runner: Any, be: CompactionBackend, rows: list[list[int]]) -> Any:
+    """What `mark_forward_batch` reads of a ScheduleBatch: the tree cache's beta store, and
+    requests with their row and `last_node`. Request 1 sits on a real compacted node (its
+    prefix `T` tokens, the `PHYS` slots), request 2 on an ordinary child of it, request 0 on
+    a plain node off the root."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+    from sglang_ext.compacted_node import new_compacted_node
+
+    root = TreeNode()
+    node = new_compacted_node(root, list(range(T)), torch.tensor(PHYS), "h", "am-highest")
+    child, plain = TreeNode(), TreeNode()
+    child.parent, plain.parent = node, root
+    child.key, plain.key = RadixKey([1] * len(CHILD), None), RadixKey([2] * 6, None)
+    reqs = [SimpleNamespace(last_node=n) for n in (plain, node, child)]
+    return SimpleNamespace(tree_cache=SimpleNamespace(beta_store=be.beta_store), reqs=reqs,
+                           req_pool_indices_cpu=torch.tensor([1, 2, 3]))  # fmt: skip
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_host_marks_decide_without_reading_the_rows(decode: bool) -> None:
+    runner = real_runner()
+    be = wrapped(runner)
+    rows, q_lens = mixed_rows(runner, decode)
+    fb = forward_batch(rows, [1, 2, 3], q_lens, decode)
+    mark_forward_batch(fb, schedule_batch(runner, be, rows))
+    assert fb.compaction_marks == HostMarks([1, 2, 3], [None, (len(PHYS), T), (len(PHYS), T)])
+    slots = be.compacted_batch(SimpleNamespace(**{**vars(fb), "compaction_marks": None}))
+    fb.req_pool_indices = None  # the marks carry the rows: the device copy is never read
+    runner.req_to_token_pool.req_to_token = runner.req_to_token_pool.req_to_token.to("meta")
+    be.req_to_token_pool = runner.req_to_token_pool  # not on the CPU: no check either
+    marked = be.compacted_batch(fb)
+    assert marked is not None and slots is not None
+    assert marked.prefixes == slots.prefixes and torch.equal(marked.rows, slots.rows)
+    assert torch.equal(marked.seq_lens, slots.seq_lens) and torch.equal(marked.q_lens, slots.q_lens)
+    assert be.beta_store.mark_mismatches == 0
+
+
+def test_wrong_host_marks_are_counted_and_the_slots_serve() -> None:
+    runner = real_runner()
+    be = wrapped(runner)
+    rows, q_lens = mixed_rows(runner, True)
+    fb = forward_batch(rows, [1, 2, 3], q_lens, True)
+    fb.compaction_marks = HostMarks([1, 2, 3], [None, None, (len(PHYS), T)])  # request 1 missed
+    batch = be.compacted_batch(fb)
+    assert batch is not None and batch.prefixes == [None, (len(PHYS), T), (len(PHYS), T)]
+    assert be.beta_store.mark_mismatches == 1
+
+
+def test_no_marks_without_an_installed_prefix_or_a_row() -> None:
+    runner = real_runner()
+    be = wrapped(runner)
+    fb = SimpleNamespace()
+    sched = schedule_batch(runner, be, [])
+    mark_forward_batch(fb, sched)  # nothing installed yet
+    assert not hasattr(fb, "compaction_marks")
+    mixed_rows(runner, True)
+    sched.req_pool_indices_cpu = None  # no host rows: leave it to the slot look-up
+    mark_forward_batch(fb, sched)
+    assert not hasattr(fb, "compaction_marks")
+    sched.req_pool_indices_cpu = torch.tensor([1, 2])  # not one row per request
+    mark_forward_batch(fb, sched)
+    assert not hasattr(fb, "compaction_marks")
+
+
+def test_plugin_marks_every_forward_batch() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import sglang_ext
+
+    sglang_ext.register()
+    hooks = HookRegistry._hooks[
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+    ]
+    assert any(hook is sglang_ext._mark_batch for _, hook, _ in hooks)
+    runner = real_runner()
+    be = wrapped(runner)
+    rows, _ = mixed_rows(runner, True)
+    fb = SimpleNamespace()
+    sglang_ext._mark_batch(fb, object, schedule_batch(runner, be, rows), runner)
+    assert fb.compaction_marks.prefixes[0] is None and fb.compaction_marks.prefixes[2] is not None
+
+
+def test_a_failing_mark_never_reaches_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang_ext
+
+    runner = real_runner()
+    be = wrapped(runner)
+    mixed_rows(runner, True)
+    sched = schedule_batch(runner, be, [])
+    sched.req_pool_indices_cpu = object()  # SGLang changed under us: marking raises
+    monkeypatch.setattr(sglang_ext, "_mark_failed", False)
+    fb = SimpleNamespace()
+    sglang_ext._mark_batch(fb, object, sched, runner)
+    assert not hasattr(fb, "compaction_marks") and sglang_ext._mark_failed
