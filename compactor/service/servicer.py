@@ -33,7 +33,12 @@ class CompactorServicer(pb_grpc.CompactorServicer):
     ) -> AsyncIterator[pb.CompactChunk]:
         t0 = time.perf_counter()
         m = self.service.metrics
-        status = "OK"
+        status, counted = "OK", False
+
+        def count() -> None:
+            m.requests.labels(status=status).inc()
+            m.latency.observe(time.perf_counter() - t0)
+
         try:
             with self.gate.track():
                 job = job_from_request(request, self.service.config.auto_ratio)
@@ -60,11 +65,12 @@ class CompactorServicer(pb_grpc.CompactorServicer):
             raise
         except Exception as exc:
             code, details = status_for(exc, "Compact")
-            status = code.name
+            status, counted = code.name, True
+            count()  # before the abort: the client must not see the status before /metrics
             await context.abort(code, details)
         finally:
-            m.requests.labels(status=status).inc()
-            m.latency.observe(time.perf_counter() - t0)
+            if not counted:
+                count()
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
