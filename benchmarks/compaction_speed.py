@@ -38,18 +38,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._meta import provenance  # noqa: E402
 
 FIT_STAGES = ("selection", "beta", "values")
 STAGES = ("prefill", "queries", *FIT_STAGES)
@@ -142,42 +141,21 @@ def add_chunk_tokens(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def run_meta(device: str, threads: int) -> dict[str, Any]:
-    """The command, git commit, machine, device and date of this run."""
+def run_meta(device: str, threads: int, prov: dict[str, Any]) -> dict[str, Any]:
+    """The device and torch threads of this run; the command, commit, machine and date are
+    in `prov` (``benchmarks._meta.provenance``), stored beside it."""
     import torch
 
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
+    cuda = device.startswith("cuda")
+    name = torch.cuda.get_device_name(0) if cuda else prov["machine"]["cpu"]
+    return {"device": device, "device_name": name, "threads": threads}
 
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    dev_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else cpu_model
-    return {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "machine": {
-            "cpu": cpu_model,
-            "cores": __import__("os").cpu_count(),
-            "platform": platform.platform(),
-        },
-        "device": device,
-        "device_name": dev_name,
-        "torch": torch.__version__,
-        "threads": threads,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+
+def earlier_runs(old: dict[str, Any]) -> list[dict[str, Any]]:
+    """`old` result file's runs, for a run appended to it: its earlier runs, then its own
+    meta with its provenance."""
+    meta = old.get("meta", {})
+    return [*meta.get("earlier_runs", []), {**meta, "provenance": old.get("provenance")}]
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -268,8 +246,9 @@ def main() -> int:
         fus = [
             tok(" " + q, add_special_tokens=False).input_ids for q in many_questions(a.follow_ups)
         ]
+    prov = provenance()
     meta = {
-        **run_meta(a.device, a.threads),
+        **run_meta(a.device, a.threads, prov),
         "model": a.model,
         "ratio": a.ratio,
         "queries": a.queries,
@@ -277,9 +256,6 @@ def main() -> int:
         "follow_ups": len(fus or ()),
         "auto_chunk_tokens": limit,
     }
-    from benchmarks._meta import provenance
-
-    prov = provenance()
     records: list[dict[str, Any]] = []
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "compaction_speed.json"
@@ -287,7 +263,7 @@ def main() -> int:
     if a.append and path.is_file():
         old = json.loads(path.read_text())
         kept = old.get("records", [])
-        meta["earlier_runs"] = [*old["meta"].get("earlier_runs", []), old["meta"]]
+        meta["earlier_runs"] = earlier_runs(old)
     for T in [int(x) for x in a.lengths.split(",")]:
         ids = tok(make_niah(tok, T, seed=T).prefix, add_special_tokens=False).input_ids
         reuse: dict[Any, Any] = {}

@@ -46,6 +46,7 @@ from benchmarks._meta import provenance  # noqa: E402
 from benchmarks.compaction_speed import (  # noqa: E402
     StageClock,
     add_chunk_tokens,
+    earlier_runs,
     run_meta,
     timed_method,
 )
@@ -273,9 +274,10 @@ def main() -> int:
     skip = set(filter(None, a.skip.split(",")))
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / a.json_name
+    prov = provenance()
     result: dict[str, Any] = {
-        "provenance": provenance(),
-        "meta": {**run_meta(a.device, torch.get_num_threads()), "model_shape": shape},
+        "provenance": prov,
+        "meta": {**run_meta(a.device, torch.get_num_threads(), prov), "model_shape": shape},
         "doc": [],
         "big": [],
         "layer": None,
@@ -284,7 +286,7 @@ def main() -> int:
         old = json.loads(path.read_text())
         for step in skip & {"doc", "big", "layer"}:
             result[step] = old.get(step, result[step])
-        result["meta"]["earlier_runs"] = [*old["meta"].get("earlier_runs", []), old["meta"]]
+        result["meta"]["earlier_runs"] = earlier_runs(old)
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1))

@@ -29,7 +29,7 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(sys, "argv", argv)
     assert bench.main() == 0
     out = json.loads((tmp_path / "compaction_speed_gpu_smoke.json").read_text())
-    assert out["meta"]["device"] == "cpu" and out["meta"]["git_commit"]
+    assert out["meta"]["device"] == "cpu" and out["provenance"]["commit"]
     assert [r["method"] for r in out["doc"]] == ["am-highest", "am-omp-fast"]
     assert [(r["method"], r["T"]) for r in out["big"]] == [("am-highest", 512)]
     assert [r["chunk_size"] for r in (*out["doc"], *out["big"])] == [None, None, 300]
