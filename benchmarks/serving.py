@@ -108,7 +108,9 @@ def server_for(
             endpoint, ratio, a.method, min_hits=2, timeout_s=a.compaction_timeout
         )
     log = logs / f"sglang-{name.replace(' ', '-')}.log"
-    return SGLangServer(model, log, max_total_tokens=a.max_total_tokens, extra_args=extra)
+    return SGLangServer(
+        model, log, max_total_tokens=a.max_total_tokens, extra_args=extra, plugin=ratio is not None
+    )
 
 
 def warm_up(name: str, srv: Any, rows: list[Any]) -> float:

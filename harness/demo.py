@@ -277,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             log = logs / f"sglang-{name.replace(' ', '-')}.log"
             servers.append(
-                SGLangServer(model, log, max_total_tokens=args.max_total_tokens, extra_args=extra)
+                SGLangServer(
+                    model,
+                    log,
+                    max_total_tokens=args.max_total_tokens,
+                    extra_args=extra,
+                    plugin=ratio is not None,  # stock: the plugin not loaded at all
+                )
             )
         start_all(stack, servers)
         for (name, _), srv, rd in zip(configs, servers, readings):

@@ -26,6 +26,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from sglang_ext import ACTIVE_ENV
+
+PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry-point group for general plugins
+NO_PLUGIN = "none"  # an allow-list entry that names no installed plugin
+
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message has its log tail."""
@@ -36,6 +41,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def stock_plugins() -> str:
+    """The `SGLANG_PLUGINS` allow-list that loads every installed SGLang plugin but ours.
+
+    SGLang loads every plugin of its entry-point group unless `SGLANG_PLUGINS` names the ones
+    to load; an empty value means all. With no other plugin installed, the list names one that
+    does not exist, so that nothing is loaded.
+    """
+    from importlib.metadata import entry_points
+
+    from sglang_ext import PLUGIN_NAME
+
+    others = sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)} - {PLUGIN_NAME})
+    return ",".join(others) or NO_PLUGIN
 
 
 class ManagedProcess:
@@ -67,6 +87,7 @@ class ManagedProcess:
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("TRITON_INTERPRET", None)  # a test-only switch; servers must not inherit it
+        env.pop(ACTIVE_ENV, None)  # set by a server's own main process, never inherited
         env.update(self.env)
         return env
 
@@ -172,6 +193,8 @@ class SGLangServer(ManagedProcess):
         model_path: checkpoint directory.
         log_path: where the server's stdout/stderr go.
         device: "cpu" sets SGLANG_USE_CPU_ENGINE=1 and `--device cpu`.
+        plugin: False runs SGLang stock: the compaction plugin is not loaded at all
+            (`SGLANG_PLUGINS` lists every other installed plugin, see `stock_plugins`).
         max_total_tokens: KV pool size in tokens (on CPU the default pool takes ~14 GB).
         extra_args: more `launch_server` flags.
         startup_timeout: seconds to wait for `/health`.
@@ -183,6 +206,7 @@ class SGLangServer(ManagedProcess):
     max_total_tokens: int = 8192
     extra_args: list[str] = field(default_factory=list)
     startup_timeout: float = 240.0
+    plugin: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
@@ -208,6 +232,8 @@ class SGLangServer(ManagedProcess):
         env = super()._child_env()
         if self.device == "cpu":
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        if not self.plugin:
+            env["SGLANG_PLUGINS"] = stock_plugins()
         return env
 
     def generate(self, text: str, max_new_tokens: int = 16, **sampling: Any) -> dict[str, Any]:

@@ -2,19 +2,27 @@
 
 SGLang discovers this package through the `sglang.srt.plugins` entry point (see
 pyproject.toml) and calls `register()` early in every SGLang process (server, scheduler,
-detokenizer). Importing the package has no side effects; `register()` adds the plugin's
-backends to SGLang's registries and installs hooks through SGLang's own `HookRegistry`,
-which applies them after all plugins have run:
+detokenizer). Importing the package has no side effects. Off means off: without
+`--compaction-endpoint` the plugin adds its flags and nothing else (no backend, no hook that
+runs per request or per forward), so a server costs and answers as stock. `register()`
+installs hooks through SGLang's own `HookRegistry`, which applies them after all plugins
+have run. In every process:
 
-- AFTER `configure_logger`: announce the plugin in each process's log; the first call (the
-  main process, before it starts the others) also logs what the plugin changed in SGLang's
-  config (`sglang_ext.server_args.log_changes`).
+- AFTER `configure_logger`: announce the plugin in each process's log (with whether
+  compaction is on); the first call (the main process, before it starts the others) also
+  logs what the plugin changed in SGLang's config (`sglang_ext.server_args.log_changes`).
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
-- AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, store the config on the
-  record and select the `compaction` radix-cache backend and the `compaction` attention
-  backend, which wraps the user's `--attention-backend` (`sglang_ext.wrapped_backend`), and
-  resolve and fingerprint the checkpoint (a directory or a Hub ID in the local cache) before
-  any weights load; without it, nothing changes and SGLang runs stock.
+- AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, register the plugin's
+  backends, store the config on the record and select the `compaction` radix-cache backend
+  and the `compaction` attention backend, which wraps the user's `--attention-backend`
+  (`sglang_ext.wrapped_backend`), resolve and fingerprint the checkpoint (a directory or a
+  Hub ID in the local cache) before any weights load, and set `ACTIVE_ENV` in the main
+  process's environment, which the processes SGLang spawns next inherit; without it,
+  nothing changes and SGLang runs stock.
+
+Only in processes started with `ACTIVE_ENV` set (the scheduler of a server started with
+`--compaction-endpoint`), the backends and the serving hooks:
+
 - AFTER `can_run_graph` of SGLang's decode and prefill CUDA-graph runners: a batch with a
   compacted request runs eagerly (`wrapped_backend.graph_gate`); other batches replay the
   wrapped backend's graphs.
@@ -34,12 +42,15 @@ which applies them after all plugins have run:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-__all__ = ["PLUGIN_NAME", "register"]
+__all__ = ["ACTIVE_ENV", "PLUGIN_NAME", "register"]
 
 PLUGIN_NAME = "compaction"
 ANNOUNCEMENT = "sglang_ext: compaction plugin active"
+# set by the main process once --compaction-endpoint is parsed; the processes it spawns inherit it
+ACTIVE_ENV = "SGLANG_COMPACTION_ACTIVE"
 logger = logging.getLogger(__name__)
 _mark_failed = False  # set once marking raised: later forwards are left unmarked
 _registered = False
@@ -54,33 +65,48 @@ _GRAPH_RUNNERS = (
 
 
 def register() -> None:
-    """Entry point called by SGLang's plugin loader (idempotent)."""
+    """Entry point called by SGLang's plugin loader (idempotent): the flags always; the
+    backends and the serving hooks only in a process started with `ACTIVE_ENV` set."""
     global _registered
     if _registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ext.factory import register_backends
+    hooks = list(FLAG_HOOKS)
+    if active():
+        from sglang_ext.factory import register_backends
 
-    register_backends()
-    hooks = (
-        ("sglang.srt.utils.common.configure_logger", _announce),
-        ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args),
-        ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
-        ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
-        *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
-        *((f"{runner}.can_run_graph", _graph_gate) for runner in _GRAPH_RUNNERS),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _mark_batch),
-    )
+        register_backends()
+        hooks += SERVING_HOOKS
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
     _registered = True
 
 
+def installed_hooks() -> list[str]:
+    """The targets this plugin's hooks are registered on in this process, read from SGLang's
+    `HookRegistry` (short names: the last two parts of each target)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    ours = {hook for _, hook in (*FLAG_HOOKS, *SERVING_HOOKS)}
+    return sorted(
+        ".".join(target.split(".")[-2:])
+        for target, hooks in HookRegistry._hooks.items()
+        if any(hook in ours for _, hook, _ in hooks)
+    )
+
+
+def active() -> bool:
+    """Whether this process serves compacted prefixes (its server has --compaction-endpoint)."""
+    return os.environ.get(ACTIVE_ENV) == "1"
+
+
 def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on `configure_logger(server_args, prefix)`: log that the plugin is loaded in
     this process, then the config changes still noted on the record."""
-    logger.info(ANNOUNCEMENT)
+    logger.info("%s (%s; hooks: %s)", ANNOUNCEMENT,
+                "serving" if active() else "off: no --compaction-endpoint",
+                ", ".join(installed_hooks()))  # fmt: skip
     server_args = args[0] if args else kwargs.get("server_args")
     if server_args is not None:
         from sglang_ext.server_args import log_changes
@@ -103,10 +129,14 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     namespace = args[-1] if args else kwargs.get("args")
     cfg = config_from_namespace(namespace) if namespace is not None else None
     if cfg is not None:
-        apply_to_server_args(server_args, cfg)
-        from sglang_ext.factory import check_model
+        from sglang_ext.factory import check_model, register_backends
 
+        register_backends()
+        apply_to_server_args(server_args, cfg)
         check_model(server_args)  # a missing or weightless checkpoint fails before loading
+        os.environ[ACTIVE_ENV] = "1"  # the scheduler and detokenizer processes inherit it
+    else:
+        os.environ.pop(ACTIVE_ENV, None)  # never inherited from elsewhere: off means off
 
 
 def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -167,3 +197,18 @@ def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str 
     except (OSError, ValueError) as exc:
         logger.warning("sglang_ext: cannot fingerprint %s after a weight update: %s", path, exc)
         return None
+
+
+# The hooks every process installs, each AFTER its target: the flags and the announcement.
+FLAG_HOOKS: tuple[tuple[str, Any], ...] = (
+    ("sglang.srt.utils.common.configure_logger", _announce),
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
+)
+# The hooks a serving process (ACTIVE_ENV set) installs too, each AFTER its target.
+SERVING_HOOKS: tuple[tuple[str, Any], ...] = (
+    ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
+    *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
+    *((f"{runner}.can_run_graph", _graph_gate) for runner in _GRAPH_RUNNERS),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _mark_batch),
+)

@@ -47,6 +47,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"peer check: {nodeid} {outcome}")
 
 
+@pytest.fixture(autouse=True)
+def _plugin_marker_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that parses `--compaction-endpoint` in-process sets the plugin's marker in this
+    process's environment (`sglang_ext.ACTIVE_ENV`); it is undone after each test."""
+    from sglang_ext import ACTIVE_ENV
+
+    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+
+
 @pytest.fixture(scope="session")
 def prepared_model() -> Path:
     """Path of the prepared fp32 SmolLM2-135M checkpoint (converted on first use, ~40 s)."""

@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 def test_unreachable_endpoint_gives_stock_outputs(prepared_model: Path, tmp_path: Path) -> None:
     doc = document(60)
-    with SGLangServer(prepared_model, log_path=tmp_path / "stock.log", max_total_tokens=4096) as s:
+    with SGLangServer(
+        prepared_model, log_path=tmp_path / "stock.log", max_total_tokens=4096, plugin=False
+    ) as s:
         stock = ask_all(s, doc)
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     flags = compaction_args(dead, 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=5)

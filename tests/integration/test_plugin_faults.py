@@ -86,7 +86,7 @@ def stock(
     """Stock SGLang's output ids per mode's document (its server stops before the rig starts:
     the test asks for `stock` first)."""
     log = tmp_path_factory.mktemp("stock") / "stock.log"
-    with SGLangServer(prepared_model, log_path=log, max_total_tokens=8192) as srv:
+    with SGLangServer(prepared_model, log_path=log, max_total_tokens=8192, plugin=False) as srv:
         return {mode: _ask(srv, _doc(mode)) for mode in MODES}
 
 

@@ -207,12 +207,20 @@ def test_no_installed_prefix_costs_no_lookup() -> None:
     assert be.compacted_batch(fb) is None
 
 
-def test_plugin_gates_both_graph_runners() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
+def serving_registration(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`register()` as a serving process (started with --compaction-endpoint) runs it."""
     import sglang_ext
 
+    monkeypatch.setenv(sglang_ext.ACTIVE_ENV, "1")
+    monkeypatch.setattr(sglang_ext, "_registered", False)
     sglang_ext.register()
+    return sglang_ext
+
+
+def test_plugin_gates_both_graph_runners(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    sglang_ext = serving_registration(monkeypatch)
     for runner in sglang_ext._GRAPH_RUNNERS:
         hooks = HookRegistry._hooks[f"{runner}.can_run_graph"]
         assert any(hook is sglang_ext._graph_gate for _, hook, _ in hooks), runner
@@ -292,12 +300,10 @@ def test_no_marks_without_an_installed_prefix_or_a_row() -> None:
     assert not hasattr(fb, "compaction_marks")
 
 
-def test_plugin_marks_every_forward_batch() -> None:
+def test_plugin_marks_every_forward_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import sglang_ext
-
-    sglang_ext.register()
+    sglang_ext = serving_registration(monkeypatch)
     hooks = HookRegistry._hooks[
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
     ]
