@@ -2,11 +2,12 @@
 scheduler-log parser, the result record (its fields and JSON writer) and the plot.
 
 The 8B-shaped checkpoint: Llama-3-8B's shape (32 layers, hidden 4096, 32 query heads and 8
-KV heads of D = 128, MLP 14336, RoPE theta 500000) with random bf16 weights, but the vocabulary
-of the tokenizer it ships with (the embedded SmolLM2's, 49152 ids, copied from its prepared
-checkpoint) instead of Llama-3's 128256: every id the model can emit must be one the tokenizer
-decodes. That makes the embedding and LM head 0.2B parameters each instead of 0.53B (7.4B in
-all instead of 8.0B): 1.3 GB less read per decode step out of ~15 GB.
+KV heads of D = 128, MLP 14336, RoPE theta 500000) with random bf16 weights, and the embedded
+SmolLM2's vocabulary size (49152 ids) instead of Llama-3's 128256. That makes the embedding and
+LM head 0.2B parameters each instead of 0.53B (7.4B in all instead of 8.0B): 1.3 GB less read
+per decode step out of ~15 GB. The SmolLM2-shaped one (`SMOLLM2`) has the embedded model's
+shape with random weights. Neither needs a tokenizer: servers run with
+`--skip-tokenizer-init`, ids in and ids out, so no model file has to travel to a GPU machine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "SMOLLM2",
     "TOKENIZER_FILES",
     "DecodeLine",
     "GpuServingResult",
@@ -51,6 +53,7 @@ class LlamaShape:
     head_dim: int = 128
     max_positions: int = 40960
     rope_theta: float = 500000.0
+    vocab: int = 49152
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim"):
@@ -59,8 +62,9 @@ class LlamaShape:
         if self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
 
-    def tensors(self, vocab: int) -> dict[str, tuple[int, ...]]:
+    def tensors(self, vocab: int | None = None) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape, in HF Llama naming (untied LM head)."""
+        vocab = self.vocab if vocab is None else vocab
         h, q, kv, m = (
             self.hidden,
             self.heads * self.head_dim,
@@ -84,27 +88,35 @@ class LlamaShape:
         return out | {"model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
 
 
+LLAMA3_8B = LlamaShape()  # vocabulary aside (see the module doc)
+# The embedded SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of D = 64, tied embeddings
+# aside: the random checkpoint has its own LM head).
+SMOLLM2 = LlamaShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
+                     max_positions=8192, rope_theta=100000.0)  # fmt: skip
+
+
 def make_model(
     out: Path,
-    tokenizer_dir: Path,
+    tokenizer_dir: Path | None,
     shape: LlamaShape,
     device: str = "cuda",
     dtype: str = "bfloat16",
     seed: int = 0,
     shard_bytes: int = 4 << 30,
 ) -> dict[str, Any]:
-    """Write a random-weight Llama checkpoint (config.json, safetensors shards + index,
-    tokenizer files copied from `tokenizer_dir`) to `out`; returns its summary.
+    """Write a random-weight Llama checkpoint (config.json, safetensors shards + index, and
+    the tokenizer files of `tokenizer_dir` when given) to `out`; returns its summary.
 
     Weights are N(0, 0.02) (norms 1), drawn on `device` tensor by tensor and moved to the host
-    shard by shard, so host memory holds at most one shard. Vocabulary = the tokenizer's.
+    shard by shard, so host memory holds at most one shard. Vocabulary: the tokenizer's when
+    given, else `shape.vocab` (serve it with `--skip-tokenizer-init`).
     """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    vocab = len(tok)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
+    vocab = len(tok) if tok is not None else shape.vocab
     torch_dtype = getattr(torch, dtype)
     out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
@@ -119,15 +131,16 @@ def make_model(
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id if tok is not None else 1,
+        eos_token_id=tok.eos_token_id if tok is not None else 2,
         dtype=dtype,
         architectures=["LlamaForCausalLM"],
     )
     config.save_pretrained(str(out))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out / name)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, out / name)
     gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, Any] = {}

@@ -1,35 +1,45 @@
-"""A real SGLang server with the plugin on a GPU machine: the issue's GPU done-when figures.
+"""A real SGLang server with the plugin on a GPU machine: the GPU serving figures, one run.
 
-    python -m benchmarks.gpu_serving make-model --out DIR [--tokenizer DIR] [--tiny --device cpu]
-    python -m benchmarks.gpu_serving identity --state S      # SmolLM2: stock vs keep-only ratio 1
-    python -m benchmarks.gpu_serving stock8b --model DIR --state S   # 8B-shaped, stock
-    python -m benchmarks.gpu_serving plugin8b --model DIR --state S  # 8B-shaped, plugin
-    python -m benchmarks.gpu_serving report --state S --out DIR      # gpu_serving.json + .png
+    python -m benchmarks.gpu_serving run --state S --out DIR [--cpu-smoke]   # all three phases
+    python -m benchmarks.gpu_serving report --state S --out DIR              # re-merge records
+    python -m benchmarks.gpu_serving argv                                    # every server's flags
 
-Run by scripts/gpu_serving.sh (which sets up SGLang, FlashInfer and the check-only sgl_kernel
-stand-in on the machine). Every server gets `--attention-backend flashinfer` and keeps CUDA
-graphs on; what SGLang reports (`/server_info`, and `cuda graph:` on each decode log line) is
-recorded. Phases (each writes S/<phase>.json, so they can run in separate calls):
+Run by scripts/gpu_serving.sh, which sets up SGLang, FlashInfer and the check-only sgl_kernel
+stand-in on a machine without network. `run` makes two random-weight checkpoints (no
+tokenizer: every server runs with `--skip-tokenizer-init`, ids in and ids out), then runs the
+phases in order within `--budget-s`, writing each phase's record (S/<phase>.json) and the
+merged gpu_serving.json + .png as each ends:
 
-- identity: SmolLM2-135M (bf16), a stock server and a plugin server (`keep-only` at ratio 1:
-  every key kept, beta 0; its selection am-highest's top scores) on one `compactor serve
-  --device cuda`. The plugin server is asked
-  the needle document's questions until its prefix is installed; then both answer the seen
-  and unseen questions greedily: identity_outputs_equal = every answer's tokens equal.
-- stock8b / plugin8b (the random 8B-shaped checkpoint of `make-model`, one server at a time):
+- identity: the SmolLM2-shaped model (bf16); a stock server (the plugin not loaded) and a
+  plugin server whose fit is `keep-only` at ratio 1 (every key, beta 0), on one
+  `compactor serve --device cuda`. The plugin server is asked two questions about a random
+  document, then its prefix is installed. Random weights make greedy ties likely, so the
+  figure compares log-probabilities: each question is sent with a fixed 16-token answer and
+  SGLang scores those tokens (`input_token_logprobs`). The identity server must stay within
+  `LOGPROB_TOL` of stock on every scored token, and move at most half as far as the same
+  answers move, on average, when stock reads another document (the control: a random model
+  depends little on its context, so the check must show the document still counts). Greedy
+  16-token answers are recorded beside it.
+- stock8b / plugin8b (the 8B-shaped checkpoint, one server at a time; stock = the plugin not
+  loaded):
   1. idle decode: 64 distinct random 256-token prompts at once, 256 tokens each (ignore_eos),
-     twice (the second burst, other prompts, is the figure); decode tokens/s = median of the
-     scheduler's `gen throughput` over full-batch lines. The plugin server runs it before
-     anything is compacted.
+     twice (the second burst is the figure); decode tokens/s = median of the scheduler's
+     `gen throughput` over full-batch lines. The plugin server runs it before anything is
+     compacted.
   2. /flush_cache, then the 32k-token shared prefix: two warm-up requests (prefix + its own
      32-token question, 1 token out); the plugin sends the prefix to the service (ratio 0.1,
      am-highest in 1024-token chunks) and installs it. KV slots held (pool - free, SGLang's
-     own counters) once idle: the prefix's slots plus the two short tails, on both servers.
+     own counters) once idle, on both servers.
   3. 64 requests at once (prefix + question i, 128 tokens out, ignore_eos): decode step =
      median over full-batch log lines of 64 / gen throughput.
 
-Ratios: idle_plugin_throughput_ratio = plugin / stock tokens/s; prefix_slots_ratio = stock /
-plugin slots held; decode_step_ratio = plugin / stock step time.
+Every GPU server gets `--attention-backend flashinfer` and decode CUDA graphs for the batch
+sizes the run uses (`DECODE_GRAPH_BS`; other sizes pad up); prefill graphs are off
+(`--disable-prefill-cuda-graph`: 58 captured sizes cost ~37 s a start and no figure reads
+them). What SGLang reports (`/server_info`, `cuda graph:` on each decode line) is recorded.
+Where torch is not the version SGLang's wheel was built for, the servers use SGLang's
+pure-Python radix tree core (`tree_core_env`): the wheel's compiled core reads tensors of
+another torch at the wrong offsets.
 """
 
 from __future__ import annotations
@@ -37,12 +47,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import signal
 import sys
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,19 +58,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._gpu_serving_lib import (  # noqa: E402
+    LLAMA3_8B,
+    SMOLLM2,
     GpuServingResult,
     LlamaShape,
-    decode_lines,
     make_model,
     plot_result,
-    step_time_s,
 )
+from benchmarks._gpu_serving_phases import (  # noqa: E402
+    burst,
+    flush_cache,
+    generate_ids,
+    random_ids,
+    score_ids,
+    server_facts,
+)
+
+PHASES = ("identity", "stock8b", "plugin8b")
+DECODE_GRAPH_BS = (1, 2, 4, 8, 16, 32, 64)
+LOGPROB_TOL = 0.05  # nats: identity vs stock, each scored token
+CONTROL_FRACTION = 0.5  # identity's largest shift <= this x the control's mean shift
 
 
 @dataclass(frozen=True)
 class Workload:
     """The phases' sizes and device (GPU: the issue's; `--cpu-smoke`: the same code path on
-    a CPU SGLang server, tiny, to check the script's plumbing without a GPU)."""
+    a CPU SGLang server with toy models, to check the run's plumbing without a GPU)."""
 
     device: str = "cuda"
     batch: int = 64
@@ -72,125 +92,167 @@ class Workload:
     idle_prompt: int = 256
     idle_out: int = 256
     prefix_out: int = 128
+    identity_doc: int = 2048
+    identity_questions: int = 6
+    answer_tokens: int = 16
+    small: LlamaShape = SMOLLM2
+    big: LlamaShape = LLAMA3_8B
 
 
+TINY = LlamaShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                  max_positions=4096, vocab=512)  # fmt: skip
 GPU = Workload()
 CPU_SMOKE = Workload("cpu", batch=4, prefix_tokens=1024, idle_prompt=64, idle_out=24,
-                     prefix_out=24)  # fmt: skip
-TINY = LlamaShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
-                  max_positions=2048)  # fmt: skip
+                     prefix_out=24, identity_doc=512, identity_questions=3, answer_tokens=8,
+                     small=TINY, big=TINY)  # fmt: skip
+
+
+def tree_core_env(torch_version: str | None = None) -> dict[str, str]:
+    """Environment for SGLang servers with `torch_version` (default: the installed torch): the
+    pure-Python radix tree core where it is not the torch SGLang's wheel pins (and its compiled
+    core was built against); nothing otherwise."""
+    import re
+    from importlib.metadata import requires
+
+    if torch_version is None:
+        import torch
+
+        torch_version = str(torch.__version__)
+    pins = [r for r in requires("sglang") or [] if re.match(r"torch\s*==", r)]
+    pinned = pins[0].split("==", 1)[1].split(";")[0].strip() if pins else None
+    if pinned is None or torch_version.split("+", 1)[0] == pinned:
+        return {}
+    return {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 
 
 def server_args(a: argparse.Namespace) -> list[str]:
     """Flags every server gets (stock and plugin alike)."""
     w: Workload = a.w
-    common = ["--enable-metrics", "--decode-log-interval", "1",
+    common = ["--skip-tokenizer-init", "--enable-metrics", "--decode-log-interval", "1",
               "--max-running-requests", str(w.batch)]  # fmt: skip
     if w.device == "cpu":
         return ["--attention-backend", "torch_native", *common]
     return [
         "--attention-backend", "flashinfer", *common,
         "--mem-fraction-static", str(a.mem_fraction),
-        "--cuda-graph-max-bs", str(w.batch),
+        "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BS),
+        "--disable-prefill-cuda-graph",
     ]  # fmt: skip
 
 
-def server_facts(srv: Any) -> dict[str, Any]:
-    """What SGLang itself reports: its attention backends and whether CUDA graphs are on."""
-    info = json.loads(urllib.request.urlopen(srv.url + "/server_info", timeout=30).read())
-    found: dict[str, Any] = {}
+def servers(a: argparse.Namespace, phase: str, endpoint: str, model: Path) -> dict[str, Any]:
+    """The SGLang servers of `phase` (not started), by name: what the phase runs, and what
+    `argv` prints for the preflight to parse."""
+    from harness.launch import SGLangServer
+    from harness.workload import compaction_args
 
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            for k, v in x.items():
-                if k in ("attention_backend", "decode_attention_backend",
-                         "prefill_attention_backend", "disable_cuda_graph"):  # fmt: skip
-                    found.setdefault(k, v)
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(info)
-    return found
-
-
-def generate_ids(url: str, ids: list[int], max_new: int, ignore_eos: bool = True) -> dict[str, Any]:
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {
-            "max_new_tokens": max_new,
-            "temperature": 0.0,
-            "ignore_eos": ignore_eos,
-        },
-    }
-    req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=1200) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
-
-
-def burst(srv: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
-    """Send every prompt at once; the scheduler log's full-batch decode lines give the speed."""
-    offset = Path(srv.log_path).stat().st_size
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        outs = list(pool.map(lambda p: generate_ids(srv.url, p, max_new), prompts))
-    wall = time.perf_counter() - t0
-    with open(srv.log_path, "rb") as f:
-        f.seek(offset)
-        lines = decode_lines(f.read().decode(errors="replace"))
-    full = [x for x in lines if x.running == len(prompts)]
-    step = step_time_s(lines, len(prompts))
-    return {
-        "wall_s": wall,
-        "output_tokens": sum(len(o.get("output_ids", [])) for o in outs),
-        "full_batch_lines": len(full),
-        "decode_tokens_per_s": None if step is None else len(prompts) / step,
-        "decode_step_s": step,
-        "cuda_graph_lines": sum(x.cuda_graph for x in full),
-    }
-
-
-def flush_cache(url: str) -> None:
-    """Empty the radix cache (SGLang answers plain text; 400 while requests are running)."""
-    req = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}/flush_cache answered {resp.status}: {resp.read()[:200]!r}")
-
-
-def random_ids(n: int, seed: int, vocab: int, low: int = 100) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(low, vocab) for _ in range(n)]
-
-
-def eight_b(a: argparse.Namespace, plugin: bool) -> dict[str, Any]:
-    from harness.launch import CompactorService, SGLangServer, start_all
-    from harness.pool import read_pool
-    from harness.workload import compaction_args, wait_for_compactions
-
-    vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
-    name = "plugin8b" if plugin else "stock8b"
-    logs = a.state / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     w: Workload = a.w
-    rec: dict[str, Any] = {"phase": name, "model": str(a.model), "workload": asdict(w)}
+    env = tree_core_env()
+    logs = a.state / "logs"
+    if phase == "identity":
+        ident = [*compaction_args(endpoint, a.identity_ratio, "keep-only", min_hits=2,
+                                  timeout_s=a.compaction_timeout),
+                 "--compaction-param", 'inner="am-highest"']  # fmt: skip
+        return {
+            name: SGLangServer(
+                model,
+                logs / f"sglang-identity-{name}.log",
+                device=w.device,
+                max_total_tokens=4 * w.identity_doc,
+                extra_args=server_args(a) + extra,
+                startup_timeout=540,
+                plugin=bool(extra),
+                env=env,
+            )
+            for name, extra in (("stock", []), ("identity", ident))
+        }
+    plugin = phase == "plugin8b"
+    extra = server_args(a)
+    if plugin:
+        extra += compaction_args(endpoint, a.ratio, a.method, min_hits=2,
+                                 timeout_s=a.compaction_timeout)  # fmt: skip
+        extra += ["--compaction-chunk-size", str(a.chunk_size)]
+    return {
+        phase: SGLangServer(model, logs / f"sglang-{phase}.log", device=w.device,
+                            max_total_tokens=a.max_total_tokens or w.prefix_tokens + 20000,
+                            extra_args=extra, startup_timeout=600, plugin=plugin, env=env)
+    }  # fmt: skip
+
+
+def _service(a: argparse.Namespace, stack: contextlib.ExitStack, model: Path, name: str) -> Any:
+    from harness.launch import CompactorService, start_all
+
+    svc = CompactorService(model, a.state / "logs" / f"compactor-{name}.log", in_process=True,
+                           extra_args=["--device", a.w.device], startup_timeout=600)  # fmt: skip
+    start_all(stack, [svc])
+    return svc
+
+
+def identity(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    from harness.launch import start_all
+    from harness.workload import wait_for_compactions
+
+    w: Workload = a.w
+    vocab = w.small.vocab
+    doc, other = random_ids(w.identity_doc, 1, vocab), random_ids(w.identity_doc, 2, vocab)
+    qs = [random_ids(w.question_tokens, 10 + i, vocab) for i in range(w.identity_questions)]
+    answers = [random_ids(w.answer_tokens, 50 + i, vocab) for i in range(len(qs))]
     with contextlib.ExitStack() as stack:
-        extra = server_args(a)
-        if plugin:
-            svc = CompactorService(a.model, logs / "compactor-8b.log", in_process=True,
-                                   extra_args=["--device", a.w.device], startup_timeout=600)  # fmt: skip
-            start_all(stack, [svc])
-            extra += compaction_args(svc.endpoint, a.ratio, a.method, min_hits=2,
-                                     timeout_s=a.compaction_timeout)  # fmt: skip
-            # am-highest on one 32k chunk takes minutes a layer on an H100 (README's GPU
-            # table: 24.6 s at 16k); 1k chunks take ~0.05 s a layer
-            extra += ["--compaction-chunk-size", str(a.chunk_size)]
-        srv = SGLangServer(a.model, logs / f"sglang-{name}.log", device=w.device,
-                           max_total_tokens=a.max_total_tokens, extra_args=extra,
-                           startup_timeout=600)  # fmt: skip
+        svc = _service(a, stack, model, "identity")
+        srv = servers(a, "identity", svc.endpoint, model)
+        start_all(stack, list(srv.values()))
+        for q in qs[:2]:
+            generate_ids(srv["identity"].url, doc + q, 1)
+        comp = wait_for_compactions(srv["identity"], 1, a.compaction_timeout, progress=True)
+        scores = {
+            name: [score_ids(s.url, doc + q, ans) for q, ans in zip(qs, answers)]
+            for name, s in srv.items()
+        }
+        control = [score_ids(srv["stock"].url, other + q, ans) for q, ans in zip(qs, answers)]
+        greedy = {
+            name: [generate_ids(s.url, doc + q, w.answer_tokens)["output_ids"] for q in qs]
+            for name, s in srv.items()
+        }
+        facts = {name: server_facts(s) for name, s in srv.items()}
+    installed = comp.get("installed_total", 0) >= 1
+    shift = [abs(x - y) for a_, b_ in zip(scores["stock"], scores["identity"])
+             for x, y in zip(a_, b_)]  # fmt: skip
+    ctrl = [abs(x - y) for a_, b_ in zip(scores["stock"], control) for x, y in zip(a_, b_)]
+    max_shift, mean_ctrl = max(shift), sum(ctrl) / len(ctrl)
+    within = max_shift <= LOGPROB_TOL and max_shift <= CONTROL_FRACTION * mean_ctrl
+    log_text = Path(srv["identity"].log_path).read_text(errors="replace")
+    return {
+        "phase": "identity",
+        "model": str(model),
+        "compaction": comp,
+        "logprob_max_abs_diff": max_shift,
+        "control_mean_abs_diff": mean_ctrl,
+        "logprob_tolerance": {"abs": LOGPROB_TOL, "of_control": CONTROL_FRACTION},
+        "scores": scores,
+        "greedy_equal_per_question": [x == y for x, y in zip(*greedy.values())],
+        "greedy": greedy,
+        # None (not measured) unless the identity fit was installed: a fallback serves the
+        # uncompacted prefix, whose scores equal stock's trivially
+        "identity_outputs_equal": within if installed else None,
+        "rejections": [ln for ln in log_text.splitlines() if "compaction result rejected" in ln],
+        "server": facts,
+        "backends": [str(f.get("attention_backend")) for f in facts.values()],
+        "cuda_graphs": [not f.get("disable_cuda_graph", False) for f in facts.values()],
+    }
+
+
+def eight_b(a: argparse.Namespace, model: Path, plugin: bool) -> dict[str, Any]:
+    from harness.launch import start_all
+    from harness.pool import read_pool
+    from harness.workload import wait_for_compactions
+
+    w: Workload = a.w
+    vocab = w.big.vocab
+    name = "plugin8b" if plugin else "stock8b"
+    rec: dict[str, Any] = {"phase": name, "model": str(model), "workload": asdict(w)}
+    with contextlib.ExitStack() as stack:
+        endpoint = _service(a, stack, model, name).endpoint if plugin else "unused:0"
+        srv = servers(a, name, endpoint, model)[name]
         start_all(stack, [srv])
         facts = server_facts(srv)
         rec["server"] = facts
@@ -220,78 +282,6 @@ def eight_b(a: argparse.Namespace, plugin: bool) -> dict[str, Any]:
     return rec
 
 
-def identity(a: argparse.Namespace) -> dict[str, Any]:
-    from compactor.models import prepare_model
-    from harness.launch import CompactorService, SGLangServer, start_all
-    from harness.workload import (
-        compaction_args,
-        document,
-        prompt,
-        questions,
-        unseen_questions,
-        wait_for_compactions,
-    )
-
-    model = prepare_model("smollm2-135m", dtype="bfloat16")
-    logs = a.state / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    doc = document()
-    with contextlib.ExitStack() as stack:
-        svc = CompactorService(model, logs / "compactor-smollm2.log", in_process=True,
-                               extra_args=["--device", a.w.device])  # fmt: skip
-        start_all(stack, [svc])
-        servers = {}
-        for name, extra in (
-            ("stock", []),
-            ("identity", [*compaction_args(svc.endpoint, a.identity_ratio, "keep-only", min_hits=2,
-                                           timeout_s=a.compaction_timeout),
-                          "--compaction-param", 'inner="am-highest"']),
-        ):  # fmt: skip
-            servers[name] = SGLangServer(model, logs / f"sglang-smollm2-{name}.log",
-                                         device=a.w.device, max_total_tokens=16384,
-                                         extra_args=server_args(a) + extra,
-                                         startup_timeout=540)  # fmt: skip
-            start_all(stack, [servers[name]])
-        ident = servers["identity"]
-        for q in questions()[:2]:
-            ident.generate(prompt(doc, q), max_new_tokens=1)
-        comp = wait_for_compactions(ident, 1, a.compaction_timeout, progress=True)
-        asked = [*questions(), *unseen_questions()]
-        answers = {
-            name: [srv.generate(prompt(doc, q), max_new_tokens=32)["output_ids"] for q in asked]
-            for name, srv in servers.items()
-        }
-        facts = {name: server_facts(srv) for name, srv in servers.items()}
-    installed = comp.get("installed_total", 0) >= 1
-    log_text = Path(servers["identity"].log_path).read_text(errors="replace")
-    rejections = [ln for ln in log_text.splitlines() if "compaction result rejected" in ln]
-    same = [x == y for x, y in zip(answers["stock"], answers["identity"])]
-    # where each answer first leaves stock's (None: equal): bf16 rounding of the service's
-    # KV vs SGLang's own shows as late divergences, a wrong install as early ones
-    first_diff = [
-        None
-        if x == y
-        else next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        for x, y in zip(answers["stock"], answers["identity"])
-    ]
-    return {
-        "phase": "identity",
-        "model": str(model),
-        "compaction": comp,
-        "questions": asked,
-        "equal_per_question": same,
-        "first_diff_per_question": first_diff,
-        "answers": answers,
-        # None (not measured) unless the identity fit was installed: a fallback serves the
-        # uncompacted prefix, whose answers equal stock's trivially
-        "identity_outputs_equal": all(same) if installed else None,
-        "rejections": rejections,
-        "server": facts,
-        "backends": [str(f.get("attention_backend")) for f in facts.values()],
-        "cuda_graphs": [not f.get("disable_cuda_graph", False) for f in facts.values()],
-    }
-
-
 def device_name() -> str:
     import torch
 
@@ -304,14 +294,14 @@ def report(a: argparse.Namespace) -> GpuServingResult:
 
     parts = {p.stem: json.loads(p.read_text()) for p in sorted(a.state.glob("*.json"))}
     stock, plug = parts.get("stock8b"), parts.get("plugin8b")
-    if stock and plug:
+    if stock and plug and "error" not in stock and "error" not in plug:
         s_idle, p_idle = stock["idle"]["decode_tokens_per_s"], plug["idle"]["decode_tokens_per_s"]
         s_held, p_held = stock["pool_after_warmup"]["held"], plug["pool_after_warmup"]["held"]
         s_step, p_step = stock["prefix"]["decode_step_s"], plug["prefix"]["decode_step_s"]
         plug["idle_plugin_throughput_ratio"] = p_idle / s_idle if s_idle and p_idle else None
         plug["prefix_slots_ratio"] = s_held / p_held if p_held else None
         plug["decode_step_ratio"] = p_step / s_step if s_step and p_step else None
-    ordered = [parts[k] for k in ("identity", "stock8b", "plugin8b") if k in parts]
+    ordered = [parts[k] for k in PHASES if k in parts]
     res = GpuServingResult.merge(a.device or device_name(), ordered)
     res.provenance = provenance(module="benchmarks.gpu_serving")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -320,43 +310,73 @@ def report(a: argparse.Namespace) -> GpuServingResult:
     return res
 
 
+def models(a: argparse.Namespace) -> dict[str, Path]:
+    """The two random checkpoints under the state folder, made once."""
+    out = {}
+    for key, shape in (("small", a.w.small), ("big", a.w.big)):
+        path = a.state / f"model-{key}"
+        if not (path / "random_model.json").is_file():
+            make_model(path, None, shape, device=a.w.device, dtype=a.dtype)
+        out[key] = path
+    return out
+
+
+def run(a: argparse.Namespace) -> int:
+    """Every phase in order within `a.budget_s`; each record and the merged report are
+    written as each phase ends. Returns the number of phases that failed or did not run."""
+    t0 = time.monotonic()
+    (a.state / "logs").mkdir(parents=True, exist_ok=True)
+    paths = models(a)
+    bad = 0
+    for phase in PHASES:
+        left = a.budget_s - (time.monotonic() - t0)
+        if left < a.min_phase_s:
+            print(f"=== {phase}: not run, {left:.0f} s left of --budget-s", flush=True)
+            bad += 1
+            continue
+        print(f"=== {phase} ({time.monotonic() - t0:.0f} s into the run)", flush=True)
+        try:
+            if phase == "identity":
+                rec = identity(a, paths["small"])
+            else:
+                rec = eight_b(a, paths["big"], plugin=phase == "plugin8b")
+        except Exception as exc:  # one phase failing must not lose the others' records
+            bad += 1
+            rec = {"phase": phase, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
+            print(f"  [{phase}] failed: {rec['error'][-1500:]}", flush=True)
+        rec["seconds"] = time.monotonic() - t0
+        (a.state / f"{phase}.json").write_text(json.dumps(rec, indent=1))
+        res = report(a)
+        print(f"  [{phase}] done at {rec['seconds']:.0f} s; checks so far {res.checks()}")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    mm = sub.add_parser("make-model", help="random-weight Llama checkpoint (8B-shaped)")
-    mm.add_argument("--out", type=Path, required=True)
-    mm.add_argument("--tokenizer", type=Path, default=None,
-                    help="directory with tokenizer files (default: prepared smollm2-135m)")  # fmt: skip
-    mm.add_argument("--device", default="cuda")
-    mm.add_argument("--dtype", default="bfloat16")
-    mm.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (CPU smoke test)")
-    for name in ("identity", "stock8b", "plugin8b", "report"):
+    for name in ("run", "report", "argv"):
         p = sub.add_parser(name)
-        p.add_argument("--state", type=Path, required=True, help="phase records go here")
-        p.add_argument("--model", type=Path, default=None)
+        p.add_argument("--state", type=Path, default=Path("/tmp/gpu_serving/state"),
+                       help="phase records, models and logs go here")  # fmt: skip
         p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
         p.add_argument("--device", default=None, help="report: the machine's name")
+        p.add_argument("--cpu-smoke", action="store_true", help="toy models, a CPU server")
+        p.add_argument("--budget-s", type=float, default=540.0, help="run: all phases within")
+        p.add_argument("--min-phase-s", type=float, default=60.0,
+                       help="run: a phase starts only with this much of the budget left")  # fmt: skip
+        p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--mem-fraction", type=float, default=0.88)
-        p.add_argument("--max-total-tokens", type=int, default=GPU.prefix_tokens + 20000)
-        p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, a CPU server")
+        p.add_argument("--max-total-tokens", type=int, default=None)
         p.add_argument("--ratio", type=float, default=0.1)
         p.add_argument("--method", default="am-highest")
-        p.add_argument("--compaction-timeout", type=float, default=600.0)
+        p.add_argument("--compaction-timeout", type=float, default=300.0)
         p.add_argument("--chunk-size", type=int, default=1024, help="plugin8b's chunks")
         p.add_argument("--identity-ratio", type=float, default=1.0,
                        help="identity's keep-only ratio (1: every key)")  # fmt: skip
     a = ap.parse_args(argv)
     # `timeout` sends SIGTERM: exit through the ExitStacks so the servers' groups are killed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.cmd == "make-model":
-        tok = a.tokenizer
-        if tok is None:
-            from compactor.models import prepare_model
-
-            tok = prepare_model("smollm2-135m", dtype="bfloat16")
-        shape = TINY if a.tiny else LlamaShape()
-        print(json.dumps(make_model(a.out, tok, shape, device=a.device, dtype=a.dtype)))
-        return 0
+    a.w = CPU_SMOKE if a.cpu_smoke else GPU
     if a.cmd == "report":
         res = report(a)
         print(
@@ -364,17 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("checks:", res.checks())
         return 0
+    if a.cmd == "argv":  # every server's launch_server flags, for the preflight to parse
+        model = Path("/nonexistent/model")
+        flags = {name: {"plugin": s.plugin, "flags": s.command()[3:]} for phase in PHASES
+                 for name, s in servers(a, phase, "127.0.0.1:1", model).items()}  # fmt: skip
+        print(json.dumps(flags))
+        return 0
     a.state.mkdir(parents=True, exist_ok=True)
-    a.w = CPU_SMOKE if a.cpu_smoke else GPU
-    if a.cmd == "identity":
-        rec = identity(a)
-    else:
-        if a.model is None:
-            ap.error(f"{a.cmd} needs --model (the make-model directory)")
-        rec = eight_b(a, plugin=a.cmd == "plugin8b")
-    (a.state / f"{a.cmd}.json").write_text(json.dumps(rec, indent=1))
-    print(f"wrote {a.state / (a.cmd + '.json')}")
-    return 0
+    return 1 if run(a) else 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._gpu_serving_lib import GpuServingResult, decode_lines, step_time_s
+from benchmarks._gpu_serving_lib import GpuServingResult, decode_lines, make_model, step_time_s
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "scripts" / "gpu_standin" / "sgl_kernel"
@@ -51,8 +51,8 @@ def test_standin_is_marked_check_only(sk: ModuleType) -> None:
     assert sk.__standin__ is True
     assert "CHECK-ONLY" in (sk.__doc__ or "")
     with pytest.raises(AttributeError, match="check-only GPU stand-in"):
-        _ = sk.merge_state_v2
-    for op in (sk.int8_scaled_mm, sk.moe_sum, sk.quantization.ggml_dequantize,
+        _ = sk.not_an_sgl_kernel_op  # no catch-all: only names SGLang imports exist
+    for op in (sk.int8_scaled_mm, sk.moe_sum, sk.merge_state_v2, sk.quantization.ggml_dequantize,
                sk.kvcacheio.transfer_kv_per_layer):  # fmt: skip
         with pytest.raises(NotImplementedError, match="stand-in"):
             op()
@@ -149,6 +149,7 @@ torch.cuda.device_count = lambda: 1
 torch.version.cuda = "13.0"
 import sglang.srt.models.llama, sglang.srt.layers.sampler
 import sglang.srt.layers.attention.flashinfer_backend, sglang.srt.model_executor.model_runner
+import sglang.srt.layers.attention.triton_backend  # sgl_kernel.utils.is_arch_support_pdl
 import sglang.srt.managers.scheduler, sglang.srt.mem_cache.memory_pool
 import sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor
 print("ok")
@@ -160,13 +161,12 @@ print("ok")
 def test_make_model_tiny_on_cpu(tmp_path: Path) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from benchmarks.gpu_serving import main
+    from benchmarks.gpu_serving import TINY
     from compactor.models import prepare_model
 
     tok_dir = prepare_model("smollm2-135m")
     out = tmp_path / "m"
-    assert main(["make-model", "--out", str(out), "--tiny", "--device", "cpu",
-                 "--tokenizer", str(tok_dir)]) == 0  # fmt: skip
+    make_model(out, tok_dir, TINY, device="cpu")
     tok = AutoTokenizer.from_pretrained(str(out))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == len(tok) and cfg["num_key_value_heads"] == 2
@@ -180,6 +180,24 @@ def test_make_model_tiny_on_cpu(tmp_path: Path) -> None:
     w = model.model.layers[0].self_attn.q_proj.weight
     assert 0.01 < float(w.detach().std()) < 0.03  # N(0, 0.02)
     assert torch.equal(model.model.norm.weight, torch.ones(64))
+
+
+def test_make_model_without_a_tokenizer(tmp_path: Path) -> None:
+    """What the GPU run serves with --skip-tokenizer-init: the shape's vocabulary, no
+    tokenizer file."""
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.gpu_serving import TINY
+
+    summary = make_model(tmp_path, None, TINY, device="cpu")
+    assert (
+        summary["vocab"]
+        == TINY.vocab
+        == json.loads((tmp_path / "config.json").read_text())["vocab_size"]
+    )
+    assert not (tmp_path / "tokenizer.json").exists()
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, TINY.vocab)
 
 
 def test_decode_log_parsing() -> None:

@@ -4,51 +4,53 @@ SGLang 0.5.23's compiled kernel package (`sglang-kernel`) is too large to carry 
 machine and built for another torch, so `scripts/gpu_serving.sh` puts this directory first on
 PYTHONPATH instead. It is never installed for users (no pyproject here): a real deployment
 uses the real `sglang-kernel`. It provides, in plain torch, exactly the ops that SGLang's
-bf16 Llama path + FlashInfer backend + greedy/top-k/top-p sampling + CUDA graphs call:
+bf16 Llama path + FlashInfer/Triton backends + greedy/top-k/top-p sampling + CUDA graphs call:
 
     rmsnorm, fused_add_rmsnorm, gemma_rmsnorm, gemma_fused_add_rmsnorm   (layers/layernorm.py)
     silu_and_mul, gelu_and_mul, gelu_tanh_and_mul   (layers/activation.py: hidden sizes the
         JIT act-and-mul kernel cannot take)
     top_k_renorm_prob, top_p_renorm_prob   (layers/sampler.py)
     weak_ref_tensor   (model_executor/runner_backend_utils/weak_ref_tensor.py)
+    utils.is_arch_support_pdl   (layers/attention/triton_backend.py: sm90+ as the real one)
 
-Rotary embeddings, the KV-cache store and the act-and-mul fast path are SGLang's own JIT
-kernels (sglang.kernels, built with nvcc on the machine), not sgl_kernel ops.
-Names SGLang imports at module level on CUDA but a bf16 Llama never calls (quantized GEMMs,
-MoE sums; submodules `quantization` and `kvcacheio`) exist and raise NotImplementedError when
-called; any other name raises AttributeError naming this stand-in, so a code path that needs
-the real kernels fails loudly. Found by importing SGLang's CUDA modules with a recording
-stand-in (see tests/unit/test_gpu_serving_smoke.py). Shapes: x [N, H] (rows, hidden),
-gated input [N, 2d] -> out [N, d], probs [B, V].
+plus `scalar_type` (ScalarType, scalar_types: pure-Python layouts SGLang reads while importing
+its quantization modules). Rotary embeddings, the KV-cache store and the act-and-mul fast path
+are SGLang's own JIT kernels (sglang.kernels, built with nvcc on the machine), not sgl_kernel ops.
+
+Every other name SGLang imports from `sgl_kernel` (anywhere, on any platform branch: quantized
+GEMMs, MoE, MLA, speculative decoding, HiCache transfers, CPU/XPU/ROCm ops) exists, listed in
+the one table `_names.STUBS`, and raises NotImplementedError naming itself and this stand-in
+when called; its submodules (`flash_attn`, `kvcacheio`, `quantization`, ...) are registered in
+sys.modules so `from sgl_kernel.x import y` works. Any name SGLang does not import raises
+AttributeError naming this stand-in, so a code path that needs the real kernels fails loudly.
+`benchmarks/_preflight_kernels.py` checks that every import SGLang has resolves here. Shapes:
+x [N, H] (rows, hidden), gated input [N, 2d] -> out [N, d], probs [B, V].
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from . import kvcacheio, quantization
-from ._stubs import unsupported
+from ._names import STUBS
+from ._stubs import missing_attribute, stub_module, unsupported
 
 __standin__ = True
 __version__ = "0.0.0+gpu-check-standin"
-__all__ = [
+_IMPLEMENTED = (
     "fused_add_rmsnorm",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
-    "int8_scaled_mm",
-    "kvcacheio",
-    "moe_sum",
-    "moe_sum_reduce",
-    "quantization",
     "rmsnorm",
     "silu_and_mul",
     "top_k_renorm_prob",
     "top_p_renorm_prob",
     "weak_ref_tensor",
-]
+)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -183,14 +185,24 @@ def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
-# imported at module level on CUDA (quantized linear layers, MoE), never called for bf16 Llama
-int8_scaled_mm = unsupported("int8_scaled_mm")
-moe_sum = unsupported("moe_sum")
-moe_sum_reduce = unsupported("moe_sum_reduce")
+def _register_stubs() -> list[str]:
+    """Bind `_names.STUBS`: top-level stub ops here, stub submodules in sys.modules (under this
+    package's own name, which is not `sgl_kernel` when a test loads it under another)."""
+    names: list[str] = []
+    for sub, ops in STUBS.items():
+        if sub:
+            mod = stub_module(f"{__name__}.{sub}", sub, ops)
+            sys.modules[mod.__name__] = mod
+            globals()[sub] = mod
+            names.append(sub)
+        else:
+            clash = set(ops) & set(_IMPLEMENTED)
+            if clash:
+                raise RuntimeError(f"_names.STUBS lists implemented ops: {sorted(clash)}")
+            globals().update({n: unsupported(n) for n in ops})
+            names.extend(ops)
+    return names
 
 
-def __getattr__(name: str) -> object:
-    raise AttributeError(
-        f"sgl_kernel.{name} is not provided by the check-only GPU stand-in "
-        "(scripts/gpu_standin); this code path needs the real sglang-kernel"
-    )
+__all__ = sorted([*_IMPLEMENTED, *_register_stubs()])
+__getattr__ = missing_attribute("sgl_kernel")

@@ -1,0 +1,140 @@
+"""The one table of `sgl_kernel` names the check-only GPU stand-in provides as stubs.
+
+{submodule ("" for the package itself): names}. Every name is a function that raises
+NotImplementedError naming itself and the stand-in (`_stubs.unsupported`); a submodule key
+with no names is an empty module (SGLang imports it as a module, e.g. `from sgl_kernel import
+spatial`, `import sgl_kernel.allreduce`). `__init__.py` registers each submodule in
+sys.modules, so `import sgl_kernel.x` and `from sgl_kernel.x import y` work.
+
+What it lists: every name SGLang 0.5.23 imports from `sgl_kernel` anywhere (module level or in
+a function, on any platform branch), less what the stand-in implements: the ops in
+`__init__.py`, `utils.is_arch_support_pdl` and `scalar_type` (real files). The list is the
+output of `benchmarks/_preflight_kernels.py`'s AST scan; that check fails when SGLang imports a
+name that neither this table nor a real file provides.
+"""
+
+from __future__ import annotations
+
+STUBS: dict[str, tuple[str, ...]] = {
+    "": (
+        "apply_token_bitmask_inplace_cuda",
+        "assign_draft_cache_locs_contiguous_cpu",
+        "assign_extend_cache_locs_cpu",
+        "assign_req_to_token_pool_cpu",
+        "awq_dequantize",
+        "biased_topk",
+        "build_draft_decode_metadata_cpu",
+        "build_tree_kernel_efficient",
+        "build_tree_kernel_efficient_cpu",
+        "compress_norm_rope_store",
+        "concat_mla_k",
+        "copy_all_layer_kv_cache_cpu",
+        "cutlass_w4a8_moe_mm",
+        "es_fp8_blockwise_scaled_grouped_mm",
+        "es_sm100_mxfp8_blockscaled_grouped_mm",
+        "es_sm100_mxfp8_blockscaled_grouped_quant",
+        "fast_topk_transform_fused",
+        "fast_topk_transform_ragged_fused",
+        "fast_topk_v2",
+        "fill_accept_out_cache_loc_cpu",
+        "fill_bonus_tokens_cpu",
+        "flash_compress128_decode",
+        "flash_compress128_prefill",
+        "flash_compress4_decode",
+        "flash_compress4_prefill",
+        "flash_mla_decode",
+        "flash_mla_decode_get_workspace_size",
+        "flash_mla_get_workspace_size",
+        "flash_mla_prefill",
+        "flash_mla_prefill_get_workspace_size",
+        "flash_mla_sparse_fwd",
+        "flash_mla_with_kvcache",
+        "fp8_blockwise_scaled_grouped_mm",
+        "fp8_mqa_logits",
+        "fp8_paged_mqa_logits",
+        "fp8_paged_mqa_logits_triton",
+        "fused_experts",
+        "fused_hc_head",
+        "fused_inplace_qknorm_rope",
+        "fused_k_norm_rope_flashmla",
+        "fused_q_indexer_rope_hadamard_quant",
+        "fused_q_norm_rope",
+        "fused_qk_rope_with_cos_sin_cache_inplace",
+        "gdn_attention",
+        "gelu_quick",
+        "get_cutlass_w4a8_moe_mm_data",
+        "hadamard_transform",
+        "hash_topk",
+        "hc_post",
+        "hc_split_sinkhorn",
+        "infllmv2_attn_stage1",
+        "int8_scaled_mm",
+        "load_cache_to_device_buffer_dsv4_mla",
+        "load_cache_to_device_buffer_mla",
+        "max_pooling_1d_varlen",
+        "merge_state_v2",
+        "mhc_fused_post_pre",
+        "mhc_pre",
+        "min_p_sampling_from_probs",
+        "minimax_decode_topk",
+        "moe_fused_gate",
+        "moe_sum",
+        "moe_sum_reduce",
+        "multimodal_rotary_embedding",
+        "plan_compress_decode",
+        "plan_compress_decode_legacy",
+        "plan_compress_prefill",
+        "plan_compress_prefill_legacy",
+        "rotary_embedding",
+        "rotate_input_ids_cpu",
+        "sgl_per_tensor_quant_fp8",
+        "sgl_per_token_quant_fp8",
+        "shuffle_rows",
+        "silu_and_mul_clamp",
+        "store_cache_xpu",
+        "top_k_top_p_sampling_from_probs",
+        "topk_sigmoid",
+        "topk_softmax",
+        "transfer_cache_dsv4_mla",
+        "tree_speculative_sampling_target_only",
+        "verify_tree_greedy",
+        "verify_tree_greedy_cpu",
+    ),
+    "allreduce": (),  # custom all-reduce: SGLang only calls it with TP > 1
+    "elementwise": ("copy_to_gpu_no_ce",),
+    "flash_attn": (
+        "build_bidirectional_block_ids",
+        "flash_attn_varlen_func",
+        "flash_attn_with_kvcache",
+        "get_scheduler_metadata",
+    ),
+    "kvcacheio": (  # HiCache host-memory KV transfers
+        "get_device_accessible_ptr",
+        "transfer_embedding_ranges_direct",
+        "transfer_kv_all_layer",
+        "transfer_kv_all_layer_direct_lf_pf",
+        "transfer_kv_all_layer_lf_pf",
+        "transfer_kv_all_layer_lf_ph",
+        "transfer_kv_all_layer_mla",
+        "transfer_kv_all_layer_mla_lf_pf",
+        "transfer_kv_direct",
+        "transfer_kv_per_layer",
+        "transfer_kv_per_layer_direct_pf_lf",
+        "transfer_kv_per_layer_mla",
+        "transfer_kv_per_layer_mla_pf_lf",
+        "transfer_kv_per_layer_pf_lf",
+        "transfer_kv_per_layer_ph_lf",
+    ),
+    "mamba": ("causal_conv1d_fn_cpu", "causal_conv1d_update_cpu", "chunk_gated_delta_rule_cpu"),
+    "metal": (),  # Apple MLX backend
+    "quantization": (  # GGUF
+        "ggml_dequantize",
+        "ggml_moe_a8",
+        "ggml_moe_a8_vec",
+        "ggml_mul_mat_a8",
+        "ggml_mul_mat_vec_a8",
+    ),
+    "spatial": (),  # green-context streams (PD multiplexing)
+    "speculative": ("reconstruct_indices_from_tree_mask",),
+    "top_k": (),  # the QSA backend reads an optional constant with getattr(..., default)
+}
