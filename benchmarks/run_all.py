@@ -31,6 +31,7 @@ def benchmarks() -> dict[str, list[str]]:
         "next_question": ["benchmarks/next_question.py"],
         "service": ["benchmarks/service.py", "--tokens", "1024", "--repeats", "1"],
         "serving": ["benchmarks/serving.py"],
+        "plugin_overhead": ["benchmarks/plugin_overhead.py"],
         "kvpress_crosscheck": ["benchmarks/kvpress_crosscheck.py"],
         "kernels": ["-m", "benchmarks.decode_attention"],
     }

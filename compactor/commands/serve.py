@@ -9,6 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
+from compactor.limits import WorkLimits
 from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
 
 log = logging.getLogger("compactor.serve")
@@ -90,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT: how long compactions in flight may take to finish before "
         "they are cancelled (new ones get UNAVAILABLE at once); exit 0 at most ~10 s later",
     )
+    WorkLimits.add_cli_args(p)
     # test-only: sleep this long before each layer, to make compactions deterministically slow
     p.add_argument("--test-layer-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
@@ -109,6 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"compactor serve: error: --max-prefix-tokens must be >= 2, got {args.max_prefix_tokens}"
         )
+    try:
+        limits = WorkLimits.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"compactor serve: error: {exc}") from None
     _check_port(args.host, args.port)
     token = None
     if args.auth_token_file:
@@ -138,6 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
             cache_bytes=args.cache_mb << 20,
             auto_ratio=args.auto_ratio,
             auto_chunk_tokens=args.auto_chunk_tokens,
+            limits=limits,
         ),
         host=args.host,
         port=args.port,

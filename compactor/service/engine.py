@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from compactor.limits import WorkLimits
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
@@ -70,6 +71,7 @@ class ServiceConfig:
     max_position_embeddings; FALLBACK_MAX_PREFIX_TOKENS when it has none).
     `auto_chunk_tokens`: prefixes longer than this whose spec leaves chunk_size unset are
     compacted in chunks of this many tokens (:func:`auto_chunk_size`; None: never).
+    `limits`: the most work one request may ask (reference queries, generated tokens, ...).
     """
 
     pool: PoolConfig
@@ -78,6 +80,7 @@ class ServiceConfig:
     auto_ratio: float = DEFAULT_AUTO_RATIO
     chunk_bytes: int = 1 << 20
     auto_chunk_tokens: int | None = AUTO_CHUNK_TOKENS
+    limits: WorkLimits = field(default_factory=WorkLimits)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class CompactionService:
                 f"model fingerprint {job.model_fingerprint!r} is not this server's model "
                 f"{self.model.fingerprint!r} ({self.model.name})"
             )
-        job.validate(self.max_prefix_tokens, self.model.vocab_size)
+        job.validate(self.max_prefix_tokens, self.model.vocab_size, self.config.limits)
 
     def effective_job(self, job: CompactJob) -> CompactJob:
         """`job` as it is computed and keyed: chunk_size set by :func:`auto_chunk_size`.

@@ -86,6 +86,7 @@ class CompactorServicer(pb_grpc.CompactorServicer):
             max_prefix_tokens=s.config.max_prefix_tokens,
             auto_ratio=s.config.auto_ratio,
             workers=s.config.pool.workers,
+            limits=s.config.limits.as_dict(),
         )
 
     async def ListMethods(

@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from compactor.limits import WorkLimits
 from compactor.spec import DEFAULT_AUTO_RATIO, HEAD_BUDGET_CHOICES, CompactionSpec, SpecError
 from compactor.types import CompactedPrefix, prefix_hash
 from compactor.workers.errors import InvalidRequest
@@ -14,15 +15,12 @@ __all__ = [
     "DEFAULT_AUTO_RATIO",
     "HEAD_BUDGET_CHOICES",
     "KV_DTYPE_CHOICES",
-    "MAX_FOLLOW_UP_ANSWER_TOKENS",
     "CompactJob",
     "JobResult",
 ]
 
 # spec.head_budgets a request may ask for: HEAD_BUDGET_CHOICES (uniform, or the worker
 # model's sensitivity curves); file paths are not accepted.
-# Bound on generated answer tokens per follow-up (work the request may ask of a worker).
-MAX_FOLLOW_UP_ANSWER_TOKENS = 256
 # Result keys/values dtypes a request may ask for ("" = float32, as computed).
 KV_DTYPE_CHOICES: tuple[str, ...] = ("", "float16", "bfloat16")
 
@@ -66,10 +64,11 @@ class CompactJob:
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
-    def check_spec(spec: CompactionSpec) -> None:
+    def check_spec(spec: CompactionSpec, limits: WorkLimits | None = None) -> None:
         """The service's policy on a spec: ``spec.validate()`` (builds the method), head
-        budgets only "uniform" / "auto" (no file paths), follow-up answers bounded by
-        MAX_FOLLOW_UP_ANSWER_TOKENS. Raises SpecError (a ValueError) naming the field."""
+        budgets only "uniform" / "auto" (no file paths), and the work caps of `limits`
+        (default: `WorkLimits()`'s). Raises a ValueError (SpecError for the spec's own checks)
+        naming the field."""
         spec.validate()
         if spec.head_budgets not in HEAD_BUDGET_CHOICES:
             raise SpecError(
@@ -77,16 +76,16 @@ class CompactJob:
                 f"{spec.head_budgets!r}",
                 "head_budgets",
             )
-        answer = spec.queries.follow_up_answer_tokens
-        if not 0 <= answer <= MAX_FOLLOW_UP_ANSWER_TOKENS:
-            raise SpecError(
-                f"follow_up_answer_tokens must be in [0, {MAX_FOLLOW_UP_ANSWER_TOKENS}], got "
-                f"{answer}",
-                "queries.follow_up_answer_tokens",
-            )
+        (limits or WorkLimits()).check_spec(spec)  # a ValueError naming the field
 
-    def validate(self, max_prefix_tokens: int, vocab_size: int | None = None) -> None:
-        """Raise InvalidRequest naming the first problem (builds the method to check it)."""
+    def validate(
+        self,
+        max_prefix_tokens: int,
+        vocab_size: int | None = None,
+        limits: WorkLimits | None = None,
+    ) -> None:
+        """Raise InvalidRequest naming the first problem (builds the method to check it);
+        `limits` caps the work asked (default: `WorkLimits()`'s)."""
         n = len(self.token_ids)
         if n < 2:
             raise InvalidRequest(f"prefix must have at least 2 tokens, got {n}")
@@ -104,8 +103,10 @@ class CompactJob:
                 f"kv_dtype must be one of {['float32', *KV_DTYPE_CHOICES[1:]]}, got "
                 f"{self.kv_dtype!r}"
             )
+        limits = limits or WorkLimits()
         try:
-            self.check_spec(self.spec)
+            self.check_spec(self.spec, limits)
+            limits.check_follow_ups(self.follow_ups)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if self.spec.is_auto:

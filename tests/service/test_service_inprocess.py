@@ -241,3 +241,23 @@ def _wait(pred: Any, timeout: float) -> None:
 
 def _wait_idle(server: Any) -> None:
     _wait(lambda: server.service.pool.busy == 0, 10)
+
+
+def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp: str) -> None:
+    """A spec asking 1e9 random queries (or any knob over `compactor serve`'s caps) is refused
+    with INVALID_ARGUMENT naming the field and the cap; GetModelInfo lists the caps."""
+    from dataclasses import replace
+
+    from compactor.limits import WorkLimits
+
+    busy = _metric(server, "compactor_requests_total", status="OK")
+    with CompactorClient(f"127.0.0.1:{server.port}") as c:
+        assert dict(c.model_info().limits) == WorkLimits().as_dict()
+        huge = FAST.replace(queries=replace(FAST.queries, sources=("random",), random_count=10**9))
+        with pytest.raises(grpc.RpcError) as info:
+            c.compact(_prefix(7), model_fp, huge, timeout=60)
+    assert info.value.code() == INVALID
+    assert "queries.random_count = 1000000000 is over this server's limit 8192" in (
+        info.value.details() or ""
+    )
+    assert _metric(server, "compactor_requests_total", status="OK") == busy

@@ -112,7 +112,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_fingerprint", "name", "num_layers", "num_kv_heads", "head_dim", "dtype", "max_prefix_tokens", "auto_ratio", "workers")
+    __slots__ = ("model_fingerprint", "name", "num_layers", "num_kv_heads", "head_dim", "dtype", "max_prefix_tokens", "auto_ratio", "workers", "limits")
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +129,7 @@ class ModelInfo(_message.Message):
     MAX_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AUTO_RATIO_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     name: str
     num_layers: int
@@ -131,7 +139,8 @@ class ModelInfo(_message.Message):
     max_prefix_tokens: int
     auto_ratio: float
     workers: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_prefix_tokens: _Optional[int] = ..., auto_ratio: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
+    limits: _containers.ScalarMap[str, int]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_prefix_tokens: _Optional[int] = ..., auto_ratio: _Optional[float] = ..., workers: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListMethodsRequest(_message.Message):
     __slots__ = ()
