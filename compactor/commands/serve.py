@@ -33,7 +33,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--ray-address), or threads in this process with --in-process."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1); any other than a loopback address needs TLS "
+        "(--tls-cert/--tls-key) or --insecure",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS: prompts and results travel in clear "
+        "(only on a network where nobody else listens)",
+    )
     p.add_argument("--port", type=int, default=50051, help="0 = any free port")
     p.add_argument(
         "--model",
@@ -115,6 +126,14 @@ def _serve(args: argparse.Namespace) -> int:
         limits = WorkLimits.from_args(args)
     except ValueError as exc:
         raise SystemExit(f"compactor serve: error: {exc}") from None
+    if not args.tls_cert and not args.insecure and not is_loopback(args.host):
+        raise SystemExit(
+            f"compactor serve: error: --host {args.host} is not a loopback address and the "
+            "service has no TLS: prompts and results would travel in clear; give --tls-cert and "
+            "--tls-key, or --insecure to accept that"
+        )
+    if not args.tls_cert and not is_loopback(args.host):
+        log.warning("serving plaintext on %s (--insecure): prompts travel in clear", args.host)
     _check_port(args.host, args.port)
     token = None
     if args.auth_token_file:
@@ -181,6 +200,18 @@ async def _run(config: object) -> None:
 def _first(received: asyncio.Future[signal.Signals], sig: signal.Signals) -> None:
     if not received.done():
         received.set_result(sig)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only: localhost, 127.0.0.0/8, ::1."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve anywhere
 
 
 def _check_port(host: str, port: int) -> None:

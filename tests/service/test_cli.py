@@ -24,6 +24,29 @@ def test_serve_reports_a_taken_port() -> None:
     assert "cannot bind" in str(info.value) and str(port) in str(info.value)
 
 
+def test_serve_refuses_plaintext_on_a_non_loopback_address(
+    monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Prompts would travel in clear: a non-loopback bind needs TLS or an explicit --insecure
+    (the refusal comes before any model is resolved or port bound)."""
+    from compactor.commands import serve
+
+    for host in ("0.0.0.0", "10.1.2.3", "compactor.internal", "::"):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--model", "smollm2-135m", "--host", host, "--in-process"])
+        assert f"--host {host} is not a loopback address" in str(info.value), host
+    assert [serve.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost")] \
+        == [True] * 5  # fmt: skip
+
+    reached: list[str] = []
+    monkeypatch.setattr(serve, "_check_port", lambda host, port: reached.append(host))
+    monkeypatch.setattr("compactor.models.resolve_model", lambda m: (_ for _ in ()).throw(
+        SystemExit("stop after the checks")))  # fmt: skip
+    with pytest.raises(SystemExit, match="stop after the checks"), caplog.at_level("WARNING"):
+        main(["serve", "--model", "m", "--host", "0.0.0.0", "--insecure", "--in-process"])
+    assert reached == ["0.0.0.0"] and "plaintext on 0.0.0.0 (--insecure)" in caplog.text
+
+
 def test_serve_and_request_are_registered() -> None:
     with pytest.raises(SystemExit) as info:
         main(["request", "--help"])
