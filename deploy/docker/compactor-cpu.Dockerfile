@@ -26,8 +26,11 @@ RUN mkdir -p /models && if [ -f /tmp/model-src/config.json ]; then mv /tmp/model
     else cp -r "$(compactor models prepare smollm2-135m)" /models/model \
          && rm -rf /tmp/model-src; fi && ls /models/model/config.json
 
+# gRPC, Prometheus /metrics, Ray GCS (for the cluster's own nodes only)
 EXPOSE 50051 9090 6379
+# By default: TLS and the token from /etc/compactor (mount the Secret there). Plaintext on
+# 0.0.0.0 is refused without --insecure (deploy/compose/compose.yaml passes it, on its own network).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s \
-    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051"]
+    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051", "--tls-ca", "/etc/compactor/ca.crt", "--tls-server-name", "compactor"]
 ENTRYPOINT ["compactor", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--in-process", "--workers", "1"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--in-process", "--workers", "1", "--tls-cert", "/etc/compactor/tls.crt", "--tls-key", "/etc/compactor/tls.key", "--auth-token-file", "/etc/compactor/token"]

@@ -28,9 +28,12 @@ COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
 ARG MODEL_SRC=deploy/docker/no-model
 COPY ${MODEL_SRC} /models/model
 
-# gRPC, Prometheus /metrics, Ray GCS, Ray dashboard
-EXPOSE 50051 9090 6379 8265
+# gRPC, Prometheus /metrics, Ray GCS (for the cluster's own nodes only; the Ray dashboard
+# stays on loopback)
+EXPOSE 50051 9090 6379
+# By default: TLS and the token from /etc/compactor (mount the Secret there; see
+# deploy/k8s/base/secret.example.yaml). Plaintext on 0.0.0.0 is refused without --insecure.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s \
-    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051"]
+    CMD ["python", "/opt/compactor/healthcheck.py", "--address", "127.0.0.1:50051", "--tls-ca", "/etc/compactor/ca.crt", "--tls-server-name", "compactor"]
 ENTRYPOINT ["compactor", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--workers", "1"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--model", "/models/model", "--metrics-port", "9090", "--workers", "1", "--tls-cert", "/etc/compactor/tls.crt", "--tls-key", "/etc/compactor/tls.key", "--auth-token-file", "/etc/compactor/token"]

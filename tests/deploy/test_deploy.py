@@ -54,6 +54,12 @@ def _one(argvs: list[list[str]], program: str) -> Any:
     return found[0]
 
 
+def _secret(name: str) -> Any:
+    """The Secret `name` as secret.example.yaml documents it."""
+    (doc,) = [d for d in load_yaml_docs(SECRET_EXAMPLE) if d["metadata"]["name"] == name]
+    return doc
+
+
 def _image_dockerfile(image: str) -> Path:
     """compactor:cpu -> compactor-cpu.Dockerfile; registry/x/sglang-compaction:gpu -> sglang.Dockerfile."""
     name, _, tag = image.rpartition("/")[2].partition(":")
@@ -270,7 +276,7 @@ def test_k8s_ports_probes_endpoint_and_secrets_agree(rendered: Any) -> None:
     assert (sgl.compaction_token_file is None) == (srv.auth_token_file is None)
 
     # Every file a flag names comes from the one Secret, which secret.example.yaml documents.
-    (example,) = load_yaml_docs(SECRET_EXAMPLE)
+    example = _secret("compactor-auth")
     keys = set(example["stringData"])
     for spec, files in (
         (

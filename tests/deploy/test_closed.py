@@ -1,0 +1,148 @@
+"""The deploy manifests keep the compaction pool closed: Ray token auth on every Ray process,
+the Ray dashboard on loopback, no Ray port reachable from outside the pool (NetworkPolicy),
+gRPC only from SGLang, each Secret key mounted only where it is read, and no plaintext
+`compactor serve` on a non-loopback address without an explicit --insecure."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from compactor.commands.serve import is_loopback
+from tests.deploy._deploy import (
+    DEPLOY,
+    OVERLAYS,
+    check_argv,
+    classify,
+    container_argvs,
+    dockerfile_argv,
+    load_yaml_docs,
+    pod_specs,
+    render_kustomization,
+    split_shell,
+)
+
+RAY_CLUSTER = "compaction-pool"
+# the labels KubeRay puts on the pool's pods
+RAY_PODS = {
+    "ray-head": {"ray.io/cluster": RAY_CLUSTER, "ray.io/node-type": "head"},
+    "ray-gpu": {"ray.io/cluster": RAY_CLUSTER, "ray.io/node-type": "worker"},
+    "ray-cpu": {"ray.io/cluster": RAY_CLUSTER, "ray.io/node-type": "worker"},
+}
+OPEN_PORTS = {50051: "sglang", 9090: "prometheus"}  # the head's only ports for other pods
+SECRET_EXAMPLE = DEPLOY / "k8s" / "base" / "secret.example.yaml"
+
+
+@pytest.fixture(scope="module", params=OVERLAYS, ids=lambda p: f"overlay-{p.name}")
+def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render_kustomization(request.param)
+
+
+def _ray(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (ray,) = [d for d in docs if d["kind"] == "RayCluster"]
+    return ray
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_every_ray_container_has_token_auth(docs: list[dict[str, Any]]) -> None:
+    documented = {d["metadata"]["name"]: d for d in load_yaml_docs(SECRET_EXAMPLE)}
+    for name, spec in pod_specs(docs):
+        if name not in RAY_PODS:
+            continue
+        for c in spec["containers"]:
+            env = _env(c)
+            assert env.get("RAY_AUTH_MODE") == "token", f"{name}: Ray auth is off"
+            ref = env["RAY_AUTH_TOKEN"]["secretKeyRef"]
+            assert ref["key"] in documented[ref["name"]]["stringData"], name
+
+
+def test_the_dashboard_stays_on_loopback(docs: list[dict[str, Any]]) -> None:
+    ray = _ray(docs)
+    assert is_loopback(ray["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"])
+    for name, spec in pod_specs(docs):
+        for c in spec["containers"]:
+            ports = {p["containerPort"] for p in c.get("ports", [])}
+            assert 8265 not in ports, f"{name}: the Ray dashboard port is exposed"
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    return policy["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()
+
+
+def test_no_ray_port_is_reachable_from_outside_the_pool(docs: list[dict[str, Any]]) -> None:
+    """Every pod of the pool is selected by a policy (so it is isolated); a rule without a
+    port list admits the pool's own pods only; other rules open only the gRPC port to SGLang
+    and the metrics port to Prometheus."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    sglang = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
+    sglang_labels = sglang[0]["spec"]["template"]["metadata"]["labels"]
+    for name, _spec in pod_specs(docs):
+        if name not in RAY_PODS:
+            continue
+        mine = [p for p in policies if _selects(p, RAY_PODS[name])]
+        assert mine, f"{name}: no NetworkPolicy selects it: every port is open"
+        for rule in (r for p in mine for r in p["spec"].get("ingress", [])):
+            sources = rule.get("from")
+            assert sources, f"{name}: an ingress rule admits every source"
+            if "ports" not in rule:
+                for src in sources:
+                    assert set(src) == {"podSelector"}, f"{name}: {src} reaches every Ray port"
+                    assert src["podSelector"]["matchLabels"]["ray.io/cluster"] == RAY_CLUSTER
+                continue
+            for port in rule["ports"]:
+                assert port["port"] in OPEN_PORTS, f"{name}: port {port['port']} opened"
+                if OPEN_PORTS[port["port"]] == "sglang":
+                    assert [s["podSelector"]["matchLabels"] for s in sources] == [sglang_labels]
+
+
+def test_each_pod_mounts_only_the_secret_keys_it_reads(docs: list[dict[str, Any]]) -> None:
+    for name, spec in pod_specs(docs):
+        for vol in spec.get("volumes", []):
+            if "secret" in vol:
+                items = vol["secret"].get("items")
+                assert items, f"{name}: the whole Secret {vol['secret']['secretName']} is mounted"
+                if name != "ray-head":
+                    assert "tls.key" not in {i["key"] for i in items}, name
+        if name.startswith("ray-") and name != "ray-head":
+            assert not spec.get("volumes") or all("secret" not in v for v in spec["volumes"])
+
+
+def _serve_argvs() -> list[list[str]]:
+    """Every `compactor serve` command line in deploy/ (Dockerfiles, compose, Ray, k8s)."""
+    argvs = [dockerfile_argv(p) for p in (DEPLOY / "docker").glob("compactor*.Dockerfile")]
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    argvs.append(["compactor", "serve", *compose["services"]["compactor"]["command"]])
+    ray = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    for script in ray["head_start_ray_commands"]:
+        argvs += split_shell(script)
+    for overlay in OVERLAYS:
+        for _, spec in pod_specs(render_kustomization(overlay)):
+            for c in spec["containers"]:
+                argvs += container_argvs(c)
+    return [a for a in argvs if (c := classify(a)) and c[0] == "compactor" and a[1:2] == ["serve"]]
+
+
+def test_no_plaintext_service_on_an_open_address() -> None:
+    argvs = _serve_argvs()
+    assert len(argvs) >= 5, argvs
+    for argv in argvs:
+        ns = check_argv(*classify(argv))  # type: ignore[misc]
+        if not is_loopback(ns.host):
+            assert ns.tls_cert is not None or ns.insecure, json.dumps(argv)
+
+
+def test_ray_launcher_config_is_closed() -> None:
+    ray = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    scripts = [*ray["head_start_ray_commands"], *ray["worker_start_ray_commands"]]
+    starts = [s for s in scripts if "ray start" in s]
+    assert len(starts) == 2
+    for script in starts:
+        assert "RAY_AUTH_MODE=token" in script and "RAY_AUTH_TOKEN_PATH=" in script, script
+        assert "--dashboard-host=0.0.0.0" not in script
+    assert "--dashboard-host=127.0.0.1" in starts[0]
