@@ -121,6 +121,8 @@ class _Base:
         self.metadata: tuple[tuple[str, str], ...] = (
             ((TOKEN_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
         )
+        # with a token, every result must carry its HMAC under that token
+        self._key = auth_token.encode() if auth_token else None
         self.options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -129,7 +131,7 @@ class _Base:
     def _result(
         self, asm: Assembler, req: pb.CompactRequest, t0: float, attempts: int
     ) -> CompactResult:
-        prefix = asm.result(expected_fingerprint=req.model_fingerprint)
+        prefix = asm.result(expected_fingerprint=req.model_fingerprint, key=self._key)
         want = req.kv_dtype or "float32"
         if dtype_name(prefix.dtype) != want:
             raise ValueError(f"asked for {want} keys/values, got {dtype_name(prefix.dtype)}")

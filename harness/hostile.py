@@ -13,7 +13,9 @@ them. Modes (`MODES`):
 - ``truncated``: header and the first half of the payload, then a clean end (no trailer);
 - ``random``: the payload replaced by random bytes, resealed;
 - ``shape``: layer 0's keys and values [N, D] relabelled [2N, D/2] in the tensor table
-  (same bytes; the checksum does not cover the table);
+  (same bytes), resealed;
+- ``swap``: layer 0's keys and values swapped in the tensor table (same bytes, same shapes),
+  resealed: a structurally valid result that only the HMAC (a service with a token) exposes;
 - ``nan``: NaN written into every 7th entry of layer 0's keys, resealed;
 - ``huge``: every layer's keys and values times `HUGE_FACTOR` (finite in fp32), resealed;
 - ``fingerprint`` / ``prefix_hash``: that metadata field replaced, resealed;
@@ -31,7 +33,6 @@ Upstream errors are passed on with their status code.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import threading
@@ -45,6 +46,7 @@ from typing import Any
 import grpc
 import torch
 
+from compactor.service.convert import result_digest
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
 
@@ -106,12 +108,11 @@ class Result:
         return [info.name for info in self.header.tensors]
 
     def reseal(self) -> None:
-        """Size and sha256 recomputed over metadata JSON + payload; mutates header, trailer."""
-        h = hashlib.sha256(self.header.metadata_json.encode())
-        h.update(self.payload)
+        """Size and digest recomputed over header, table and payload (the unkeyed part: the
+        proxy has no token, so the HMAC, if any, stays as it was); mutates header, trailer."""
         self.header.payload_bytes = len(self.payload)
         self.trailer.payload_bytes = len(self.payload)
-        self.trailer.sha256 = h.hexdigest()
+        self.trailer.sha256 = result_digest(self.header, bytes(self.payload))
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> list[pb.CompactChunk]:
         """The payload as TensorChunk messages of <= `chunk_bytes` (at least one)."""
@@ -150,6 +151,12 @@ def _shape(r: Result, rng: random.Random) -> None:
             info.shape[:] = [2 * n, d // 2] if d % 2 == 0 else [n * d, 1]
 
 
+def _swap(r: Result, rng: random.Random) -> None:
+    infos = {info.name: info for info in r.header.tensors}
+    k, v = infos["layers.0.keys"], infos["layers.0.values"]
+    k.name, v.name = v.name, k.name
+
+
 def _nan(r: Result, rng: random.Random) -> None:
     keys = r.tensor("layers.0.keys")
     keys.view(-1)[::7] = float("nan")
@@ -177,6 +184,7 @@ def _oversize(r: Result, rng: random.Random) -> None:
 TAMPERS: dict[str, Callable[[Result, random.Random], None]] = {
     "random": _random,
     "shape": _shape,
+    "swap": _swap,
     "nan": _nan,
     "huge": _huge,
     "fingerprint": _fingerprint,
@@ -329,7 +337,7 @@ class HostileProxy:
 
     def _fetch(self, req: pb.CompactRequest, ctx: grpc.ServicerContext) -> Result:
         header, trailer, payload = None, None, bytearray()
-        for msg in self._stub.Compact(req, timeout=ctx.time_remaining()):
+        for msg in self._stub.Compact(req, timeout=ctx.time_remaining(), metadata=_auth(ctx)):
             kind = msg.WhichOneof("kind")
             if kind == "header":
                 header = msg.header
@@ -343,7 +351,7 @@ class HostileProxy:
 
     def _kill(self, req: pb.CompactRequest, ctx: grpc.ServicerContext) -> Iterator[Message]:
         """Stream the header and the first chunk, kill the real service, end UNAVAILABLE."""
-        upstream = self._stub.Compact(req, timeout=ctx.time_remaining())
+        upstream = self._stub.Compact(req, timeout=ctx.time_remaining(), metadata=_auth(ctx))
         for msg in upstream:
             yield msg
             if msg.HasField("chunk"):
@@ -357,3 +365,8 @@ class HostileProxy:
 
 def _serialize(msg: Message) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _auth(ctx: grpc.ServicerContext) -> tuple[tuple[str, str], ...]:
+    """The caller's bearer token, passed on upstream (the proxy itself holds none)."""
+    return tuple((k, v) for k, v in ctx.invocation_metadata() if k == "authorization")

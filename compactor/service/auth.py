@@ -51,6 +51,14 @@ class TokenFile:
         return self._token
 
 
+def token_bytes(token: str | TokenFile | None) -> bytes | None:
+    """The current token as bytes (a TokenFile re-read when it changed); None without one.
+    The key results are signed with (`compactor.service.convert.sign`)."""
+    if token is None:
+        return None
+    return (token.read() if isinstance(token, TokenFile) else token).encode()
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) calls without metadata ``authorization: Bearer <token>``.
 
@@ -65,8 +73,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
     @property
     def _expected(self) -> bytes:
-        token = self._token.read() if isinstance(self._token, TokenFile) else self._token
-        return f"Bearer {token}".encode()
+        return b"Bearer " + (token_bytes(self._token) or b"")
 
     async def intercept_service(
         self,

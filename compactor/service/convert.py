@@ -6,7 +6,11 @@ and the keys/values dtype asked for (``kv_dtype``, "" = float32).
 
 Wire format of a result: a Header (metadata JSON + tensor table), the payload (every tensor
 of :meth:`CompactedPrefix.tensors`, raw bytes, concatenated in table order) in
-TensorChunks, and a Trailer whose sha256 covers metadata JSON + payload.
+TensorChunks, and a Trailer with the result's digest (:func:`result_digest`: sha256 over the
+whole Header, tensor table included, then the payload) and, when the service has a bearer
+token, `hmac_sha256`: HMAC-SHA256 of that digest keyed with the token (:func:`sign`). The
+digest finds corruption; the HMAC finds tampering by anyone without the token (a client that
+holds a token refuses an unsigned or missigned result).
 
 Shape legend: L layers, H_kv KV heads, D head dim, T prefix tokens (the logical length),
 N kept rows of one layer (sum over its heads).
@@ -16,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +49,8 @@ __all__ = [
     "kv_dtype_field",
     "max_result_bytes",
     "request_from_job",
+    "result_digest",
+    "sign",
 ]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -276,7 +284,7 @@ def encode_prefix(
         tensors=infos,
         payload_bytes=len(payload),
     )
-    return header, payload, _checksum(meta, payload)
+    return header, payload, result_digest(header, payload)
 
 
 class Assembler:
@@ -317,15 +325,24 @@ class Assembler:
         elif kind == "trailer":
             self.trailer = msg.trailer
 
-    def result(self, expected_fingerprint: str | None = None) -> CompactedPrefix:
-        """The verified prefix; ChecksumError if incomplete or corrupt, ValueError if invalid."""
+    def result(
+        self, expected_fingerprint: str | None = None, key: bytes | None = None
+    ) -> CompactedPrefix:
+        """The verified prefix; ChecksumError if incomplete or corrupt (or, with `key`, the
+        service's token, unsigned or signed with another key), ValueError if invalid."""
         h, tr = self.header, self.trailer
         if h is None or tr is None:
             raise ChecksumError("stream ended before its trailer")
         if self._filled != h.payload_bytes or tr.payload_bytes != h.payload_bytes:
             raise ChecksumError(f"payload has {self._filled} bytes, expected {h.payload_bytes}")
-        if self._sha.hexdigest() != tr.sha256:
-            raise ChecksumError("sha256 mismatch")
+        digest = self._sha.hexdigest()
+        if digest != tr.sha256:
+            raise ChecksumError("sha256 mismatch (header, tensor table or payload)")
+        if key is not None:
+            if not tr.hmac_sha256:
+                raise ChecksumError("result is not signed, but this client has a token")
+            if not hmac.compare_digest(sign(key, digest), tr.hmac_sha256):
+                raise ChecksumError("HMAC mismatch: the result was not signed with our token")
         tensors = {}
         for info in h.tensors:
             dtype = _TORCH_DTYPES[info.dtype]
@@ -370,7 +387,7 @@ class Assembler:
         except RuntimeError:  # only reachable without max_bytes
             raise ResultTooLarge(h.payload_bytes, None, "announced payload") from None
         self.header = h
-        self._sha = hashlib.sha256(h.metadata_json.encode())
+        self._sha = _header_hash(h)
 
     def _chunk(self, chunk: pb.TensorChunk, payload_bytes: int) -> None:
         if chunk.offset != self._filled:
@@ -384,7 +401,21 @@ class Assembler:
         self._filled = end
 
 
-def _checksum(meta_json: str, payload: bytes) -> str:
-    h = hashlib.sha256(meta_json.encode())
+def result_digest(header: pb.Header, payload: bytes) -> str:
+    """sha256 hex over the Header (deterministic protobuf bytes: metadata JSON, shape fields,
+    tensor table, payload size), its length first, then the payload."""
+    h = _header_hash(header)
     h.update(payload)
     return h.hexdigest()
+
+
+def sign(key: bytes, digest: str) -> str:
+    """HMAC-SHA256 hex of a result digest (:func:`result_digest`), keyed with `key`."""
+    return hmac.new(key, bytes.fromhex(digest), hashlib.sha256).hexdigest()
+
+
+def _header_hash(header: pb.Header) -> Any:
+    raw = header.SerializeToString(deterministic=True)
+    h = hashlib.sha256(len(raw).to_bytes(8, "little"))
+    h.update(raw)
+    return h

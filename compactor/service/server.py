@@ -115,7 +115,8 @@ class CompactorServer:
             ],
         )
         gate = DrainGate()
-        pb_grpc.add_CompactorServicer_to_server(CompactorServicer(service, gate), server)
+        servicer = CompactorServicer(service, gate, config.auth_token)
+        pb_grpc.add_CompactorServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

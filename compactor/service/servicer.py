@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from compactor.service.convert import job_from_request
+from compactor.service.auth import TokenFile, token_bytes
+from compactor.service.convert import job_from_request, sign
 from compactor.service.drain import DrainGate
 from compactor.service.engine import CompactionService
 from compactor.service.errors import status_for
@@ -22,11 +23,18 @@ log = logging.getLogger(__name__)
 
 
 class CompactorServicer(pb_grpc.CompactorServicer):
-    """`gate` refuses Compact calls (UNAVAILABLE) once the server drains."""
+    """`gate` refuses Compact calls (UNAVAILABLE) once the server drains; with `token` (the
+    bearer token clients present) every result is signed with it (the trailer's HMAC)."""
 
-    def __init__(self, service: CompactionService, gate: DrainGate | None = None) -> None:
+    def __init__(
+        self,
+        service: CompactionService,
+        gate: DrainGate | None = None,
+        token: str | TokenFile | None = None,
+    ) -> None:
         self.service = service
         self.gate = gate or DrainGate()
+        self.token = token
 
     async def Compact(
         self, request: pb.CompactRequest, context: grpc.aio.ServicerContext
@@ -45,8 +53,10 @@ class CompactorServicer(pb_grpc.CompactorServicer):
                 out = await self.gate.run(
                     self.service.compact(job, timeout=context.time_remaining())
                 )
+                key = token_bytes(self.token)
                 trailer = pb.Trailer(
                     sha256=out.encoded.sha256,
+                    hmac_sha256=sign(key, out.encoded.sha256) if key else "",
                     payload_bytes=len(out.encoded.payload),
                     cache_hit=out.cache_hit,
                     shared=out.shared,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ompactor/v1/compactor.proto\x12\x0c\x63ompactor.v1\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x80\x02\n\x0e\x43ompactRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tspec_json\x18\x08 \x01(\t\x12/\n\nfollow_ups\x18\t \x03(\x0b\x32\x1b.compactor.v1.TokenSequence\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x11\n\tfit_round\x18\x0b \x01(\rJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x06methodR\x12method_params_jsonR\x06\x62udgetR\x07queries\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xac\x01\n\x06Header\x12\x15\n\rmetadata_json\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12)\n\x07tensors\x18\x06 \x03(\x0b\x32\x18.compactor.v1.TensorInfo\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\"+\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x89\x02\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06shared\x18\x04 \x01(\x08\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12>\n\rstage_seconds\x18\x08 \x03(\x0b\x32\'.compactor.v1.Trailer.StageSecondsEntry\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x94\x01\n\x0c\x43ompactChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.compactor.v1.HeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.compactor.v1.TensorChunkH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.compactor.v1.TrailerH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\tModelInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11max_prefix_tokens\x18\x07 \x01(\r\x12\x12\n\nauto_ratio\x18\x08 \x01(\x01\x12\x0f\n\x07workers\x18\t \x01(\r\x12\x33\n\x06limits\x18\n \x03(\x0b\x32#.compactor.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x14\n\x12ListMethodsRequest\"&\n\x13ListMethodsResponse\x12\x0f\n\x07methods\x18\x01 \x03(\t2\xf2\x01\n\tCompactor\x12\x45\n\x07\x43ompact\x12\x1c.compactor.v1.CompactRequest\x1a\x1a.compactor.v1.CompactChunk0\x01\x12J\n\x0cGetModelInfo\x12!.compactor.v1.GetModelInfoRequest\x1a\x17.compactor.v1.ModelInfo\x12R\n\x0bListMethods\x12 .compactor.v1.ListMethodsRequest\x1a!.compactor.v1.ListMethodsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ompactor/v1/compactor.proto\x12\x0c\x63ompactor.v1\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x80\x02\n\x0e\x43ompactRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tspec_json\x18\x08 \x01(\t\x12/\n\nfollow_ups\x18\t \x03(\x0b\x32\x1b.compactor.v1.TokenSequence\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x11\n\tfit_round\x18\x0b \x01(\rJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x06methodR\x12method_params_jsonR\x06\x62udgetR\x07queries\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xac\x01\n\x06Header\x12\x15\n\rmetadata_json\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12)\n\x07tensors\x18\x06 \x03(\x0b\x32\x18.compactor.v1.TensorInfo\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\"+\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9e\x02\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06shared\x18\x04 \x01(\x08\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12>\n\rstage_seconds\x18\x08 \x03(\x0b\x32\'.compactor.v1.Trailer.StageSecondsEntry\x12\x13\n\x0bhmac_sha256\x18\t \x01(\t\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x94\x01\n\x0c\x43ompactChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.compactor.v1.HeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.compactor.v1.TensorChunkH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.compactor.v1.TrailerH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\tModelInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11max_prefix_tokens\x18\x07 \x01(\r\x12\x12\n\nauto_ratio\x18\x08 \x01(\x01\x12\x0f\n\x07workers\x18\t \x01(\r\x12\x33\n\x06limits\x18\n \x03(\x0b\x32#.compactor.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x14\n\x12ListMethodsRequest\"&\n\x13ListMethodsResponse\x12\x0f\n\x07methods\x18\x01 \x03(\t2\xf2\x01\n\tCompactor\x12\x45\n\x07\x43ompact\x12\x1c.compactor.v1.CompactRequest\x1a\x1a.compactor.v1.CompactChunk0\x01\x12J\n\x0cGetModelInfo\x12!.compactor.v1.GetModelInfoRequest\x1a\x17.compactor.v1.ModelInfo\x12R\n\x0bListMethods\x12 .compactor.v1.ListMethodsRequest\x1a!.compactor.v1.ListMethodsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,21 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORCHUNK']._serialized_start=606
   _globals['_TENSORCHUNK']._serialized_end=649
   _globals['_TRAILER']._serialized_start=652
-  _globals['_TRAILER']._serialized_end=917
-  _globals['_TRAILER_STAGESECONDSENTRY']._serialized_start=866
-  _globals['_TRAILER_STAGESECONDSENTRY']._serialized_end=917
-  _globals['_COMPACTCHUNK']._serialized_start=920
-  _globals['_COMPACTCHUNK']._serialized_end=1068
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1070
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1091
-  _globals['_MODELINFO']._serialized_start=1094
-  _globals['_MODELINFO']._serialized_end=1385
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=1340
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=1385
-  _globals['_LISTMETHODSREQUEST']._serialized_start=1387
-  _globals['_LISTMETHODSREQUEST']._serialized_end=1407
-  _globals['_LISTMETHODSRESPONSE']._serialized_start=1409
-  _globals['_LISTMETHODSRESPONSE']._serialized_end=1447
-  _globals['_COMPACTOR']._serialized_start=1450
-  _globals['_COMPACTOR']._serialized_end=1692
+  _globals['_TRAILER']._serialized_end=938
+  _globals['_TRAILER_STAGESECONDSENTRY']._serialized_start=887
+  _globals['_TRAILER_STAGESECONDSENTRY']._serialized_end=938
+  _globals['_COMPACTCHUNK']._serialized_start=941
+  _globals['_COMPACTCHUNK']._serialized_end=1089
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1091
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1112
+  _globals['_MODELINFO']._serialized_start=1115
+  _globals['_MODELINFO']._serialized_end=1406
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=1361
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=1406
+  _globals['_LISTMETHODSREQUEST']._serialized_start=1408
+  _globals['_LISTMETHODSREQUEST']._serialized_end=1428
+  _globals['_LISTMETHODSRESPONSE']._serialized_start=1430
+  _globals['_LISTMETHODSRESPONSE']._serialized_end=1468
+  _globals['_COMPACTOR']._serialized_start=1471
+  _globals['_COMPACTOR']._serialized_end=1713
 # @@protoc_insertion_point(module_scope)

@@ -71,7 +71,7 @@ class TensorChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
-    __slots__ = ("sha256", "payload_bytes", "cache_hit", "shared", "server_seconds", "compute_seconds", "worker", "stage_seconds")
+    __slots__ = ("sha256", "payload_bytes", "cache_hit", "shared", "server_seconds", "compute_seconds", "worker", "stage_seconds", "hmac_sha256")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Trailer(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HMAC_SHA256_FIELD_NUMBER: _ClassVar[int]
     sha256: str
     payload_bytes: int
     cache_hit: bool
@@ -95,7 +96,8 @@ class Trailer(_message.Message):
     compute_seconds: float
     worker: str
     stage_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, sha256: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., shared: _Optional[bool] = ..., server_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., worker: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    hmac_sha256: str
+    def __init__(self, sha256: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., shared: _Optional[bool] = ..., server_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., worker: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., hmac_sha256: _Optional[str] = ...) -> None: ...
 
 class CompactChunk(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
