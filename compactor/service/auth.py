@@ -51,6 +51,14 @@ class TokenFile:
         return self._token
 
 
+def tenant_of(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for scoping results: "cn:<common name>" of a verified mTLS client
+    certificate, else "" (every caller of the service is one tenant: the token, if any, is
+    shared)."""
+    names = context.auth_context().get("x509_common_name") or []
+    return f"cn:{names[0].decode(errors='replace')}" if names else ""
+
+
 def token_bytes(token: str | TokenFile | None) -> bytes | None:
     """The current token as bytes (a TokenFile re-read when it changed); None without one.
     The key results are signed with (`compactor.service.convert.sign`)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
-from compactor.service.auth import TokenFile, token_bytes
+from compactor.service.auth import TokenFile, tenant_of, token_bytes
 from compactor.service.convert import job_from_request, sign
 from compactor.service.drain import DrainGate
 from compactor.service.engine import CompactionService
@@ -50,6 +51,7 @@ class CompactorServicer(pb_grpc.CompactorServicer):
         try:
             with self.gate.track():
                 job = job_from_request(request, self.service.config.auto_ratio)
+                job = dataclasses.replace(job, tenant=tenant_of(context))
                 out = await self.gate.run(
                     self.service.compact(job, timeout=context.time_remaining())
                 )

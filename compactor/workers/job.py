@@ -37,7 +37,10 @@ class CompactJob:
     the service casts the result's keys/values to before encoding (one of
     KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it. `fit_round` is 0
     for a prefix's first fit and n for its n-th refit on more follow-ups: part of
-    :meth:`key` when > 0, so a refit is not answered with the cached first fit.
+    :meth:`key` when > 0, so a refit is not answered with the cached first fit. `tenant`
+    is who asked (the service fills it from the caller's mTLS identity): part of :meth:`key`
+    when set, so one tenant never shares a result, a compaction in flight or a cache hit with
+    another, and nothing one tenant sends changes what another gets.
     """
 
     model_fingerprint: str
@@ -47,11 +50,12 @@ class CompactJob:
     request_id: str = ""
     kv_dtype: str = ""
     fit_round: int = 0
+    tenant: str = ""
 
     def key(self) -> str:
         """Identity of the result: what determines it, i.e. the model, the prefix tokens, the
-        spec (method, budget, query policy, ...), the kv dtype and the fit round; not the
-        follow-ups."""
+        spec (method, budget, query policy, ...), the kv dtype, the fit round and the tenant;
+        not the follow-ups."""
         ident: dict[str, object] = {
             "model": self.model_fingerprint,
             "prefix": prefix_hash(self.token_ids),
@@ -61,6 +65,8 @@ class CompactJob:
             ident["kv_dtype"] = self.kv_dtype
         if self.fit_round:  # absent for first fits: their keys stay as they were
             ident["fit_round"] = self.fit_round
+        if self.tenant:  # absent without an identity: keys stay as they were
+            ident["tenant"] = self.tenant
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     @staticmethod

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from compactor.client import CompactorClient, TlsFiles
 from compactor.service.server import TlsConfig
@@ -43,7 +44,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=d,
     )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
+    for name in ("server", "client", "client-b"):
         _openssl(
             "req",
             "-newkey",
@@ -132,3 +133,31 @@ def test_plaintext_client_is_refused(server: Any) -> None:
     ):
         c.model_info(timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tenants_are_kept_apart(server: Any, certs: Path, model_fp: str) -> None:
+    """Two mTLS identities asking for the same prefix and spec: tenant B never gets tenant A's
+    result (no cache hit, no shared flight, a compaction of its own), so what A sends first
+    (crafted follow-ups) does not decide what B gets, while A still shares its own results."""
+    from dataclasses import replace
+
+    def client(name: str) -> CompactorClient:
+        tls = TlsFiles(certs / "ca.pem", certs / f"{name}.pem", certs / f"{name}.key")
+        return CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=TOKEN)
+
+    ids = [(i * 31 + 7) % 40000 + 100 for i in range(64)]
+    spec = replace(FAST, queries=replace(FAST.queries, sources=("follow-up",)))
+    crafted = [[101, 102, 103] * 5]
+    honest = [[ids[3], ids[9], 5000, 5001]]
+    reg = server.service.metrics.registry
+    before = reg.get_sample_value("compactor_compactions_total") or 0.0
+    with client("client") as a, client("client-b") as b:
+        first = a.compact(ids, model_fp, spec, follow_ups=crafted, timeout=120)
+        again_a = a.compact(ids, model_fp, spec, follow_ups=honest, timeout=120)
+        got_b = b.compact(ids, model_fp, spec, follow_ups=honest, timeout=120)
+    assert not first.cache_hit and again_a.cache_hit  # one tenant shares its own results
+    assert not got_b.cache_hit and not got_b.shared
+    assert reg.get_sample_value("compactor_compactions_total") == before + 2
+    assert any(
+        not torch.equal(x.keys, y.keys) for x, y in zip(first.prefix.layers, got_b.prefix.layers)
+    )

@@ -81,6 +81,11 @@ def test_spec_crosses_the_wire_and_reaches_the_pipeline(monkeypatch: Any) -> Non
     assert CompactJob("fp", job.token_ids, spec, ((7, 8, 9),)).key() == job.key()
     assert CompactJob("fp", job.token_ids[:-1], spec, job.follow_ups).key() != job.key()
     assert CompactJob("fp2", job.token_ids, spec, job.follow_ups).key() != job.key()
+    # tenants never share a result; no tenant keeps the keys as they were
+    assert CompactJob("fp", job.token_ids, spec, tenant="cn:a").key() != job.key()
+    assert CompactJob("fp", job.token_ids, spec, tenant="cn:a").key() != (
+        CompactJob("fp", job.token_ids, spec, tenant="cn:b").key()
+    )
     # budget auto (neither ratio nor tokens) is resolved to the server's auto ratio
     auto = CompactJob("fp", (1, 2), spec.with_budget())
     assert job_from_request(request_from_job(auto), auto_ratio=0.3).spec.ratio == 0.3
@@ -89,7 +94,8 @@ def test_spec_crosses_the_wire_and_reaches_the_pipeline(monkeypatch: Any) -> Non
         run_compaction(None, None, "fp", job)
     assert seen["spec"] == spec and seen["follow_ups"] == [[5, 6]]
     with pytest.raises(
-        InvalidRequest, match=r"follow_up_answer_tokens must be in \[0, 256\], got 999"
+        InvalidRequest,
+        match=r"^queries.follow_up_answer_tokens = 999 is over this server's limit 256 ",
     ):
         bad = spec.replace(queries={"follow_up_answer_tokens": 999}, head_budgets="uniform")
         CompactJob("fp", (1, 2), bad, follow_ups=((5,),)).validate(100)
