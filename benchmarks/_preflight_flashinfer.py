@@ -1,4 +1,4 @@
-"""CPU preflight for the slim FlashInfer bundle that scripts/gpu_serving.sh carries to a GPU.
+"""CPU preflight for the slim FlashInfer bundle in scripts/gpu_serving.sh's wheelhouse.
 
 The bundle holds only part of the flashinfer_python 0.7.2 wheel (Python code, headers, some
 csrc sources); the GPU machine JIT-compiles from it. This module names the bundle's members
@@ -140,7 +140,7 @@ class MissingInclude(NamedTuple):
 
 
 def bundle_members(names: Iterable[str]) -> list[str]:
-    """The wheel members (from ``names``) that the serving bundle carries, sorted."""
+    """The wheel members (from ``names``) that the serving bundle holds, sorted."""
     out = []
     for name in names:
         if name.endswith("/"):

@@ -72,7 +72,7 @@ GPU_IMAGE_PACKAGES = _words(
     treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
     werkzeug wheel wrapt xarray xxhash yarl zipp"""
 )
-EXTRA_AVAILABLE = ("flashinfer-python",)  # carried as scripts/gpu_checks.sh's slim bundle
+EXTRA_AVAILABLE = ("flashinfer-python",)  # installed from the slim FlashInfer bundle
 # import names of GPU-side distributions this venv may lack (the rest come from metadata or
 # the distribution name itself)
 IMPORT_NAMES: dict[str, tuple[str, ...]] = {
@@ -243,7 +243,7 @@ def _norm(dist: str) -> str:
 
 
 def gpu_distributions(wheels: Path = WHEELS) -> set[str]:
-    """Normalised names of the distributions the GPU machine has (image + carried wheels)."""
+    """Normalised names of the distributions the GPU machine has (image + wheelhouse)."""
     names = {*GPU_IMAGE_PACKAGES, *EXTRA_AVAILABLE}
     for line in wheels.read_text().splitlines():
         req = line.split("#", 1)[0].strip()

@@ -1,7 +1,7 @@
 """Fetch one wheel for the GPU machines (CPython 3.12, manylinux x86_64) with pip, cached.
 
-The GPU machines have no network, so the checks download here what they carry there
-(scripts/gpu_serving.sh's ``pack``). ``fetch_wheel`` downloads a single wheel, without its
+A GPU machine without network installs from a wheelhouse made on a machine with pip
+(scripts/gpu_serving.sh's ``pack``); the checks download the same wheels here. ``fetch_wheel`` downloads a single wheel, without its
 dependencies, into a cache folder unless a matching file is already there.
 """
 

@@ -23,9 +23,8 @@ attention) and random weights, directly on the device (nothing is downloaded). T
 
 Writes ``benchmarks/results/compaction_speed_gpu.json`` (``--out``) with the command, git
 commit, machine, device and date. A step that fails (out of memory, say) is recorded with
-its error and the next one runs. Where one call may last 10 minutes, run the steps one per
-call into the same file: ``--skip big,layer``, then ``--skip doc,layer --append``, then
-``--skip doc,big --append``.
+its error and the next one runs. The steps can also run one at a time into the same file:
+``--skip big,layer``, then ``--skip doc,layer --append``, then ``--skip doc,big --append``.
 """
 
 from __future__ import annotations
@@ -253,7 +252,7 @@ def main() -> int:
     ap.add_argument(
         "--append",
         action="store_true",
-        help="keep the skipped steps' results of an existing JSON (one call per step)",
+        help="keep the skipped steps' results of an existing JSON (one run per step)",
     )
     a = ap.parse_args()
     if a.smoke:

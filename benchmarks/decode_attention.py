@@ -4,12 +4,13 @@ For each prefix length L (default 1k..128k) and batch size B it times one decode
 (``q [B, H_q, D]`` over B requests of L slots each, page size 1) for:
 
     flashinfer_stock   FlashInfer's stock BatchDecodeWithPagedKVCacheWrapper, no beta
-    triton_beta        kernels.biased_attention.triton paged decode, with beta
-    flashinfer_beta    kernels.biased_attention.flashinfer variant, with beta
+    triton_beta        kernels.biased_attention.triton paged decode, with beta (the plugin's)
 
 and reports achieved bytes/s (K + V + beta + slot indices read, output written) against the
 device's measured device-to-device copy bandwidth. Writes JSON (``--out``) and a plot
 (``--plot``). Missing pieces (no flashinfer installed) are recorded as skipped, not faked.
+Result files written before the FlashInfer beta variant was removed (the committed
+``results/kernels.json``) also hold ``flashinfer_beta`` rows; the plot draws them too.
 
     python -m benchmarks.decode_attention --out results/kernels.json --plot results/kernels.png
     (no benchmark may be named ``kernels.py``: a script run as ``python benchmarks/x.py`` has
@@ -31,7 +32,7 @@ import torch
 
 DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8, 32]
-KERNELS = ("triton_beta", "flashinfer_stock", "flashinfer_beta")
+KERNELS = ("triton_beta", "flashinfer_stock")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,17 +99,15 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
         return lambda: w.run(q, pool["k"], pool["v"], pool["beta"])
 
     out: dict[str, Any] = {"triton_beta": triton_beta}
-    if not {"flashinfer_stock", "flashinfer_beta"} & set(args.kernels):
+    if "flashinfer_stock" not in args.kernels:
         return out
     try:
         import flashinfer
     except ImportError as exc:  # recorded in the JSON, not silently dropped
-        out["flashinfer_stock"] = out["flashinfer_beta"] = f"skipped: {exc}"
+        out["flashinfer_stock"] = f"skipped: {exc}"
         return out
-    from kernels.biased_attention.flashinfer import FlashInferBiasedPagedDecode
 
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    beta_wrapper = FlashInferBiasedPagedDecode()
 
     def flashinfer_stock(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
@@ -126,18 +125,7 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
         paged = (pool["k"].unsqueeze(1), pool["v"].unsqueeze(1))
         return lambda: w.run(q, paged, return_lse=True)
 
-    def flashinfer_beta(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
-        beta_wrapper.plan(
-            pool["kv_indptr"],
-            pool["kv_indices"],
-            args.num_qo_heads,
-            args.num_kv_heads,
-            args.head_dim,
-            q_dtype=q.dtype,
-        )
-        return lambda: beta_wrapper.run(q, pool["k"], pool["v"], pool["beta"])
-
-    out.update(flashinfer_stock=flashinfer_stock, flashinfer_beta=flashinfer_beta)
+    out["flashinfer_stock"] = flashinfer_stock
     return out
 
 
@@ -217,7 +205,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for (kernel, batch), pts in sorted(series.items()):
         pts.sort()
         xs = [p[0] for p in pts]
-        style = {"triton_beta": "-o", "flashinfer_beta": "-s", "flashinfer_stock": "--^"}[kernel]
+        style = {"triton_beta": "-o", "flashinfer_stock": "--^"}.get(kernel, "-s")
         ax_ms.plot(xs, [p[1] for p in pts], style, label=f"{kernel} B={batch}")
         ax_bw.plot(xs, [p[2] for p in pts], style, label=f"{kernel} B={batch}")
     ax_bw.axhline(result["copy_bandwidth_gbs"], color="k", lw=1, ls=":", label="copy bandwidth")

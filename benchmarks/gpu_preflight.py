@@ -15,7 +15,7 @@ Checks, each printed with what it found; the exit status is the number that fail
 - tree-core: a torch other than the one SGLang's wheel pins selects SGLang's pure-Python radix
   tree core (its compiled core misreads the tensors of another torch: `insert value must be
   an int64 tensor, got Float`).
-- wheelhouse: `scripts/gpu_serving.sh pack` fits in at most `MAX_PARTS` parts of 48 MiB.
+- wheelhouse: `scripts/gpu_serving.sh pack` fits in at most `MAX_PARTS` parts of `PART_MB` MiB.
 """
 
 from __future__ import annotations

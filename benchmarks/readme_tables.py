@@ -1,18 +1,21 @@
-"""README results tables rendered from their result files (the test checks they agree).
+"""Results tables in the documents, rendered from their result files (tests check they agree).
 
-    python benchmarks/readme_tables.py            # every table, as README.md should show it
+    python benchmarks/readme_tables.py            # every table, as the documents should show it
     python benchmarks/readme_tables.py serving    # one table
-    python benchmarks/readme_tables.py --write README.md   # re-render the marked tables in place
+    python benchmarks/readme_tables.py --check    # exit 1 if a document's table differs
+    python benchmarks/readme_tables.py --write    # re-render the marked tables in place
+    python benchmarks/readme_tables.py --write docs/results.md   # ... of some documents only
 
-A results table in README.md (or sglang_ext/README.md) sits right below a marker naming its
-renderer and its files:
+A results table in one of `DOCUMENTS` (README.md, docs/*.md, sglang_ext/README.md) sits right
+below a marker naming its renderer and its files:
 
     <!-- results: serving benchmarks/results/serving_3072.json -->
     | config | ... |
 
 `tests/unit/test_readme_results.py` re-renders every marked table and compares it with the
-README (bold `**` ignored), and checks that each file records its provenance (command, commit,
-machine, date). Rounding: the renderers', to the digits the README prints.
+document (bold `**` ignored), checks that every renderer has a table, that markers appear only
+in `DOCUMENTS`, and that each result file records its provenance (command, commit, machine,
+date). Rounding: the renderers', to the digits the documents print.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "benchmarks/results"
+# Every document that shows results (tables under a marker, or result files it names), relative
+# to the repository root.
+DOCUMENTS = (
+    "README.md",
+    "docs/results.md",
+    "docs/gpu.md",
+    "docs/benchmarks.md",
+    "sglang_ext/README.md",
+)
 MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
 
 Renderer = Callable[[list[dict[str, Any]]], list[list[str]]]
@@ -286,9 +298,12 @@ def _next_question(data: list[dict[str, Any]]) -> list[list[str]]:
 @table("kernels", "kernels.json")
 def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     res = data[0]["results"]
-    kernels = ("triton_beta", "flashinfer_stock", "flashinfer_beta")
+    # flashinfer_beta: the FlashInfer β variant, since removed; files from before keep its column
+    heads = {"triton_beta": "Triton + β", "flashinfer_stock": "FlashInfer stock (no β)",
+             "flashinfer_beta": "FlashInfer + β variant (removed)"}  # fmt: skip
+    kernels = [k for k in heads if any(r.get("kernel") == k for r in res)]
     shapes = ((1, 1024), (1, 131072), (8, 16384), (32, 65536), (32, 131072))
-    rows = [["B x prefix slots", "Triton + β", "FlashInfer stock (no β)", "FlashInfer + β variant"]]
+    rows = [["B x prefix slots", *(heads[k] for k in kernels)]]
     for b, n in shapes:
         cells = []
         for k in kernels:
@@ -358,7 +373,7 @@ def render(name: str, root: Path = ROOT) -> tuple[tuple[str, ...], list[str]]:
 
 
 def marked_tables(text: str) -> list[tuple[str, tuple[str, ...], list[str]]]:
-    """(renderer name, files, table lines) for every marker in a README's text."""
+    """(renderer name, files, table lines) for every marker in a document's text."""
     out = []
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -416,12 +431,45 @@ def update(text: str, root: Path = ROOT) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
+def check(docs: tuple[str, ...] = DOCUMENTS, root: Path = ROOT) -> list[str]:
+    """What is wrong with the marked tables of `docs`: a table that differs from what its
+    renderer prints, a marker naming other files or an unknown renderer, and (when every
+    document is checked) a renderer without a table. Empty when all agree."""
+    problems, seen = [], set()
+    for doc in docs:
+        path = root / doc
+        if not path.exists():
+            problems.append(f"{doc}: missing")
+            continue
+        for name, files, lines in marked_tables(path.read_text()):
+            seen.add(name)
+            if name not in TABLES:
+                problems.append(f"{doc}: unknown table {name!r}")
+                continue
+            want_files, want = render(name, root)
+            if files != want_files:
+                problems.append(f"{doc}: the {name} marker names {files}, not {want_files}")
+            elif [normalize(x) for x in lines] != [normalize(x) for x in want]:
+                problems.append(f"{doc}: the {name} table differs from its files")
+    if set(docs) == set(DOCUMENTS):
+        problems += [f"table {n!r} is in no document" for n in sorted(set(TABLES) - seen)]
+    return problems
+
+
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--write"]:  # re-render the tables of the READMEs given (in place)
-        for path in map(Path, argv[1:]):
+    if argv[:1] == ["--write"]:  # re-render the tables of the documents given (in place)
+        for doc in argv[1:] or DOCUMENTS:
+            path = ROOT / doc if not Path(doc).is_absolute() else Path(doc)
             path.write_text(update(path.read_text()))
-            print(f"updated {path}")
+            print(f"updated {doc}")
         return 0
+    if argv[:1] == ["--check"]:  # exit 1 when a document's table differs from its files
+        problems = check(tuple(argv[1:]) or DOCUMENTS)
+        for line in problems:
+            print(line, file=sys.stderr)
+        if not problems:
+            print(f"every marked table agrees with its files ({', '.join(argv[1:] or DOCUMENTS)})")
+        return 1 if problems else 0
     for name in argv or list(TABLES):
         files, lines = render(name)
         print(f"<!-- results: {name} {' '.join(files)} -->")

@@ -1,9 +1,8 @@
 """Attention kernels for compacted prefixes: one sub-package per op.
 
-Every op has a torch ``reference`` (fp32, the truth) and a Triton implementation; some also
-have a FlashInfer one (GPU only). Importing this package imports neither triton nor
-flashinfer: pick a backend explicitly, e.g. ``from kernels.biased_attention import triton``
-or through :func:`get_backend`.
+Every op has a torch ``reference`` (fp32, the truth) and a Triton implementation. Importing
+this package does not import triton: pick a backend explicitly, e.g.
+``from kernels.biased_attention import triton`` or through :func:`get_backend`.
 
 Ops:
     biased_attention   attention with a per-key bias ``beta`` over ragged per-head KV
@@ -20,13 +19,13 @@ __all__ = ["BACKENDS", "OPS", "get_backend"]
 
 OPS = ("biased_attention", "merge_state")
 BACKENDS = {
-    "biased_attention": ("reference", "triton", "flashinfer"),
+    "biased_attention": ("reference", "triton"),
     "merge_state": ("reference", "triton"),
 }
 
 
 def get_backend(op: str, backend: str = "reference") -> ModuleType:
-    """Import and return ``kernels.<op>.<backend>`` (lazily: triton/flashinfer load here)."""
+    """Import and return ``kernels.<op>.<backend>`` (lazily: triton loads here)."""
     if op not in BACKENDS:
         raise ValueError(f"unknown op {op!r}; known: {sorted(BACKENDS)}")
     if backend not in BACKENDS[op]:

@@ -7,21 +7,21 @@
 #   bash scripts/gpu_serving.sh pack          # HERE (pip works): the wheelhouse, .whl/gpu_serving/p1..p2
 #   OUT=/tmp/o bash scripts/gpu_serving.sh    # THERE, with the parts copied next to the repo
 #
-# The wheelhouse (two parts of <= 48 MiB, `pack` prints them):
+# The wheelhouse (in parts of at most PART_MB MiB, default 48; `pack` prints them):
 #   - the wheels of scripts/gpu_wheels.txt (SGLang 0.5.23 and the pure-Python needs a CUDA
 #     image with torch lacks), installed with --no-deps into /tmp/site;
 #   - FlashInfer 0.7.2's serving bundle: the members benchmarks/_preflight_flashinfer.py lists
 #     (Python code, headers, and the sources SGLang's FlashInfer backend and sampler JIT-compile).
 # No model travels: the run makes random-weight checkpoints on the GPU and serves token ids.
-# Not carried: sglang-kernel (SGLang's compiled CUDA package: too large, built for another
+# Not in the wheelhouse: sglang-kernel (SGLang's compiled CUDA package: too large, built for another
 # torch). scripts/gpu_standin/ (a CHECK-ONLY torch stand-in for the sgl_kernel ops SGLang
 # imports, and for the CuteDSL dual GEMM's module) goes first on PYTHONPATH for this script
 # only; it is never installed. The plugin's entry point is a hand-written dist-info in /tmp/site;
 # the code is this tree.
 #
-# Parts are staged into /tmp/gpu_serving/stage as they arrive (a machine that stays up between
-# two copies keeps the first); once all are there the script installs them and runs every phase
-# within BUDGET_S (540 s), writing each phase's record as it ends.
+# Parts are staged into /tmp/gpu_serving/stage (parts copied in over several runs add up there);
+# once all are there the script installs them and runs every phase within BUDGET_S seconds
+# (default 540), writing each phase's record as it ends.
 set -u
 cd "$(dirname "$0")/.."
 PARTS=.whl/gpu_serving
@@ -52,7 +52,7 @@ if [ "${1:-}" = pack ]; then
     (cd "$w/files" && sha256sum -- * > ../MANIFEST)
     PARTS=${PACK_DIR:-$PARTS}
     rm -rf "$PARTS" && mkdir -p "$PARTS"
-    # first-fit by size into parts of PART_MB MiB; every part carries the manifest
+    # first-fit by size into parts of PART_MB MiB; every part holds the manifest
     "$PY" - "$w" "$PARTS" "$PART_MB" <<'EOF'
 import os, shutil, sys
 w, parts, mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -86,7 +86,7 @@ PY=${PY:-python3}
 mkdir -p "$OUT" "$STAGE" "$WORK/state"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
-# 1. stage what this call carries
+# 1. stage the parts found next to the repository
 for part in "$PARTS"/p*; do
     [ -d "$part" ] && cp -f "$part"/* "$STAGE"/ && echo "staged $(basename "$part")"
 done

@@ -24,7 +24,6 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
 - CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
   compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
   prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
-  Capturing compacted decode through `graph_decode.GraphDecodePlan` is the next step.
 
 Refused with a ValueError naming the flag (`check_runner` at construction, `check_layer` at a
 biased forward): MLA, decode context parallelism, KV caches other than fp16/bf16/fp32 (fp8),

@@ -1,9 +1,8 @@
 """Attention with a per-key bias ``beta`` over ragged compacted KV (and SGLang's paged pool).
 
-Backends, imported on demand (this package imports neither triton nor flashinfer):
+Backends, imported on demand (this package does not import triton):
     reference   torch, fp32, the truth (:mod:`.reference`)
     triton      Triton kernels, GPU or ``TRITON_INTERPRET=1`` on CPU (:mod:`.triton`)
-    flashinfer  FlashInfer JIT attention variant, GPU only (:mod:`.flashinfer`)
 
 Shape legend and layouts: :mod:`kernels.biased_attention._common`.
 """

@@ -7,7 +7,7 @@ masks), softmax over the keys a query sees, and the natural-log LSE of those log
 float mask, optional LSE); everything else in the project that computes biased attention in
 torch calls it: the solvers (``compactor.solvers.attend``), the plugin's CPU path
 (``sglang_ext.sdpa.biased_sdpa``), the HF decode path (``compactor.hf.decode``) and the
-ragged/paged loops below, which the Triton and FlashInfer kernels are tested against.
+ragged/paged loops below, which the Triton kernels are tested against.
 :func:`attention_bias` builds the additive float mask (beta expanded to the query heads,
 causal tail) that the HF path also hands to transformers.
 
@@ -40,7 +40,6 @@ from kernels.biased_attention._common import (
 __all__ = [
     "attention_bias",
     "biased_attention",
-    "compacted_slot_table",
     "decode",
     "extend",
     "paged_decode",
@@ -255,30 +254,6 @@ def paged_decode(
         q, decode_qo_indptr(q), k_cache, v_cache, beta_cache, kv_indptr, kv_indices,
         sm_scale=sm_scale,
     )  # fmt: skip
-
-
-def compacted_slot_table(
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    prefix_physical: torch.Tensor,
-    prefix_logical: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The alias-free slot table of a batch over ``req_to_token [R, W]`` (host loop).
-
-    Request b (row ``rows[b]``, n_b = ``seq_lens[b]``, a compacted prefix with p_b physical
-    slots and logical length T_b, both 0 for a plain request) reads its row's columns
-    [0, p_b) then [T_b, n_b). Returns ``kv_indptr [B+1]`` and ``kv_indices [nnz]`` int32 on
-    the CPU; the reference of ``kernels.biased_attention.graph.fill_slot_table``.
-    """
-    table = req_to_token.cpu()
-    indptr, pieces = [0], []
-    for row, n, p, t in zip(*(x.cpu().tolist() for x in (rows, seq_lens, prefix_physical,
-                                                           prefix_logical))):  # fmt: skip
-        pieces += [table[row, :p], table[row, t:n]]
-        indptr.append(indptr[-1] + p + n - t)
-    indices = torch.cat(pieces) if pieces else torch.zeros(0, dtype=table.dtype)
-    return torch.tensor(indptr, dtype=torch.int32), indices.to(torch.int32)
 
 
 # ---- private helpers -------------------------------------------------------------------

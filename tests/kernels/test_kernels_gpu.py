@@ -1,5 +1,5 @@
-"""GPU checks (marker ``gpu``, skipped without CUDA): Triton and the FlashInfer variant
-against the fp32 torch reference at bf16 tolerances on long, ragged prefixes."""
+"""GPU checks (marker ``gpu``, skipped without CUDA): the Triton kernels against the fp32
+torch reference at bf16 tolerances on long, ragged prefixes."""
 
 from __future__ import annotations
 
@@ -79,37 +79,3 @@ def test_triton_merge_state_bf16():
     want = merge_ref.merge_state(v_a, s_a, v_b, s_b)
     torch.testing.assert_close(got.out.float(), want.out, **BF16)
     torch.testing.assert_close(got.lse, want.lse)
-
-
-@pytest.mark.parametrize("use_tensor_cores", [False, True])
-def test_flashinfer_decode_matches_reference(make_ragged, use_tensor_cores):
-    pytest.importorskip("flashinfer")
-    from kernels.biased_attention.flashinfer import FlashInferBiasedPagedDecode
-
-    kv = _ragged(make_ragged, _counts(4, 32768, 3), seed=3)
-    k_cache, v_cache, beta_cache, kv_indptr, kv_indices = ragged_to_paged(
-        kv.keys, kv.values, kv.beta, kv.indptr, H_KV
-    )
-    perm = torch.randperm(k_cache.shape[0], device="cuda")  # scattered slots, as in SGLang
-    inv = torch.argsort(perm)
-    k_cache, v_cache, beta_cache = k_cache[perm], v_cache[perm], beta_cache[perm]
-    kv_indices = inv[kv_indices.long()].to(torch.int32)
-    q = torch.randn(4, H_Q, D, device="cuda", dtype=torch.bfloat16)
-    wrapper = FlashInferBiasedPagedDecode(use_tensor_cores=use_tensor_cores)
-    wrapper.plan(kv_indptr, kv_indices, H_Q, H_KV, D, q_dtype=torch.bfloat16)
-    got = wrapper.run(q, k_cache, v_cache, beta_cache)
-    _assert_matches(got, ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr))
-
-
-def test_flashinfer_extend_matches_reference(make_ragged):
-    pytest.importorskip("flashinfer")
-    from kernels.biased_attention.flashinfer import FlashInferBiasedPagedExtend
-
-    kv = _ragged(make_ragged, _counts(3, 8192, 4), seed=4)
-    pool = ragged_to_paged(kv.keys, kv.values, kv.beta, kv.indptr, H_KV)
-    qo = torch.tensor([0, 37, 38, 101], dtype=torch.int32)
-    q = torch.randn(101, H_Q, D, device="cuda", dtype=torch.bfloat16)
-    wrapper = FlashInferBiasedPagedExtend()
-    wrapper.plan(qo, pool[3], pool[4], H_Q, H_KV, D, q_dtype=torch.bfloat16)
-    got = wrapper.run(q, *pool[:3])
-    _assert_matches(got, ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo.cuda()))

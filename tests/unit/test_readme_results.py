@@ -1,6 +1,7 @@
-"""README figures come from committed result files: every marked results table equals what
-`benchmarks/readme_tables.py` renders from the files it names, and every result file records
-how it was produced (command, commit, machine, date)."""
+"""Figures in the README and docs/ come from committed result files: every marked results
+table in `readme_tables.DOCUMENTS` equals what `benchmarks/readme_tables.py` renders from the
+files it names, no other Markdown file holds a marker, and every result file records how it
+was produced (command, commit, machine, date)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,19 @@ readme_tables = importlib.util.module_from_spec(_spec)
 sys.modules["readme_tables"] = readme_tables
 _spec.loader.exec_module(readme_tables)
 
-READMES = (ROOT / "README.md", ROOT / "sglang_ext" / "README.md")
+READMES = tuple(ROOT / doc for doc in readme_tables.DOCUMENTS)
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _markdown_files() -> list[Path]:
+    return sorted(
+        p
+        for p in ROOT.rglob("*.md")
+        if not any(
+            part.startswith(".") or part in {"third_party", "node_modules"}
+            for part in p.relative_to(ROOT).parts
+        )
+    )
 
 
 def _marked() -> list[tuple[str, str, tuple[str, ...], list[str]]]:
@@ -36,8 +48,42 @@ def _marked() -> list[tuple[str, str, tuple[str, ...], list[str]]]:
 MARKED = _marked()
 
 
-def test_every_renderer_has_its_table_in_the_readme() -> None:
+def test_documents_exist() -> None:
+    missing = [doc for doc, path in zip(readme_tables.DOCUMENTS, READMES) if not path.is_file()]
+    assert not missing, f"readme_tables.DOCUMENTS names missing files: {missing}"
+
+
+def test_every_renderer_has_its_table_in_a_document() -> None:
     assert {name for _, name, _, _ in MARKED} == set(readme_tables.TABLES)
+
+
+def test_markers_only_in_the_listed_documents() -> None:
+    listed = set(READMES)
+    stray = [
+        p.relative_to(ROOT).as_posix()
+        for p in _markdown_files()
+        if p not in listed and readme_tables.marked_tables(p.read_text(encoding="utf-8"))
+    ]
+    assert not stray, f"results markers outside readme_tables.DOCUMENTS (add them there): {stray}"
+
+
+def test_check_mode_agrees(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python benchmarks/readme_tables.py --check` passes on the committed documents."""
+    assert readme_tables.check() == []
+    assert readme_tables.main(["--check"]) == 0
+    assert "agrees" in capsys.readouterr().out
+
+
+def test_check_mode_finds_a_changed_table(tmp_path: Path) -> None:
+    readme, name, _, lines = next(m for m in MARKED if m[0] == "README.md")
+    row = lines[2]
+    changed = row.replace(" |", " 9 |", 1)  # the first cell gains a 9
+    text = (ROOT / readme).read_text().replace(row, changed, 1)
+    (tmp_path / "README.md").write_text(text)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "results").symlink_to(RESULTS)
+    problems = readme_tables.check(("README.md",), tmp_path)
+    assert problems == [f"README.md: the {name} table differs from its files"]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +112,7 @@ def test_result_file_records_its_provenance(path: Path) -> None:
 
 
 def _named_results(text: str) -> set[str]:
-    """Patterns of result files a README names: `X.json`, `X.{json,png}`, `X.*`, `X*.json`."""
+    """Patterns of result files a document names: `X.json`, `X.{json,png}`, `X.*`, `X*.json`."""
     out = set()
     for token in re.findall(r"benchmarks/results/([\w.*{},-]+)", text):
         token = token.rstrip(".,")
@@ -79,4 +125,4 @@ def test_result_files_the_readmes_name_exist() -> None:
     named = set().union(*(_named_results(r.read_text()) for r in READMES))
     assert len(named) > 10
     missing = sorted(n for n in named if not list(RESULTS.glob(n)))
-    assert not missing, f"the READMEs name result files that are not committed: {missing}"
+    assert not missing, f"the documents name result files that are not committed: {missing}"

@@ -1,7 +1,7 @@
 """CHECK-ONLY stand-in for `sgl_kernel` on CUDA: used by scripts/gpu_serving.sh alone.
 
-SGLang 0.5.23's compiled kernel package (`sglang-kernel`) is too large to carry to the GPU
-machine and built for another torch, so `scripts/gpu_serving.sh` puts this directory first on
+SGLang 0.5.23's compiled kernel package (`sglang-kernel`) is too large for the offline
+wheelhouse and built for another torch, so `scripts/gpu_serving.sh` puts this directory first on
 PYTHONPATH instead. It is never installed for users (no pyproject here): a real deployment
 uses the real `sglang-kernel`. It provides, in plain torch, exactly the ops that SGLang's
 bf16 Llama path + FlashInfer/Triton backends + greedy/top-k/top-p sampling + CUDA graphs call:
