@@ -145,7 +145,10 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
             if not torch.equal(row.to(torch.int64), k.value.to(row.device)):
                 self.stats.skipped_checkpoints += 1
                 return
-        self.trigger.remember(req.rid, req.origin_input_ids)
+        if req.cache_salt is None and req.extra_key is None:
+            # a request that opted out of sharing (cache salt) or runs another adapter (LoRA
+            # extra key) never feeds the fit of a shared path
+            self.trigger.remember(req.rid, req.origin_input_ids)
         self.trigger.candidates.clear()
         super().checkpoint(req, up_to=up_to)
         self._maybe_submit()

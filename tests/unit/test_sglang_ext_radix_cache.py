@@ -307,6 +307,28 @@ def test_hits_trigger_one_compaction_with_follow_ups(compacted: Any) -> None:
     assert len(runner.submitted) == 1
 
 
+@pytest.mark.parametrize("opt_out", [{"cache_salt": "tenant-a"}, {"extra_key": "lora-7"}])
+def test_opted_out_requests_never_feed_the_fit(compacted: Any, opt_out: dict[str, str]) -> None:
+    """A salted (or LoRA) request asking about the same document is neither a hit of the
+    shared path nor one of its follow-ups: only the two unsalted questions are sent."""
+    ids, _prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, min_hits=2)
+    crafted = _req(cache, "x", [*ids, 901, 902, 903], 0)
+    for name, value in opt_out.items():
+        setattr(crafted, name, value)
+    cache.checkpoint(crafted, up_to=T + 3)
+    _release(cache, crafted, T + 3)
+    for rid, tail, prefix in (("a", [501, 502], 0), ("b", [601, 602], T)):
+        r = _req(cache, rid, [*ids, *tail], prefix)
+        cache.checkpoint(r, up_to=T + 2)
+        _release(cache, r, T + 2)
+    assert len(runner.submitted) == 1
+    tokens, follow_ups = runner.submitted[0]
+    assert tokens == ids and sorted(follow_ups) == [[501, 502], [601, 602]]
+    check_accounting(cache)
+
+
 def test_request_started_before_install_stays_off_the_compacted_node(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
