@@ -387,6 +387,19 @@ class CompactionSpec:
         raw = round(self.ratio * T) if self.ratio is not None else int(self.tokens or 0)
         return min(T, max(sinks + 1, raw))
 
+    def result_budget(self, T: int) -> int | None:
+        """The per-head budget t that bounds a result for a T-token prefix (at most
+        L * H_kv * min(T, 2t) entries in all, see ``compactor.service.convert.max_result_bytes``):
+        the spec's own, or its ratio ceiling with a target_error; None when the service picks
+        it (budget auto) or the method does (``own_budget``)."""
+        from compactor.methods import get_method
+
+        if (self.ratio is None and self.tokens is None) or get_method(
+            self.method, **self.method_params
+        ).own_budget:
+            return None
+        return self.budget_per_head(T, self.keep_sink_tokens)
+
     # ---- derived specs -----------------------------------------------------------------
     def replace(self, **changes: Any) -> CompactionSpec:
         """``dataclasses.replace``; ``queries=`` may be a dict of QueryConfig changes."""

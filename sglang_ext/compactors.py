@@ -41,6 +41,7 @@ __all__ = [
     "InProcessCompactor",
     "JobResult",
     "PoolShape",
+    "echo_check",
     "make_compactor",
 ]
 
@@ -193,9 +194,10 @@ class PoolShape:
 
         return slice_heads(prefix, self.head_start, self.head_start + self.pool_heads)
 
-    def max_result_bytes(self, logical_length: int) -> int:
+    def max_result_bytes(self, logical_length: int, budget_tokens: int | None = None) -> int:
         """The largest valid result for a prefix of T = `logical_length` tokens (keys and
-        values in the pool's dtype; every head may keep up to T entries)."""
+        values in the pool's dtype): at most L * H_kv * min(T, 2t) entries with the spec's
+        per-head budget t = `budget_tokens`, every head keeping T without one."""
         from compactor.service.convert import max_result_bytes
 
         return max_result_bytes(
@@ -204,8 +206,22 @@ class PoolShape:
             self.head_dim,
             logical_length,
             self.dtype,
+            budget_tokens,
             metadata_allowance=METADATA_BYTES,
         )
+
+
+def echo_check(prefix: CompactedPrefix, method: str, T: int, budget: int | None) -> None:
+    """The result is what was asked for: `method`'s, and within the budget (at most
+    L * H_kv * min(T, 2 * budget) entries; any count up to T a head without one). Raises
+    ValueError naming what differs (the cache counts it invalid and keeps the prefix)."""
+    if prefix.method != method:
+        raise ValueError(f"result of method {prefix.method!r}, asked for {method!r}")
+    per_head = T if budget is None else min(T, 2 * budget)
+    cap = prefix.num_layers * prefix.num_kv_heads * per_head
+    kept = prefix.kept_tokens()
+    if kept > cap:
+        raise ValueError(f"result keeps {kept} entries, over {cap} for budget {budget} of T={T}")
 
 
 class GrpcCompactor:
@@ -274,19 +290,23 @@ class GrpcCompactor:
         client = self._client_for(self._token())
         fus = [[int(t) for t in f] for f in follow_ups]
         pool = self.pool
+        spec = self.config.spec.for_follow_ups(fus)
+        T = len(token_ids)
+        budget = spec.result_budget(T)
         result = await client.compact(
             [int(t) for t in token_ids],
             self.fingerprint,
-            self.config.spec.for_follow_ups(fus),
+            spec,
             fus,
             timeout=self.config.timeout,
             fit_round=fit_round,
             kv_dtype=pool.dtype if pool else None,
-            max_result_bytes=pool.max_result_bytes(len(token_ids)) if pool else None,
+            max_result_bytes=pool.max_result_bytes(T, budget) if pool else None,
         )
         prefix = getattr(result, "prefix", result)
         if not isinstance(prefix, CompactedPrefix):
             raise TypeError(f"compaction client returned {type(result).__name__}")
+        echo_check(prefix, spec.method, T, budget)
         return prefix
 
 

@@ -244,11 +244,13 @@ class CompactionMethod(ABC):
     """Base of all methods: a dataclass of hyper-parameters with one job.
 
     Subclasses validate their fields in ``__post_init__`` (ValueError, never assert) and
-    implement :meth:`compact`. A method that needs a LayerContext sets ``needs_context``.
+    implement :meth:`compact`. A method that needs a LayerContext sets ``needs_context``; one
+    that chooses its own budget, whatever the spec's ratio or tokens, sets ``own_budget``.
     """
 
     name: ClassVar[str] = ""
     needs_context: ClassVar[bool] = False
+    own_budget: ClassVar[bool] = False
 
     @abstractmethod
     def compact(self, x: LayerInput) -> MethodResult:

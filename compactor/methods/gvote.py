@@ -55,6 +55,7 @@ class GVote(RefitOption, SelectingMethod):
     """
 
     needs_context: ClassVar[bool] = True
+    own_budget: ClassVar[bool] = True  # the nucleus sets it, not the spec
 
     p: float = 0.95
     S: int = 16
