@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from compactor.spec import SpecError
+
 if TYPE_CHECKING:
     from compactor.spec import CompactionSpec
 
@@ -61,7 +63,8 @@ class WorkLimits:
         return {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def check_spec(self, spec: CompactionSpec) -> None:
-        """Raise ValueError naming the first cap `spec` asks more than."""
+        """Raise SpecError (a ValueError) naming the field of the first cap `spec` asks more
+        than."""
         q = spec.queries
         asked: list[tuple[str, str, int]] = [
             ("max_queries", "queries.max_queries_per_head", q.max_queries_per_head),
@@ -78,9 +81,10 @@ class WorkLimits:
         ]
         self._over(asked)
         if spec.chunk_size is not None and spec.chunk_size < self.min_chunk_tokens:
-            raise ValueError(
+            raise SpecError(
                 f"chunk_size = {spec.chunk_size} is under this server's limit "
-                f"{self.min_chunk_tokens} (compactor serve --min-chunk-tokens)"
+                f"{self.min_chunk_tokens} (compactor serve --min-chunk-tokens)",
+                "chunk_size",
             )
 
     def check_follow_ups(self, follow_ups: Sequence[Sequence[int]]) -> None:
@@ -90,12 +94,17 @@ class WorkLimits:
                     ("max_follow_up_tokens", "follow_ups (longest)", longest)])  # fmt: skip
 
     def _over(self, asked: list[tuple[str, str, int]]) -> None:
+        """A SpecError naming the spec field (a plain ValueError for follow-ups)."""
         for cap, name, value in asked:
             if value > getattr(self, cap):
-                raise ValueError(
+                message = (
                     f"{name} = {value} is over this server's limit {getattr(self, cap)} "
                     f"(compactor serve --{cap.replace('_', '-')})"
                 )
+                if name.startswith("follow_ups"):
+                    raise ValueError(message)
+                field = "method_params" if name.startswith("method_params.") else name
+                raise SpecError(message, field)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,12 @@ Each knob's flag name, help text and parsing come from its field metadata in
 and ``--tokens`` are mutually exclusive; ``--param KEY=JSON`` and ``--self-study-prompt``
 repeat). `add_spec_args` records what it added in a hidden parser default, so
 :func:`spec_from_args` needs only the namespace and the prefix. Torch-free.
+
+Any other frozen dataclass whose fields carry the same metadata (``flag``, ``help``, ``kind``
+str | int | float | opt_int | bool, or ``parse``: a callable that converts the text) gets its
+flags the same way: :func:`add_field_args` / :func:`field_values` (``sglang_ext.config``).
+Optional metadata: ``metavar`` (None: argparse's default) and ``show_default`` (False: no
+``(default: ...)`` appended to the help).
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from typing import Any
 
 from compactor.spec import CompactionSpec, SpecError, spec_fields
 
-__all__ = ["UsageError", "add_spec_args", "spec_flags", "spec_from_args", "usage_error"]
+__all__ = [
+    "UsageError",
+    "add_field_args",
+    "add_spec_args",
+    "field_values",
+    "spec_flags",
+    "spec_from_args",
+    "usage_error",
+]
 
 
 class UsageError(ValueError):
@@ -98,37 +112,17 @@ def add_spec_args(
     for path, f in spec_fields():
         if path not in chosen:
             continue
-        kind, meta, opt = _kind(f), f.metadata, options[path]
+        kind, opt = _kind(f), options[path]
         default = _get(base, path)
-        kw: dict[str, Any] = {"dest": _dest(prefix, path), "help": meta["help"]}
-        kw["metavar"] = meta.get("metavar", _METAVARS.get(kind))
-        if kw["metavar"] is None:
-            del kw["metavar"]
         if kind in ("ratio", "tokens"):
             if budget is None:
                 budget = parser.add_mutually_exclusive_group(required=budget_required)
+            kw = _argument(f, None, _dest(prefix, path))
             shown = f" (default: {default})" if default is not None else ""
             kind_type = float if kind == "ratio" else int
-            budget.add_argument(
-                opt, type=kind_type, default=None, **{**kw, "help": kw["help"] + shown}
-            )
+            budget.add_argument(opt, **{**kw, "type": kind_type, "help": kw["help"] + shown})
             continue
-        if kind == "bool":
-            kw.update(action=argparse.BooleanOptionalAction, default=default)
-        elif kind == "params":
-            kw.update(action="append", default=[])
-        elif kind == "lines":
-            kw.update(action="append", default=None)
-        elif kind == "csv":
-            kw.update(default=",".join(default))
-            kw["help"] += f" (default: {kw['default']})"
-        else:
-            kw.update(
-                type={"int": int, "opt_int": int, "float": float}.get(kind, str), default=default
-            )
-            if default is not None:
-                kw["help"] += f" (default: {default})"
-        parser.add_argument(opt, **kw)
+        parser.add_argument(opt, **_argument(f, default, _dest(prefix, path)))
     parser.set_defaults(**{_hidden(prefix): _Added(base, chosen, {p: options[p] for p in chosen})})
 
 
@@ -179,6 +173,35 @@ def spec_from_args(
     return spec
 
 
+def add_field_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    prefix: str = "",
+    fields: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+) -> None:
+    """Add ``--<prefix><flag>`` for each field of the dataclass `cls` with flag metadata
+    (mutates `parser`; `fields` / `exclude`: field names to add, in the class's order / to
+    leave out). The flag's default is the field's (None for a field without one); dest
+    ``<prefix><flag>``."""
+    chosen = [f for f in _flagged(cls, fields) if f.name not in set(exclude)]
+    for f in chosen:
+        if _kind(f) not in _FIELD_KINDS and "parse" not in f.metadata:
+            raise ValueError(f"{cls.__name__}.{f.name}: kind {_kind(f)!r} is for spec knobs only")
+    for f in chosen:
+        default = None if f.default is dataclasses.MISSING else f.default
+        dest = (prefix + f.metadata["flag"]).replace("-", "_")
+        parser.add_argument(f"--{prefix}{f.metadata['flag']}", **_argument(f, default, dest))
+
+
+def field_values(ns: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The parsed values of `cls`'s flags (:func:`add_field_args`), by field name."""
+    return {
+        f.name: getattr(ns, (prefix + f.metadata["flag"]).replace("-", "_"))
+        for f in _flagged(cls, None)
+    }
+
+
 def usage_error(exc: ValueError, ns: argparse.Namespace, prefix: str = "") -> UsageError:
     """`exc` as a UsageError whose flag is the option of its SpecError field (if known)."""
     if isinstance(exc, UsageError):
@@ -191,8 +214,49 @@ def usage_error(exc: ValueError, ns: argparse.Namespace, prefix: str = "") -> Us
 # ---- private helpers -------------------------------------------------------------------
 
 
+_FIELD_KINDS = ("str", "int", "opt_int", "float", "bool")
+
+
 def _kind(f: dataclasses.Field[Any]) -> str:
     return str(f.metadata.get("kind", "str"))
+
+
+def _argument(f: dataclasses.Field[Any], default: Any, dest: str) -> dict[str, Any]:
+    """`add_argument` keywords of one field: dest, help, metavar, and its kind's action,
+    type and default (`default`: the flag's)."""
+    kind, meta = _kind(f), f.metadata
+    kw: dict[str, Any] = {"dest": dest, "help": meta["help"]}
+    metavar = meta.get("metavar", _METAVARS.get(kind))
+    if metavar is not None:
+        kw["metavar"] = metavar
+    show = meta.get("show_default", True)
+    if kind == "bool":
+        kw.update(action=argparse.BooleanOptionalAction, default=default)
+    elif kind == "params":
+        kw.update(action="append", default=[])
+    elif kind == "lines":
+        kw.update(action="append", default=None)
+    elif kind == "csv":
+        kw.update(default=",".join(default))
+        kw["help"] += f" (default: {kw['default']})" if show else ""
+    else:
+        convert = meta.get("parse") or {"int": int, "opt_int": int, "float": float}.get(kind, str)
+        kw.update(type=convert, default=default)
+        if default is not None and show:
+            kw["help"] += f" (default: {default})"
+    return kw
+
+
+def _flagged(cls: type, names: Iterable[str] | None) -> list[dataclasses.Field[Any]]:
+    """The fields of dataclass `cls` that have a flag (`names`: only these; unknown: error)."""
+    flagged = [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+    if names is None:
+        return flagged
+    wanted = set(names)
+    unknown = wanted - {f.name for f in flagged}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no flag field(s) {sorted(unknown)}")
+    return [f for f in flagged if f.name in wanted]
 
 
 def _get(spec: CompactionSpec, path: str) -> Any:

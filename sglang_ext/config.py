@@ -11,11 +11,17 @@ Giving `--compaction-endpoint` also selects this plugin's radix-cache and attent
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
 from compactor.spec import CompactionSpec, QueryConfig
-from compactor.spec_args import add_spec_args, spec_from_args, usage_error
+from compactor.spec_args import (
+    add_field_args,
+    add_spec_args,
+    field_values,
+    spec_from_args,
+    usage_error,
+)
 from sglang_ext.channel import add_channel_args, check_channel, token_from_env
 
 __all__ = [
@@ -45,7 +51,7 @@ CPU_INNER_BACKEND = "torch_native"
 SPEC_PREFIX = "compaction-"
 # The plugin's defaults. Reference queries: the sharing requests' questions with the model's
 # own answers, chosen on questions the fit never saw (benchmarks/next_question.py, 3 needle +
-# 2 prose documents; the README's "next question" table): adding repeat-prefill halves the
+# 2 prose documents; the "next question" table of docs/results.md): adding repeat-prefill halves the
 # unseen logppl gap of a first fit on 2 questions (0.118 -> 0.055) but lowers strict 16-token
 # agreement (unseen 0.40 -> 0.27, fitted 0.70 -> 0.20); with the refits the questions bring
 # (CompactionConfig.refit_at) the questions alone reach 0.059 at 8 and 0.035 at 32 (repeat-
@@ -57,260 +63,6 @@ PLUGIN_SPEC = CompactionSpec(
     queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
     on_policy=True,
 )
-
-
-@dataclass(frozen=True)
-class CompactionConfig:
-    """What the plugin needs in the scheduler; picklable.
-
-    Attributes:
-        endpoint: `inproc://` (compact in a worker process of this server) or `host:port`
-            (the gRPC compaction service); `grpc://host:port` and `grpcs://host:port` work too.
-        spec: what every compaction computes (method, budget, queries, ...); checked when
-            SGLang parses its arguments (:func:`config_from_namespace`).
-        min_prefix_tokens: a tree path shorter than this is never compacted.
-        min_hits: how many requests must have shared a path before it is compacted.
-        min_continuations: how many different continuations a path's questions must be
-            before it is compacted: recent prompts that share it and go on for fewer than
-            `min_prefix_tokens` tokens after it, a conversation's earlier turns counted once.
-            3: a system prompt two chats share is not compacted alone, a document asked three
-            different questions is (``sglang_ext.trigger``).
-        timeout: seconds one compaction may take before it counts as failed.
-        max_follow_ups: how many sharing requests' suffixes are sent as follow-up queries
-            (first fit).
-        refit_at: an installed prefix is fitted again when this many distinct questions
-            have been asked on it (counted from the first fit's questions on, a
-            conversation's earlier turns once), each step once, with those questions as
-            follow-ups; the new fit replaces the installed one atomically (requests in flight
-            finish on the old one). (8, 32) after a first fit on >= `min_continuations`: each
-            refit brings 4x the evidence, and a document costs O(log questions) compactions.
-            Empty: never refit.
-        follow_up_tokens: each suffix is cut to this many tokens.
-        boundary_margin: a compacted path stops this many tokens before the branch point
-            it was found at (later requests may diverge a little earlier).
-        align_tokens: and then goes down to a multiple of this many tokens, so replicas
-            that found the same document at slightly different branch points (their
-            questions share a first word or not) ask for the same prefix: one compaction
-            in a shared service, not one per replica.
-        max_retries / retry_backoff_s: a failed compaction is sent again (after new hits)
-            at most this many times, the n-th time no sooner than backoff * 2**(n-1) s.
-        failure_cooldown_s: after its retries are spent a path is not sent for this many
-            seconds; then its failures are forgotten (it may be sent afresh).
-        max_in_flight: compactions asked for and not yet installed (in flight, waiting or
-            being written); a path found while this many are pending is not sent (it is
-            found again at its next hit). Bounds the results held in the scheduler's memory.
-        install_chunk_mb: at most this many MiB of a result are cast, checked and written
-            into the KV pool per scheduler iteration (a large install is spread out instead
-            of stalling every running request).
-        install_step_ms: and at most about this many milliseconds of that work per
-            iteration (one layer at least), whatever the bytes: on a CPU pool the per-layer
-            cast and checks, not the copy, set the cost.
-        tls / tls_ca / tls_cert / tls_key / token / token_file / allow_plaintext_token: gRPC
-            channel options (``sglang_ext.channel``, checked at startup). `token` is set from
-            ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict;
-            `token_file` is re-read by the compactor when the file changes.
-    """
-
-    endpoint: str
-    spec: CompactionSpec = PLUGIN_SPEC
-    min_prefix_tokens: int = 256
-    min_hits: int = 2
-    min_continuations: int = 3
-    timeout: float = 120.0
-    max_follow_ups: int = 8
-    refit_at: tuple[int, ...] = (8, 32)
-    follow_up_tokens: int = 128
-    boundary_margin: int = 32
-    align_tokens: int = 64
-    max_retries: int = 2
-    retry_backoff_s: float = 30.0
-    failure_cooldown_s: float = 600.0
-    max_in_flight: int = 2
-    install_chunk_mb: int = 64
-    install_step_ms: float = 2.0
-    tls: bool = False
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    token: str | None = field(default=None, repr=False)
-    token_file: str | None = None
-    allow_plaintext_token: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.endpoint.strip():
-            raise ValueError(f"compaction endpoint must be non-empty, got {self.endpoint!r}")
-        if not isinstance(self.spec, CompactionSpec):
-            raise ValueError(f"spec must be a CompactionSpec, got {type(self.spec).__name__}")
-        if self.min_prefix_tokens < 2:
-            raise ValueError(
-                f"--compaction-min-prefix-tokens must be >= 2, got {self.min_prefix_tokens}"
-            )
-        if self.min_hits < 1:
-            raise ValueError(f"--compaction-min-hits must be >= 1, got {self.min_hits}")
-        if self.min_continuations < 1:
-            raise ValueError(
-                f"--compaction-min-continuations must be >= 1, got {self.min_continuations}"
-            )
-        if self.timeout <= 0:
-            raise ValueError(f"--compaction-timeout must be > 0, got {self.timeout}")
-        if self.boundary_margin < 0:
-            raise ValueError(
-                f"--compaction-boundary-margin must be >= 0, got {self.boundary_margin}"
-            )
-        if self.align_tokens < 1:
-            raise ValueError(f"--compaction-align-tokens must be >= 1, got {self.align_tokens}")
-        if self.max_retries < 0 or self.retry_backoff_s < 0:
-            raise ValueError(
-                "retry limits must be max_retries >= 0 and retry_backoff_s >= 0, got "
-                f"{self.max_retries} and {self.retry_backoff_s}"
-            )
-        if not self.failure_cooldown_s >= 0:
-            raise ValueError(
-                f"--compaction-failure-cooldown must be >= 0, got {self.failure_cooldown_s}"
-            )
-        if self.max_in_flight < 1:
-            raise ValueError(f"--compaction-max-in-flight must be >= 1, got {self.max_in_flight}")
-        if self.install_chunk_mb < 1:
-            raise ValueError(
-                f"--compaction-install-chunk-mb must be >= 1, got {self.install_chunk_mb}"
-            )
-        if not self.install_step_ms > 0:
-            raise ValueError(
-                f"--compaction-install-step-ms must be > 0, got {self.install_step_ms}"
-            )
-        steps = self.refit_at
-        if any(not isinstance(n, int) or n < 2 for n in steps) or list(steps) != sorted(set(steps)):
-            raise ValueError(
-                f"--compaction-refit-at must be increasing question counts >= 2, got {steps}"
-            )
-        if self.max_follow_ups < 0 or self.follow_up_tokens < 1:
-            raise ValueError(
-                "follow-up limits must be max_follow_ups >= 0 and follow_up_tokens >= 1, got "
-                f"{self.max_follow_ups} and {self.follow_up_tokens}"
-            )
-
-    @property
-    def in_process(self) -> bool:
-        return self.endpoint.startswith("inproc://")
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["spec"] = self.spec.to_dict()
-        d["token"] = "***" if self.token else None
-        return d
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`): the endpoint,
-    one flag per spec knob (``compactor.spec_args``, defaults PLUGIN_SPEC), the serving
-    limits and the channel options."""
-    g = parser.add_argument_group("compaction (sglang_ext plugin)")
-    g.add_argument(
-        "--compaction-endpoint",
-        default=None,
-        help="Compaction service (host:port, grpc[s]://host:port) or inproc:// to compact "
-        "inside this server. Setting it enables compacted shared prefixes; without it "
-        "SGLang runs stock.",
-    )
-    add_spec_args(g, prefix=SPEC_PREFIX, defaults=PLUGIN_SPEC)
-    g.add_argument(
-        "--compaction-min-prefix-tokens",
-        type=int,
-        default=CompactionConfig.min_prefix_tokens,
-        help="A shared path shorter than this is never compacted.",
-    )
-    g.add_argument(
-        "--compaction-min-hits",
-        type=int,
-        default=CompactionConfig.min_hits,
-        help="Requests that must have shared a path before it is compacted.",
-    )
-    g.add_argument(
-        "--compaction-min-continuations",
-        type=int,
-        default=CompactionConfig.min_continuations,
-        help="Different continuations a shared path needs before it is compacted: recent "
-        "prompts that go on for fewer than --compaction-min-prefix-tokens tokens after it, a "
-        "conversation's earlier turns counted once (a short system prompt is not compacted alone).",
-    )
-    g.add_argument(
-        "--compaction-timeout",
-        type=float,
-        default=CompactionConfig.timeout,
-        help="Seconds one compaction may take; then the prefix stays uncompacted.",
-    )
-    g.add_argument(
-        "--compaction-max-follow-ups",
-        type=int,
-        default=CompactionConfig.max_follow_ups,
-        help="Sharing requests' suffixes sent as follow-up queries (the follow-up source; "
-        "a prefix with none falls back to repeat-prefill).",
-    )
-    g.add_argument(
-        "--compaction-refit-at",
-        type=_counts,
-        default=CompactionConfig.refit_at,
-        help="Refit an installed prefix when this many distinct questions have been asked "
-        "on it (comma-separated, e.g. 8,32; 'none': never). The refit uses those questions "
-        "as follow-ups and replaces the installed fit atomically.",
-    )
-    g.add_argument(
-        "--compaction-follow-up-tokens",
-        type=int,
-        default=CompactionConfig.follow_up_tokens,
-        help="Each follow-up suffix is cut to this many tokens.",
-    )
-    g.add_argument(
-        "--compaction-boundary-margin",
-        type=int,
-        default=CompactionConfig.boundary_margin,
-        help="Tokens before the shared path's branch point that stay uncompacted.",
-    )
-    g.add_argument(
-        "--compaction-align-tokens",
-        type=int,
-        default=CompactionConfig.align_tokens,
-        help="A compacted path's length is then cut down to a multiple of this, so "
-        "replicas that share one service ask for the same prefix of a document.",
-    )
-    g.add_argument(
-        "--compaction-max-retries",
-        type=int,
-        default=CompactionConfig.max_retries,
-        help="Times a failed compaction is sent again (after new hits).",
-    )
-    g.add_argument(
-        "--compaction-retry-backoff",
-        type=float,
-        default=CompactionConfig.retry_backoff_s,
-        help="Seconds before the first retry; doubles each time.",
-    )
-    g.add_argument(
-        "--compaction-failure-cooldown",
-        type=float,
-        default=CompactionConfig.failure_cooldown_s,
-        help="Seconds a path whose retries are spent is not sent; then its failures are forgotten.",
-    )
-    g.add_argument(
-        "--compaction-max-in-flight",
-        type=int,
-        default=CompactionConfig.max_in_flight,
-        help="Compactions pending at once (asked for, not yet installed); paths found "
-        "beyond it wait for their next hit.",
-    )
-    g.add_argument(
-        "--compaction-install-chunk-mb",
-        type=int,
-        default=CompactionConfig.install_chunk_mb,
-        help="MiB of a compacted prefix written into the KV pool per scheduler iteration.",
-    )
-    g.add_argument(
-        "--compaction-install-step-ms",
-        type=float,
-        default=CompactionConfig.install_step_ms,
-        help="Milliseconds of install work per scheduler iteration (one layer at least).",
-    )
-    add_channel_args(g)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -325,6 +77,228 @@ def _counts(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _flag(flag: str, help: str, kind: str = "int", **extra: Any) -> dict[str, Any]:
+    """Field metadata making the flag ``--compaction-<flag>`` (``compactor.spec_args.
+    add_field_args``: argparse's own metavar, no default in the help). Optional: `parse`
+    (text -> value), `at_least` / `above` (the bound `__post_init__` checks) and `limits`
+    (the group named in that error)."""
+    return {
+        "flag": flag,
+        "help": help,
+        "kind": kind,
+        "metavar": None,
+        "show_default": False,
+        **extra,
+    }
+
+
+def _setting(default: Any, flag: str, help: str, kind: str = "int", **extra: Any) -> Any:
+    """A serving setting: a field with an immutable default and :func:`_flag` metadata."""
+    return field(default=default, metadata=_flag(flag, help, kind, **extra))
+
+
+@dataclass(frozen=True)
+class CompactionConfig:
+    """What the plugin needs in the scheduler; picklable.
+
+    Each serving setting is one field: its flag ``--compaction-<flag>``, default, help text
+    and bound live in the field (`_setting`); `add_cli_args` generates the flags, and
+    `config_from_namespace` reads them back, from these fields. `spec` (what every
+    compaction computes; checked when SGLang parses its arguments) has one flag per knob
+    (``compactor.spec_args``). The gRPC channel options `tls` .. `allow_plaintext_token`
+    are flags of ``sglang_ext.channel`` (checked at startup there); `token` is set from
+    ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict, and
+    `token_file` is re-read by the compactor when the file changes.
+    """
+
+    endpoint: str = field(
+        metadata=_flag(
+            "endpoint",
+            "Compaction service (host:port, grpc[s]://host:port) or inproc:// to compact "
+            "inside this server. Setting it enables compacted shared prefixes; without it "
+            "SGLang runs stock.",
+            "str",
+        )
+    )
+    spec: CompactionSpec = PLUGIN_SPEC
+    min_prefix_tokens: int = _setting(
+        256,
+        "min-prefix-tokens",
+        "A shared path shorter than this is never compacted.",
+        at_least=2,
+    )
+    min_hits: int = _setting(
+        2,
+        "min-hits",
+        "Requests that must have shared a path before it is compacted.",
+        at_least=1,
+    )
+    # 3: a system prompt two chats share is not compacted alone, a document asked three
+    # different questions is (sglang_ext.trigger).
+    min_continuations: int = _setting(
+        3,
+        "min-continuations",
+        "Different continuations a shared path needs before it is compacted: recent "
+        "prompts that go on for fewer than --compaction-min-prefix-tokens tokens after it, a "
+        "conversation's earlier turns counted once (a short system prompt is not compacted alone).",
+        at_least=1,
+    )
+    timeout: float = _setting(
+        120.0,
+        "timeout",
+        "Seconds one compaction may take; then the prefix stays uncompacted.",
+        "float",
+        above=0,
+    )
+    max_follow_ups: int = _setting(
+        8,
+        "max-follow-ups",
+        "Sharing requests' suffixes sent as follow-up queries (the follow-up source; "
+        "a prefix with none falls back to repeat-prefill).",
+        at_least=0,
+        limits="follow-up",
+    )
+    # Counted from the first fit's questions on, each step once; the refit replaces the
+    # installed fit atomically (requests in flight finish on the old one). (8, 32) after a
+    # first fit on >= min_continuations: each refit brings 4x the evidence, and a document
+    # costs O(log questions) compactions.
+    refit_at: tuple[int, ...] = _setting(
+        (8, 32),
+        "refit-at",
+        "Refit an installed prefix when this many distinct questions have been asked "
+        "on it (comma-separated, e.g. 8,32; 'none': never). The refit uses those questions "
+        "as follow-ups and replaces the installed fit atomically.",
+        "counts",
+        parse=_counts,
+    )
+    follow_up_tokens: int = _setting(
+        128,
+        "follow-up-tokens",
+        "Each follow-up suffix is cut to this many tokens.",
+        at_least=1,
+        limits="follow-up",
+    )
+    # Later requests may diverge a little before the branch point the path was found at.
+    boundary_margin: int = _setting(
+        32,
+        "boundary-margin",
+        "Tokens before the shared path's branch point that stay uncompacted.",
+        at_least=0,
+    )
+    # Replicas that found the same document at slightly different branch points (their
+    # questions share a first word or not) ask a shared service for one compaction.
+    align_tokens: int = _setting(
+        64,
+        "align-tokens",
+        "A compacted path's length is then cut down to a multiple of this, so "
+        "replicas that share one service ask for the same prefix of a document.",
+        at_least=1,
+    )
+    # The n-th retry goes no sooner than retry_backoff_s * 2**(n-1) s.
+    max_retries: int = _setting(
+        2,
+        "max-retries",
+        "Times a failed compaction is sent again (after new hits).",
+        at_least=0,
+        limits="retry",
+    )
+    retry_backoff_s: float = _setting(
+        30.0,
+        "retry-backoff",
+        "Seconds before the first retry; doubles each time.",
+        "float",
+        at_least=0,
+        limits="retry",
+    )
+    failure_cooldown_s: float = _setting(
+        600.0,
+        "failure-cooldown",
+        "Seconds a path whose retries are spent is not sent; then its failures are forgotten.",
+        "float",
+        at_least=0,
+    )
+    # Bounds the results held in the scheduler's memory (in flight, waiting or being written).
+    max_in_flight: int = _setting(
+        2,
+        "max-in-flight",
+        "Compactions pending at once (asked for, not yet installed); paths found "
+        "beyond it wait for their next hit.",
+        at_least=1,
+    )
+    # A large install is spread out instead of stalling every running request.
+    install_chunk_mb: int = _setting(
+        64,
+        "install-chunk-mb",
+        "MiB of a compacted prefix written into the KV pool per scheduler iteration.",
+        at_least=1,
+    )
+    # Whatever the bytes: on a CPU pool the per-layer cast and checks, not the copy, set the cost.
+    install_step_ms: float = _setting(
+        2.0,
+        "install-step-ms",
+        "Milliseconds of install work per scheduler iteration (one layer at least).",
+        "float",
+        above=0,
+    )
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+    allow_plaintext_token: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.strip():
+            raise ValueError(f"compaction endpoint must be non-empty, got {self.endpoint!r}")
+        if not isinstance(self.spec, CompactionSpec):
+            raise ValueError(f"spec must be a CompactionSpec, got {type(self.spec).__name__}")
+        if isinstance(self.refit_at, list):  # JSON, a caller's list -> a tuple
+            object.__setattr__(self, "refit_at", tuple(self.refit_at))
+        for f in fields(self):
+            _check_bound(f, getattr(self, f.name))
+        steps = self.refit_at
+        if any(not isinstance(n, int) or n < 2 for n in steps) or list(steps) != sorted(set(steps)):
+            raise ValueError(
+                f"--compaction-refit-at must be increasing question counts >= 2, got {steps}"
+            )
+
+    @property
+    def in_process(self) -> bool:
+        return self.endpoint.startswith("inproc://")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["spec"] = self.spec.to_dict()
+        d["token"] = "***" if self.token else None
+        return d
+
+
+def _check_bound(f: Field[Any], value: Any) -> None:
+    """ValueError ``"--compaction-<flag> must be >= N, got V"`` for a value outside the
+    field's `at_least` / `above` bound (NaN is outside every bound)."""
+    meta = f.metadata
+    for key, op in (("at_least", ">="), ("above", ">")):
+        if key not in meta:
+            continue
+        bound = meta[key]
+        if not (value >= bound if op == ">=" else value > bound):
+            group = f"{meta['limits']} limits: " if "limits" in meta else ""
+            flag = f"--{SPEC_PREFIX}{meta['flag']}"
+            raise ValueError(f"{group}{flag} must be {op} {bound}, got {value}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`): the endpoint,
+    one flag per spec knob (``compactor.spec_args``, defaults PLUGIN_SPEC), the serving
+    settings (generated from CompactionConfig's fields) and the channel options."""
+    g = parser.add_argument_group("compaction (sglang_ext plugin)")
+    add_field_args(g, CompactionConfig, SPEC_PREFIX, fields=["endpoint"])
+    add_spec_args(g, prefix=SPEC_PREFIX, defaults=PLUGIN_SPEC)
+    add_field_args(g, CompactionConfig, SPEC_PREFIX, exclude=["endpoint"])
+    add_channel_args(g)
+
+
 def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
     """The config the parsed flags describe, or None without `--compaction-endpoint`.
 
@@ -334,9 +308,10 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
     ValueError naming the flag for a bad channel (``sglang_ext.channel.check_channel``:
     TLS files, a token in plaintext to a non-loopback host).
     """
-    endpoint = getattr(ns, "compaction_endpoint", None)
-    if not endpoint:
+    if not getattr(ns, "compaction_endpoint", None):
         return None
+    settings = field_values(ns, CompactionConfig, SPEC_PREFIX)
+    endpoint = settings["endpoint"]
     from compactor import CompactJob
 
     try:
@@ -355,26 +330,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         allow_plaintext_token=ns.compaction_allow_plaintext_token,
     )
     check_channel(endpoint, **channel)
-    return CompactionConfig(
-        endpoint=endpoint,
-        spec=spec,
-        min_prefix_tokens=ns.compaction_min_prefix_tokens,
-        min_hits=ns.compaction_min_hits,
-        min_continuations=ns.compaction_min_continuations,
-        timeout=ns.compaction_timeout,
-        max_follow_ups=ns.compaction_max_follow_ups,
-        refit_at=tuple(ns.compaction_refit_at),
-        follow_up_tokens=ns.compaction_follow_up_tokens,
-        boundary_margin=ns.compaction_boundary_margin,
-        align_tokens=ns.compaction_align_tokens,
-        max_retries=ns.compaction_max_retries,
-        retry_backoff_s=ns.compaction_retry_backoff,
-        failure_cooldown_s=ns.compaction_failure_cooldown,
-        max_in_flight=ns.compaction_max_in_flight,
-        install_chunk_mb=ns.compaction_install_chunk_mb,
-        install_step_ms=ns.compaction_install_step_ms,
-        **channel,
-    )
+    return CompactionConfig(spec=spec, **settings, **channel)
 
 
 def get_config(server_args: Any) -> CompactionConfig | None:

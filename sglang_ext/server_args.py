@@ -7,9 +7,10 @@ refuses.
 attention backend, which wraps the user's `--attention-backend` (its name stored on the record,
 `config.INNER_ATTR`; `sglang_ext.wrapped_backend`): batches without compacted prefixes run the
 user's backend, CUDA graphs included. It refuses, with a ValueError naming the flag, what the
-plugin cannot serve with (no radix cache, paging, another radix-cache backend, split
-prefill/decode attention backends, and the parallel layouts of `check_parallelism`; the
-wrapper refuses MLA, fp8 KV and the like when it is built).
+plugin cannot serve with (no radix cache, paging, another radix-cache backend, the features of
+SGLang's default cache in `check_cache_features`, split prefill/decode attention backends, and
+the parallel layouts of `check_parallelism`; the wrapper refuses MLA, fp8 KV and the like when
+it is built).
 Each setting it changes is noted on the record, old value -> new value with the reason, and
 logged by `log_changes` once SGLang has configured logging (the `configure_logger` hook of the
 main process: `from_cli_args` runs before any log handler exists).
@@ -30,10 +31,44 @@ from sglang_ext.config import (
     CompactionConfig,
 )
 
-__all__ = ["CHANGES_ATTR", "apply_to_server_args", "check_parallelism", "log_changes"]
+__all__ = [
+    "CHANGES_ATTR",
+    "DEFAULT_CACHE_FEATURES",
+    "EVICTION_POLICIES",
+    "apply_to_server_args",
+    "check_cache_features",
+    "check_parallelism",
+    "log_changes",
+]
 
 logger = logging.getLogger(__name__)
 CHANGES_ATTR = "compaction_changes"  # [(logging level, message)] not yet logged
+# What SGLang 0.5.23 builds into its default cache (`UnifiedRadixCache` and the selection
+# chain of `sglang.srt.mem_cache.registry`), which `--radix-cache-backend compaction`
+# replaces: (ServerArgs attribute, flag, what it is). With the plugin's cache SGLang would
+# ignore them, or fail only once the scheduler builds its cache (sessions, HiCache). SGLang's
+# own checks of some of them against --radix-cache-backend run before the plugin sets it.
+DEFAULT_CACHE_FEATURES: tuple[tuple[str, str, str], ...] = (
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache", "HiCache (host/storage KV tiers)"),
+    ("enable_lmcache", "--enable-lmcache", "the LMCache connector"),
+    ("enable_flexkv", "--enable-flexkv", "FlexKV offload"),
+    ("enable_unified_cache_external_linker", "--enable-unified-cache-external-linker",
+     "the external KV store linker"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache", "session references"),
+    ("enable_streaming_session", "--enable-streaming-session", "streaming sessions"),
+    ("enable_int8_mamba_checkpoint", "--enable-int8-mamba-checkpoint", "int8 mamba checkpoints"),
+)  # fmt: skip
+# The eviction policies the plugin's cache honours: SGLang's RadixCache strategies over a
+# node's last access, creation time and priority, which compacted nodes keep too. Refused:
+# `lfu` and `slru` (a compacted node's hit count stays 0, its requests count their hits on
+# the nodes below it: LFU would evict the most shared prefix first, SLRU never protect it)
+# and `tlru` (per-node conversation lengths only UnifiedRadixCache keeps).
+EVICTION_POLICIES = ("lru", "priority", "fifo", "mru", "filo")
+_POLICY_WHY = {
+    "lfu": "a compacted prefix keeps no hit count, so it would be evicted first",
+    "slru": "a compacted prefix keeps no hit count, so it would never be protected",
+    "tlru": "it needs UnifiedRadixCache's per-conversation bookkeeping",
+}
 
 
 def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
@@ -59,6 +94,7 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
             f"--compaction-endpoint selects --radix-cache-backend {RADIX_CACHE_BACKEND!r}; "
             f"got {backend!r}"
         )
+    check_cache_features(server_args)
     inner = _inner_backend(server_args)
     setattr(server_args, CONFIG_ATTR, cfg)
     setattr(server_args, INNER_ATTR, inner)
@@ -135,6 +171,26 @@ def _inner_backend(server_args: Any) -> str | None:
     if attn is None and _device(server_args) == "cpu":
         return CPU_INNER_BACKEND
     return None if attn is None else str(attn)
+
+
+def check_cache_features(server_args: Any) -> None:
+    """ValueError naming the flag for a feature of SGLang's default cache
+    (`DEFAULT_CACHE_FEATURES`) or an eviction policy outside `EVICTION_POLICIES`: the plugin's
+    cache (`CompactionRadixCache`, a `RadixCache`) replaces that cache and would not apply it.
+    """
+    for name, flag, what in DEFAULT_CACHE_FEATURES:
+        if getattr(server_args, name, False):
+            raise ValueError(
+                f"--compaction-endpoint does not support {flag}: the plugin's cache replaces "
+                f"SGLang's default radix cache, which provides {what}"
+            )
+    policy = getattr(server_args, "radix_eviction_policy", None)
+    if policy is not None and str(policy).lower() not in EVICTION_POLICIES:
+        why = _POLICY_WHY.get(str(policy).lower(), "the plugin's cache does not implement it")
+        raise ValueError(
+            f"--compaction-endpoint does not support --radix-eviction-policy {policy!r} ({why}); "
+            "use lru (the default) or priority"
+        )
 
 
 def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:

@@ -16,7 +16,12 @@ from sglang_ext.config import (
     RADIX_CACHE_BACKEND,
     CompactionConfig,
 )
-from sglang_ext.server_args import CHANGES_ATTR, apply_to_server_args, log_changes
+from sglang_ext.server_args import (
+    CHANGES_ATTR,
+    DEFAULT_CACHE_FEATURES,
+    apply_to_server_args,
+    log_changes,
+)
 
 CFG = CompactionConfig(endpoint="inproc://")
 
@@ -26,7 +31,9 @@ def server_args(**kw: Any) -> Any:
     base = dict(device=None, attention_backend=None, prefill_attention_backend=None,
                 decode_attention_backend=None, radix_cache_backend=None, page_size=None,
                 disable_radix_cache=False, disable_cuda_graph=False, cuda_graph_config=None,
-                cuda_graph_backend_decode=None, cuda_graph_backend_prefill=None)  # fmt: skip
+                cuda_graph_backend_decode=None, cuda_graph_backend_prefill=None,
+                radix_eviction_policy="lru",
+                **{name: False for name, _, _ in DEFAULT_CACHE_FEATURES})  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -90,6 +97,39 @@ def test_rejects_incompatible_args(kw: dict[str, Any], match: str) -> None:
     assert not hasattr(args, CONFIG_ATTR) and not hasattr(args, INNER_ATTR)  # nothing applied
 
 
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"enable_hierarchical_cache": True}, "does not support --enable-hierarchical-cache: "),
+        ({"enable_lmcache": True}, "does not support --enable-lmcache: "),
+        ({"enable_flexkv": True}, "does not support --enable-flexkv: "),
+        ({"enable_unified_cache_external_linker": True},
+         "does not support --enable-unified-cache-external-linker: "),
+        ({"enable_session_radix_cache": True}, "does not support --enable-session-radix-cache: "),
+        ({"enable_streaming_session": True}, "does not support --enable-streaming-session: "),
+        ({"enable_int8_mamba_checkpoint": True},
+         "does not support --enable-int8-mamba-checkpoint: "),
+        ({"radix_eviction_policy": "lfu"}, r"does not support --radix-eviction-policy 'lfu' \(a compacted prefix keeps no hit"),
+        ({"radix_eviction_policy": "slru"}, r"does not support --radix-eviction-policy 'slru' .*never be protected"),
+        ({"radix_eviction_policy": "tlru"}, r"does not support --radix-eviction-policy 'tlru' .*UnifiedRadixCache"),
+        ({"radix_eviction_policy": "custom"}, r"does not support --radix-eviction-policy 'custom' .*does not implement"),
+    ],
+)  # fmt: skip
+def test_rejects_default_cache_features(kw: dict[str, Any], match: str) -> None:
+    """What SGLang's default cache does and the plugin's cache, which replaces it, would not."""
+    args = server_args(device="cpu", **kw)
+    with pytest.raises(ValueError, match=f"^--compaction-endpoint {match}"):
+        apply_to_server_args(args, CFG)
+    assert not hasattr(args, CONFIG_ATTR) and args.radix_cache_backend is None  # nothing applied
+
+
+@pytest.mark.parametrize("policy", ["lru", "priority", "LRU"])
+def test_eviction_policies_the_cache_honours_are_kept(policy: str) -> None:
+    args = server_args(device="cpu", radix_eviction_policy=policy)
+    apply_to_server_args(args, CFG)
+    assert args.radix_eviction_policy == policy and args.radix_cache_backend == RADIX_CACHE_BACKEND
+
+
 def test_cuda_graphs_asked_for_are_kept() -> None:
     args = server_args(device="cuda", cuda_graph_backend_decode="full")
     apply_to_server_args(args, CFG)
@@ -137,7 +177,7 @@ def test_query_option_flags_parse_and_validate() -> None:
     with pytest.raises(ValueError, match=r"^--compaction-follow-up-answer-tokens: .*got -1"):
         _parse("--compaction-follow-up-answer-tokens", "-1")
     with pytest.raises(
-        ValueError, match=r"^--compaction-follow-up-answer-tokens: .*\[0, 256\], got 999"
+        ValueError, match=r"^--compaction-follow-up-answer-tokens: .* = 999 is over this server's limit 256"
     ):
         _parse("--compaction-follow-up-answer-tokens", "999")
 
