@@ -8,8 +8,8 @@ refuse it with that advice (argparse stops at it, so its value is stored nowhere
 
 Checked at startup (:func:`check_channel`, from `config_from_namespace`): TLS needs
 `--compaction-tls-ca`; the CA, cert and key files exist and are readable; cert and key
-come together; a token goes in plaintext only to a loopback host unless
-`--compaction-allow-plaintext-token` says so.
+come together; a plaintext channel (prompts and results in clear, and the token, if any)
+goes only to a loopback host unless `--compaction-insecure` says so.
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def add_channel_args(g: Any) -> None:
         f"Or set the environment variable {TOKEN_ENV}.",
     )
     g.add_argument(
-        "--compaction-allow-plaintext-token",
+        "--compaction-insecure",
         action="store_true",
-        help="Send the bearer token without TLS to a non-loopback host (refused otherwise).",
+        help="Talk to a non-loopback service without TLS: prompts, results and the token (if "
+        "any) in clear (refused otherwise).",
     )
 
 
@@ -140,7 +141,7 @@ def check_channel(
     tls_key: str | None,
     token: str | None,
     token_file: str | None,
-    allow_plaintext_token: bool,
+    insecure: bool,
 ) -> None:
     """Refuse (ValueError naming the flag) a channel set up wrong; `inproc://` has none."""
     if endpoint.startswith("inproc://"):
@@ -168,15 +169,14 @@ def check_channel(
             TokenFile(token_file).read()
         except (OSError, ValueError) as exc:
             raise ValueError(f"--compaction-token-file: {exc}") from None
+    if tls or is_loopback(endpoint):
+        return
     has_token = token is not None or token_file is not None
-    if has_token and not tls and not is_loopback(endpoint):
-        if not allow_plaintext_token:
-            raise ValueError(
-                f"refusing to send the compaction token in plaintext to {endpoint!r}: use "
-                "--compaction-tls with --compaction-tls-ca (or a grpcs:// endpoint), or pass "
-                "--compaction-allow-plaintext-token to accept it"
-            )
-        logger.warning(
-            "the compaction token goes in plaintext to %s (--compaction-allow-plaintext-token)",
-            endpoint,
+    what = "prompts, results and the compaction token" if has_token else "prompts and results"
+    if not insecure:
+        raise ValueError(
+            f"refusing to send {what} in plaintext to {endpoint!r}: use --compaction-tls with "
+            "--compaction-tls-ca (or a grpcs:// endpoint), or pass --compaction-insecure to "
+            "accept it"
         )
+    logger.warning("%s go in plaintext to %s (--compaction-insecure)", what, endpoint)

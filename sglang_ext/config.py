@@ -105,7 +105,7 @@ class CompactionConfig:
     and bound live in the field (`_setting`); `add_cli_args` generates the flags, and
     `config_from_namespace` reads them back, from these fields. `spec` (what every
     compaction computes; checked when SGLang parses its arguments) has one flag per knob
-    (``compactor.spec_args``). The gRPC channel options `tls` .. `allow_plaintext_token`
+    (``compactor.spec_args``). The gRPC channel options `tls` .. `insecure`
     are flags of ``sglang_ext.channel`` (checked at startup there); `token` is set from
     ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict, and
     `token_file` is re-read by the compactor when the file changes.
@@ -246,7 +246,7 @@ class CompactionConfig:
     tls_key: str | None = None
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
-    allow_plaintext_token: bool = False
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if not self.endpoint.strip():
@@ -327,7 +327,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         tls_key=ns.compaction_tls_key,
         token=token_from_env(token_file),
         token_file=token_file,
-        allow_plaintext_token=ns.compaction_allow_plaintext_token,
+        insecure=ns.compaction_insecure,
     )
     check_channel(endpoint, **channel)
     return CompactionConfig(spec=spec, **settings, **channel)

@@ -102,23 +102,28 @@ def test_loopback_hosts(endpoint: str, host: str, loopback: bool) -> None:
 def test_plaintext_token_to_remote_is_refused_naming_both_flags(token_file: Path) -> None:
     with pytest.raises(ValueError, match="plaintext to 'compactor:50051'") as exc:
         _parse("compactor:50051", "--compaction-token-file", str(token_file))
-    assert "--compaction-tls" in str(exc.value)
-    assert "--compaction-allow-plaintext-token" in str(exc.value)
-    # loopback, opt-in, and no token at all are accepted
+    assert "--compaction-tls" in str(exc.value) and "the compaction token" in str(exc.value)
+    assert "--compaction-insecure" in str(exc.value)
+    # loopback and the explicit opt-in are accepted
     assert _parse("127.0.0.1:50051", "--compaction-token-file", str(token_file)) is not None
     cfg = _parse(
-        "compactor:50051",
-        "--compaction-token-file",
-        str(token_file),
-        "--compaction-allow-plaintext-token",
+        "compactor:50051", "--compaction-token-file", str(token_file), "--compaction-insecure"
     )
-    assert cfg is not None and cfg.allow_plaintext_token
-    assert _parse("compactor:50051") is not None
+    assert cfg is not None and cfg.insecure
+
+
+def test_plaintext_prompts_to_remote_are_refused_even_without_a_token() -> None:
+    """Prompts and results would travel in clear: a non-loopback plaintext endpoint needs
+    TLS or --compaction-insecure, token or not."""
+    with pytest.raises(ValueError, match="prompts and results in plaintext to 'compactor:50051'"):
+        _parse("compactor:50051")
+    assert _parse("compactor:50051", "--compaction-insecure") is not None
+    assert _parse("127.0.0.1:50051") is not None and _parse("inproc://") is not None
 
 
 def test_plaintext_env_token_to_remote_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TOKEN_ENV, SECRET)
-    with pytest.raises(ValueError, match="--compaction-allow-plaintext-token"):
+    with pytest.raises(ValueError, match="--compaction-insecure"):
         _parse("grpc://10.0.0.5:50051")
     assert _parse("inproc://") is not None
 

@@ -157,7 +157,7 @@ def _parse(*argv: str) -> Any:
 
     p = argparse.ArgumentParser()
     add_cli_args(p)
-    return config_from_namespace(p.parse_args(["--compaction-endpoint", "h:1", *argv]))
+    return config_from_namespace(p.parse_args(["--compaction-endpoint", "127.0.0.1:1", *argv]))
 
 
 def test_plugin_flags_default_to_the_plugin_spec() -> None:
@@ -177,7 +177,8 @@ def test_query_option_flags_parse_and_validate() -> None:
     with pytest.raises(ValueError, match=r"^--compaction-follow-up-answer-tokens: .*got -1"):
         _parse("--compaction-follow-up-answer-tokens", "-1")
     with pytest.raises(
-        ValueError, match=r"^--compaction-follow-up-answer-tokens: .* = 999 is over this server's limit 256"
+        ValueError,
+        match=r"^--compaction-follow-up-answer-tokens: .* = 999 is over this server's limit 256",
     ):
         _parse("--compaction-follow-up-answer-tokens", "999")
 
@@ -279,10 +280,10 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
     add_cli_args(p)
     argv = ["--compaction-endpoint", "svc:50051", "--compaction-token-file", str(token)]
     args = server_args(device="cpu")
-    with pytest.raises(ValueError, match="--compaction-allow-plaintext-token"):
+    with pytest.raises(ValueError, match="--compaction-insecure"):
         _from_cli_args(args, type(args), p.parse_args(argv))
     assert not hasattr(args, CONFIG_ATTR)
-    _from_cli_args(args, type(args), p.parse_args([*argv, "--compaction-allow-plaintext-token"]))
+    _from_cli_args(args, type(args), p.parse_args([*argv, "--compaction-insecure"]))
     cfg = getattr(args, CONFIG_ATTR)
     assert cfg.token_file == str(token) and cfg.token is None and "t0ken" not in repr(cfg)
     with pytest.raises(SystemExit):

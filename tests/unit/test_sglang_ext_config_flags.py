@@ -57,8 +57,10 @@ def test_every_setting_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> No
         expected[f.name] = value
     cfg = config_from_namespace(parser().parse_args(argv))
     assert cfg is not None and {n: getattr(cfg, n) for n in expected} == expected
-    default = config_from_namespace(parser().parse_args(["--compaction-endpoint", "h:1"]))
-    assert default == CompactionConfig(endpoint="h:1")  # the flags' defaults are the fields'
+    default = config_from_namespace(parser().parse_args(["--compaction-endpoint", "127.0.0.1:1"]))
+    assert default == CompactionConfig(
+        endpoint="127.0.0.1:1"
+    )  # the flags' defaults are the fields'
 
 
 def test_no_flag_carries_a_secret() -> None:
@@ -91,14 +93,20 @@ def _config(**kw: Any) -> CompactionConfig:
 
 def test_refit_at_parses_counts_and_is_checked() -> None:
     for text, steps in (("none", ()), ("", ()), ("8", (8,)), ("8,32", (8, 32))):
-        ns = parser().parse_args(["--compaction-endpoint", "h:1", "--compaction-refit-at", text])
+        ns = parser().parse_args(
+            ["--compaction-endpoint", "127.0.0.1:1", "--compaction-refit-at", text]
+        )
         cfg = config_from_namespace(ns)
         assert cfg is not None and cfg.refit_at == steps
     with pytest.raises(SystemExit):  # argparse: "expected comma-separated question counts"
-        parser().parse_args(["--compaction-endpoint", "h:1", "--compaction-refit-at", "8,x"])
+        parser().parse_args(
+            ["--compaction-endpoint", "127.0.0.1:1", "--compaction-refit-at", "8,x"]
+        )
     with pytest.raises(ValueError, match=r"--compaction-refit-at must be increasing .*\(8, 4\)"):
         config_from_namespace(
-            parser().parse_args(["--compaction-endpoint", "h:1", "--compaction-refit-at", "8,4"])
+            parser().parse_args(
+                ["--compaction-endpoint", "127.0.0.1:1", "--compaction-refit-at", "8,4"]
+            )
         )
     assert _config(refit_at=[4, 8]).refit_at == (4, 8)  # a list (JSON) becomes a tuple
 
