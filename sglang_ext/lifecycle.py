@@ -36,6 +36,7 @@ from sglang_ext.kv_store import head_counts
 if TYPE_CHECKING:
     from sglang_ext.compactors import PoolShape
     from sglang_ext.config import CompactionConfig
+    from sglang_ext.guard import HookGuard
     from sglang_ext.kv_store import BetaStore
     from sglang_ext.metrics import CompactionStats
     from sglang_ext.tp import TpSync
@@ -57,6 +58,7 @@ class InstallLifecycle:
         runner: Any
         stats: CompactionStats
         trigger: CompactionTrigger
+        guard: HookGuard  # its breaker calls `trip`
         kvcache: Any
         pool_shape: PoolShape
         beta_store: BetaStore
@@ -179,7 +181,9 @@ class InstallLifecycle:
         else:
             try:
                 self._begin(job.token_ids, job.prefix, fit_round=job.fit_round)
-            except (ValueError, RuntimeError) as e:
+            except Exception as e:  # a failed check, no slots, or a device error
+                if not isinstance(e, (ValueError, RuntimeError)) or _device_error(e):
+                    self.install_error(e)
                 self._fallback(job.token_ids, e, job.fit_round)
         self._export(job.latency_s)
 
@@ -258,7 +262,9 @@ class InstallLifecycle:
             wrote = True
             try:
                 budget -= pending.step(self.kvcache, self.beta_store, budget, deadline)
-            except ValueError as e:
+            except Exception as e:  # a failed check, or a device error (CUDA OOM) mid-copy
+                if not isinstance(e, ValueError):
+                    self.install_error(e)
                 if tp is not None:
                     tp.failed_install(pending, e)
                     continue
@@ -271,6 +277,23 @@ class InstallLifecycle:
                 self._finish(pending)
                 done += 1
         return done
+
+    def install_error(self, error: BaseException) -> None:
+        """An install raised something other than a failed check: count it (its install is
+        aborted by the caller) and tell the hook guard, whose breaker stops compaction after
+        repeated errors."""
+        self.stats.install_errors += 1
+        self.guard.failed("an install", error)
+
+    def trip(self, reason: str) -> None:
+        """The circuit breaker opened: no further compaction in this process (results in
+        flight are dropped, new ones refused); installed prefixes keep serving."""
+        if self.runner is not None:
+            self.runner.new_epoch()
+        self.fingerprint = None
+        self.stats.breaker_open = 1
+        self._export()
+        logger.error("sglang_ext: compaction off in this server: %s", reason)
 
     def _abort(self, pending: PendingInstall) -> None:
         self.protected_size_ -= int(pending.slots.numel())
@@ -344,3 +367,8 @@ def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def _device_error(exc: BaseException) -> bool:
+    """A torch device error (OOM, CUDA error) rather than a refusal of the result."""
+    return isinstance(exc, torch.OutOfMemoryError) or "CUDA" in str(exc)

@@ -47,6 +47,8 @@ class CompactionStats:
     # forwards whose host decision disagreed with the rows' first slots (checked on CPU only;
     # the slot look-up served them): must stay 0
     host_mark_mismatches: int = 0
+    install_errors: int = 0  # an install or hook raised something other than a failed check
+    breaker_open: int = 0  # gauge: 1 once repeated errors stopped compaction
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
     physical_tokens: int = 0  # gauge: slots those prefixes hold
@@ -92,6 +94,7 @@ class PrometheusExporter:
         "fallbacks",
         "evicted",
         "host_mark_mismatches",
+        "install_errors",
     )
     _GAUGES = (
         "logical_tokens",
@@ -103,6 +106,7 @@ class PrometheusExporter:
         "pool_slots",
         "chosen_ratio",
         "estimated_error",
+        "breaker_open",
     )
 
     def __init__(self, labels: dict[str, str] | None = None):

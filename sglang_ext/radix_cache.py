@@ -56,6 +56,7 @@ from sglang_ext.compacted_node import (
 )
 from sglang_ext.compactors import PoolShape
 from sglang_ext.config import CompactionConfig
+from sglang_ext.guard import HookGuard
 from sglang_ext.installer import PendingInstall
 from sglang_ext.kv_store import BetaStore
 from sglang_ext.lifecycle import InstallLifecycle
@@ -89,6 +90,7 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
         self.exporter = exporter
         self.stats = CompactionStats()
         self.trigger = CompactionTrigger(config)
+        self.guard = HookGuard(self.trip)
         self._compacted: dict[str, TreeNode] = {}
         self._retired: set[TreeNode] = set()
         self._dropped: dict[str, TreeNode] = {}  # compacted for old weights, freed when unlocked

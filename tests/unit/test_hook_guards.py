@@ -1,0 +1,90 @@
+"""An install that raises something other than a failed check (a CUDA out-of-memory while a
+layer is copied) never reaches SGLang's scheduler loop: the install is aborted, its slots go
+back to the pool, the original prefix keeps serving, the error is counted, and after
+`BREAKER_AFTER` errors in a row compaction stops (installed prefixes still serve)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+from sglang_ext.compactors import JobResult
+from sglang_ext.guard import BREAKER_AFTER, HookGuard
+from sglang_ext.installer import PendingInstall
+from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
+    POOL,
+    FakeRunner,
+    T,
+    check_accounting,
+    compacted,
+    insert_fresh,
+    key,
+    make_cache,
+)
+
+__all__ = ["compacted"]  # the module fixture, re-exported for pytest
+
+
+def _oom(*args: Any, **kwargs: Any) -> int:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_an_oom_inside_an_install_is_contained(
+    compacted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    insert_fresh(cache, ids)
+    monkeypatch.setattr(PendingInstall, "step", _oom)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    assert cache.poll_compactions() == 0  # raised nothing into the scheduler
+    s = cache.stats
+    assert (s.install_errors, s.failures, s.fallbacks, s.installed) == (1, 1, 1, 0)
+    assert not cache.compacted_nodes() and not cache._pending
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL - T  # slots returned
+    assert cache.match_prefix(MatchPrefixParams(key=key(ids))).device_prefix_len == T
+    assert not cache.guard.open
+    check_accounting(cache)
+
+
+def test_repeated_errors_open_the_breaker_and_compaction_stops(
+    compacted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    insert_fresh(cache, ids)
+    monkeypatch.setattr(PendingInstall, "step", _oom)
+    for i in range(BREAKER_AFTER):
+        runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+        cache.poll_compactions()
+        assert cache.guard.open is (i == BREAKER_AFTER - 1)
+    assert cache.stats.breaker_open == 1 and cache.fingerprint is None
+    monkeypatch.undo()  # installs would work again, but results in flight are dropped now
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    cache.poll_compactions()
+    assert not cache.compacted_nodes() and cache.stats.stale == 1  # dropped: a new epoch
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL - T
+    check_accounting(cache)
+
+
+def test_the_guard_answers_the_fallback_and_resets_on_success() -> None:
+    tripped: list[str] = []
+    guard = HookGuard(tripped.append)
+
+    def boom() -> bool:
+        raise RuntimeError("boom")
+
+    assert guard.call("gate", False, boom) is False
+    assert guard.call("gate", None, lambda: 7) == 7 and guard.in_a_row == 0
+    for _ in range(BREAKER_AFTER):
+        guard.call("poll", None, boom)
+    assert guard.open and guard.errors == BREAKER_AFTER + 1
+    assert len(tripped) == 1 and "3 failures in a row, the last in poll" in tripped[0]
