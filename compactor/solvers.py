@@ -16,7 +16,11 @@ import torch
 from compactor._boxqp import GramOps, box, fixed_work, nnls_data, pdas, polish
 from kernels.biased_attention.reference import biased_attention
 
-__all__ = ["attend", "lstsq_values", "nnls", "nnls_gram"]
+__all__ = ["NNLS_SOLVERS", "attend", "lstsq_values", "nnls", "nnls_gram", "nnls_projected"]
+
+# Box-NNLS solvers by name (see compactor.methods.refit.NNLS_SOLVER): the fixed-round
+# active set (:func:`nnls`) and the reference clamped least squares + projected gradient.
+NNLS_SOLVERS = ("active-set", "projected")
 
 
 def nnls(
@@ -130,6 +134,87 @@ def nnls_gram(
         return fixed_work(ops, lo, hi, rounds)
     w = pdas(ops, lo, hi, 8)
     return polish(ops, w, lo, hi, polish_rounds if polish_rounds is not None else 2 * k + 18)
+
+
+def nnls_projected(
+    A: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    lower: float | torch.Tensor = 0.0,
+    upper: float | torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ridge: float = 0.0,
+    iters: int = 2,
+) -> torch.Tensor:
+    """Box-bounded NNLS as the Attention Matching reference solves it: ridge least squares,
+    clamped into the box, then ``iters`` projected-gradient steps
+    w <- clamp(w - (A'(A w - b) + lam w) / L, lower, upper), L = ||A'A + lam I||_F (an
+    upper bound on the largest eigenvalue, so every step lowers the objective).
+
+    Shape legend: B problems (usually H_kv), m rows (n reference queries), k unknowns
+    (t kept keys). Same arguments and result as :func:`nnls` (``iters`` replaces
+    ``rounds``): A [m, k] / [B, m, k], b [m] / [B, m], lower / upper / mask broadcastable
+    to [B, k]; returns w [k] / [B, k], padded entries 0. One batched Cholesky, no active
+    set and no host sync at all (a failed factorization leaves that problem at the
+    clamped zero start). Exact when the least-squares solution lies inside the box;
+    otherwise approximate (projected gradient converges slowly on ill-conditioned A).
+    The ridge (at least 1e-9) is relative to the mean diagonal of A'A, padded columns
+    counted as 1, as in :func:`nnls`. With m < k the least squares and the steps go
+    through the data (fp64 [m, m] kernel system), never forming A'A.
+    """
+    batched = A.dim() == 3
+    if not batched:
+        A, b = A.unsqueeze(0), b.unsqueeze(0)
+        mask = None if mask is None else mask.unsqueeze(0)
+    if A.dim() != 3 or b.dim() != 2 or b.shape != A.shape[:2]:
+        raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"nnls_projected: iters must be an int >= 0, got {iters!r}")
+    dt = torch.promote_types(A.dtype, torch.float32)
+    B, m, k = A.shape
+    if k == 0:
+        w0 = A.new_zeros(B, 0, dtype=dt)
+        return w0 if batched else w0.squeeze(0)
+    kernel = m < k
+    wdt = torch.float64 if kernel else dt
+    A, b = A.to(wdt), b.to(wdt)
+    lo, hi = box(lower, upper, B, k, A, check_tensors=False)
+    colsq = A.square().sum(1)  # diag of A'A: [B, k]
+    if mask is not None:
+        msk = mask.to(torch.bool)
+        zero = A.new_zeros(())
+        A = A * msk.unsqueeze(1)
+        lo, hi = torch.where(msk, lo, zero), torch.where(msk, hi, zero)
+        colsq = torch.where(msk, colsq, torch.ones((), dtype=wdt, device=A.device))
+    lam = max(ridge, 1e-9) * colsq.mean(-1).clamp_min(1e-30)  # [B]
+    At = A.transpose(1, 2)
+    if kernel:  # w = A'(AA' + lam I)^-1 b; ||A'A + lam I||_F from the [m, m] kernel
+        K = torch.bmm(A, At)
+        eye = torch.eye(m, dtype=wdt, device=A.device)
+        L, info = torch.linalg.cholesky_ex(K + lam[:, None, None] * eye)
+        y = torch.cholesky_solve(b.unsqueeze(-1), L)
+        w = torch.bmm(At, y).squeeze(-1)
+        ev2 = K.square().sum((1, 2)) + 2 * lam * torch.diagonal(K, dim1=1, dim2=2).sum(-1)
+        lip = (ev2 + k * lam.square()).sqrt()
+    else:
+        G = torch.bmm(At, A) + torch.diag_embed(lam[:, None].expand(B, k))
+        L, info = torch.linalg.cholesky_ex(G)
+        c = torch.bmm(At, b.unsqueeze(-1))
+        w = torch.cholesky_solve(c, L).squeeze(-1)
+        lip = torch.linalg.matrix_norm(G)  # Frobenius
+    ok = (info == 0) & torch.isfinite(w).all(-1)
+    w = torch.where(ok.unsqueeze(-1), w, w.new_zeros(()))
+    w = torch.minimum(torch.maximum(w, lo), hi)
+    step = (1.0 / lip.clamp_min(1e-30)).unsqueeze(-1)  # [B, 1]
+    for _ in range(iters):
+        if kernel:
+            res = torch.bmm(A, w.unsqueeze(-1)) - b.unsqueeze(-1)
+            grad = torch.bmm(At, res).squeeze(-1) + lam[:, None] * w
+        else:
+            grad = torch.bmm(G, w.unsqueeze(-1)).squeeze(-1) - c.squeeze(-1)
+        w = torch.minimum(torch.maximum(w - step * grad, lo), hi)
+    w = w.to(dt)
+    return w if batched else w.squeeze(0)
 
 
 def lstsq_values(

@@ -22,13 +22,15 @@ from collections.abc import Sequence
 import torch
 
 from compactor.methods.selection import Selection, pack_layer
-from compactor.solvers import lstsq_values, nnls, nnls_gram
+from compactor.solvers import NNLS_SOLVERS, lstsq_values, nnls, nnls_gram, nnls_projected
 from compactor.types import CompactedLayer
 
 __all__ = [
     "BLOCK_BYTES",
     "CHUNK_BYTES",
     "NNLS_ROUNDS",
+    "NNLS_SOLVER",
+    "PG_ITERS",
     "Targets",
     "fit_beta_nnls",
     "fit_beta_nnls_gram",
@@ -46,6 +48,13 @@ BLOCK_BYTES = 2 << 30
 CHUNK_BYTES = 8 << 20
 # Fixed-work active-set rounds of the refit's NNLS (see compactor.solvers.nnls_gram).
 NNLS_ROUNDS = 32
+# Solver of the refit's beta NNLS (:func:`fit_beta_nnls`), one of
+# compactor.solvers.NNLS_SOLVERS: "active-set" (:func:`compactor.solvers.nnls`, fixed
+# rounds) or "projected" (:func:`compactor.solvers.nnls_projected`: the reference's
+# clamped least squares + PG_ITERS projected-gradient steps, no host sync). Kept at
+# "active-set": lower held-out error on SmolLM2 (benchmarks/nnls_solvers.py).
+NNLS_SOLVER = "active-set"
+PG_ITERS = 2
 
 
 class Targets:
@@ -348,13 +357,23 @@ def fit_beta_nnls(
     ridge: float = 1e-6,
     rounds: int | None = NNLS_ROUNDS,
     polish_rounds: int | None = None,
+    solver: str | None = None,
 ) -> torch.Tensor:
     """beta [H, t_max] = log w, w = box-NNLS of mass [H, n] on features A [H, n, t_max].
 
     rounds: fixed active-set rounds (None: exact, see :func:`compactor.solvers.nnls_gram`).
+    solver: None = the module's NNLS_SOLVER; "projected" ignores rounds / polish_rounds
+    and runs PG_ITERS projected-gradient steps (:func:`compactor.solvers.nnls_projected`).
     Padded (mask False) entries get beta = 0 (they are dropped by pack_layer).
     """
     lo, hi = _weight_bounds(beta_bounds)
+    name = NNLS_SOLVER if solver is None else solver
+    if name not in NNLS_SOLVERS:
+        raise ValueError(f"unknown NNLS solver {name!r}; expected one of {NNLS_SOLVERS}")
+    if name == "projected":
+        w = nnls_projected(A, mass, lower=lo, upper=hi, mask=mask, ridge=ridge, iters=PG_ITERS)
+        beta = torch.log(w.float())
+        return torch.where(mask, beta, beta.new_zeros(()))
     w = nnls(
         A,
         mass,
