@@ -11,8 +11,14 @@ have run. In every process:
 - AFTER `configure_logger`: announce the plugin in each process's log (with whether
   compaction is on); the first call (the main process, before it starts the others) also
   logs what the plugin changed in SGLang's config (`sglang_ext.server_args.log_changes`).
-- AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`).
-- AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, register the plugin's
+  Then check SGLang's surface and this process's hooks (`sglang_ext.surface.verify_process`;
+  SGLang applied the hooks just before): a serving process refuses to start (RuntimeError
+  naming each problem), one with compaction off logs them. The attention-backend and
+  radix-cache factories repeat the check (once per process) in case this hook is missing.
+- AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`); none if
+  SGLang did not apply the `from_cli_args` hook (the flags would be parsed and ignored).
+- AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, check SGLang's surface
+  (`sglang_ext.surface.check_surface`; RuntimeError naming each problem), register the plugin's
   backends, store the config on the record and select the `compaction` radix-cache backend
   and the `compaction` attention backend, which wraps the user's `--attention-backend`
   (`sglang_ext.wrapped_backend`), resolve and fingerprint the checkpoint (a directory or a
@@ -45,6 +51,8 @@ import logging
 import os
 from typing import Any
 
+from sglang_ext import surface
+
 __all__ = ["ACTIVE_ENV", "PLUGIN_NAME", "register"]
 
 PLUGIN_NAME = "compaction"
@@ -54,26 +62,21 @@ ACTIVE_ENV = "SGLANG_COMPACTION_ACTIVE"
 logger = logging.getLogger(__name__)
 _mark_failed = False  # set once marking raised: later forwards are left unmarked
 _registered = False
-_WEIGHT_UPDATER = (
-    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-)
-_SOURCES = ("disk", "tensor", "distributed", "ipc")
-_GRAPH_RUNNERS = (
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner",
-)
+_serving = False  # whether this process registered the serving hooks (ACTIVE_ENV at register)
+_GRAPH_RUNNERS = surface.GRAPH_RUNNERS
 
 
 def register() -> None:
     """Entry point called by SGLang's plugin loader (idempotent): the flags always; the
     backends and the serving hooks only in a process started with `ACTIVE_ENV` set."""
-    global _registered
+    global _registered, _serving
     if _registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = list(FLAG_HOOKS)
-    if active():
+    _serving = active()
+    if _serving:
         from sglang_ext.factory import register_backends
 
         register_backends()
@@ -112,12 +115,21 @@ def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
         from sglang_ext.server_args import log_changes
 
         log_changes(server_args)
+    # SGLang applied the hooks before this call (load_plugins): a serving process (the
+    # scheduler) on a broken surface stops here, before it builds its model and cache
+    surface.verify_process(_serving)
 
 
 def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on `ServerArgs.add_cli_args(parser)`: add the `--compaction-*` flags."""
+    """AFTER hook on `ServerArgs.add_cli_args(parser)`: add the `--compaction-*` flags, unless
+    SGLang did not apply the hook that reads them: then `--compaction-endpoint` is refused as
+    an unknown flag, rather than parsed and ignored (a server without it runs stock)."""
     from sglang_ext.config import add_cli_args
 
+    unread = surface.hook_problems([(surface.FROM_CLI_ARGS, _from_cli_args)])
+    if unread:
+        logger.error("sglang_ext: --compaction-* flags not added: %s", "; ".join(unread))
+        return
     add_cli_args(parser)
 
 
@@ -131,6 +143,7 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     if cfg is not None:
         from sglang_ext.factory import check_model, register_backends
 
+        surface.verify_process(True, hooks=False)  # this process's hooks: flags only, applied
         register_backends()
         apply_to_server_args(server_args, cfg)
         check_model(server_args)  # a missing or weightless checkpoint fails before loading
@@ -201,14 +214,14 @@ def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str 
 
 # The hooks every process installs, each AFTER its target: the flags and the announcement.
 FLAG_HOOKS: tuple[tuple[str, Any], ...] = (
-    ("sglang.srt.utils.common.configure_logger", _announce),
-    ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args),
-    ("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args),
+    (surface.CONFIGURE_LOGGER, _announce),
+    (surface.ADD_CLI_ARGS, _add_cli_args),
+    (surface.FROM_CLI_ARGS, _from_cli_args),
 )
 # The hooks a serving process (ACTIVE_ENV set) installs too, each AFTER its target.
 SERVING_HOOKS: tuple[tuple[str, Any], ...] = (
-    ("sglang.srt.managers.scheduler.Scheduler.ingest_requests", _poll_scheduler),
-    *((f"{_WEIGHT_UPDATER}.update_weights_from_{src}", _weights_updated) for src in _SOURCES),
-    *((f"{runner}.can_run_graph", _graph_gate) for runner in _GRAPH_RUNNERS),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _mark_batch),
+    (surface.INGEST_REQUESTS, _poll_scheduler),
+    *((target, _weights_updated) for target in surface.WEIGHT_UPDATES),
+    *((target, _graph_gate) for target in surface.GRAPH_GATES),
+    (surface.INIT_NEW, _mark_batch),
 )

@@ -59,8 +59,10 @@ def register_backends() -> None:
 
 
 def _create_attention_backend(runner: Any) -> Any:
+    from sglang_ext.surface import verify_process
     from sglang_ext.wrapped_backend import CompactionBackend
 
+    verify_process(True)  # done at configure_logger already, unless that hook is missing
     name = inner_attention_backend(runner)
     backend = CompactionBackend(runner, name)
     logger.info("sglang_ext: attention backend %r wraps %r", ATTENTION_BACKEND, name)
@@ -86,6 +88,7 @@ def create_compaction_cache(ctx: Any) -> Any:
     """`RadixCacheFactory`: build the compaction radix cache from a TreeCacheBuildContext.
 
     Raises:
+        RuntimeError: SGLang's surface is not what the plugin needs (`surface.verify_process`).
         ValueError: the backend was selected without `--compaction-endpoint`, or with a
             model/cache layout the plugin does not serve (hybrid SWA/SSM, paging), or the
             checkpoint cannot be found or fingerprinted (see `resolve_model_dir`).
@@ -94,7 +97,9 @@ def create_compaction_cache(ctx: Any) -> Any:
     from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
     from sglang_ext.metrics import PrometheusExporter
     from sglang_ext.radix_cache import CompactionRadixCache
+    from sglang_ext.surface import verify_process
 
+    verify_process(True)  # done at configure_logger already, unless that hook is missing
     cfg = get_config(ctx.server_args)
     if cfg is None:
         raise ValueError(

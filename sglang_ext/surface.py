@@ -1,0 +1,410 @@
+"""The SGLang surface the plugin depends on, and the start-up checks that refuse a broken one.
+
+SGLang's `HookRegistry.apply_hooks` only logs a hook it cannot apply, and the plugin's radix
+cache overrides private `RadixCache` methods and writes its private counters: a renamed name
+would not fail, e.g. without the `can_run_graph` gate a compacted batch replays a stock CUDA
+graph (no beta, wrong attention, no error). `SURFACE` names each dependency once, `SUPPORTED`
+the SGLang versions it was checked against:
+
+- `check_surface(active)`: the version is in range, every name resolves, overrides and private
+  methods keep the parameters the plugin uses, private counters are still set by SGLang's code;
+  serving-only symbols (`Symbol.serving`) only with `active`;
+- `check_hooks_applied(serving)`: each target of this process's hooks is in
+  `HookRegistry._patched` and holds a `HookRegistry` wrapper around the plugin's hook;
+- `verify_process(serving)`: both, once per process (hooks only where `load_plugins()` ran):
+  RuntimeError naming each problem where compaction is on, a warning where it is off.
+
+They run (`sglang_ext.__init__`) in the main process when it parses `--compaction-endpoint`
+(surface only), in every process's `configure_logger` hook (after `load_plugins()`, before
+the scheduler builds its model), and again in the backend and cache factories (a no-op once
+done; catches a missing `configure_logger` hook).
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import logging
+import operator
+import pkgutil
+import re
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "GRAPH_GATES",
+    "SUPPORTED",
+    "SURFACE",
+    "Symbol",
+    "check_hooks_applied",
+    "check_surface",
+    "hook_problems",
+    "plugins_loaded",
+    "sglang_version",
+    "verify_process",
+]
+
+logger = logging.getLogger(__name__)
+
+# The SGLang versions this surface was checked against (release numbers; pre-/post-release
+# tags are ignored: 0.5.23.post1 counts as 0.5.23).
+SUPPORTED = (">=0.5.23", "<0.5.24")
+
+# The hook targets (sglang_ext.FLAG_HOOKS / SERVING_HOOKS take them from here).
+CONFIGURE_LOGGER = "sglang.srt.utils.common.configure_logger"
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+INGEST_REQUESTS = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
+WEIGHT_UPDATER = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+)
+WEIGHT_UPDATES = tuple(
+    f"{WEIGHT_UPDATER}.update_weights_from_{src}"
+    for src in ("disk", "tensor", "distributed", "ipc")
+)
+GRAPH_RUNNERS = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner",
+)
+GRAPH_GATES = tuple(f"{runner}.can_run_graph" for runner in GRAPH_RUNNERS)
+INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+PLUGINS_LOADED = "sglang.srt.plugins._plugins_loaded"  # set by load_plugins(), which applies hooks
+
+Kind = Literal["import", "hook", "override", "private"]
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """One SGLang name the plugin depends on.
+
+    `kind`: `import` (by name), `hook` (an AFTER hook's target), `override` (a method the
+    plugin's subclass redefines: the base class must define it itself), `private` (a private
+    method or attribute the plugin calls or reads, or an instance attribute it writes, which
+    SGLang's code must still set). `serving`: checked only where compaction is on. `params`:
+    the parameter names the plugin relies on (None: unchecked), all of them or, with
+    `prefix`, the first ones. `calls`: a name the target's code must still call.
+    """
+
+    kind: Kind
+    target: str
+    why: str
+    serving: bool = True
+    params: tuple[str, ...] | None = None
+    prefix: bool = False
+    calls: str | None = None
+
+
+def _imports(module: str, names: str, why: str, serving: bool = True) -> list[Symbol]:
+    return [Symbol("import", f"{module}.{n}", why, serving) for n in names.split()]
+
+
+def _hook(target: str, why: str, params: tuple[str, ...], serving: bool = True) -> Symbol:
+    return Symbol("hook", target, why, serving, params, prefix=True)
+
+
+_MEM = "sglang.srt.mem_cache"
+_ATTN = "sglang.srt.layers.attention"
+_REGISTRY = "sglang.srt.plugins.hook_registry"
+_RADIX = f"{_MEM}.radix_cache.RadixCache"
+_BACKEND = f"{_ATTN}.base_attn_backend.AttentionBackend"
+_FWD = ("self", "q", "k", "v", "layer", "forward_batch")
+_CACHE = "CompactionRadixCache subclasses RadixCache"
+
+# fmt: off
+SURFACE: tuple[Symbol, ...] = (
+    *_imports(_REGISTRY, "HookRegistry HookType", "registers the hooks", serving=False),
+    *_imports(f"{_MEM}.radix_cache", "RadixCache RadixKey TreeNode", "the radix tree"),
+    *_imports(f"{_MEM}.base_prefix_cache",
+              "DecLockRefParams DecLockRefResult EvictParams EvictResult IncLockRefResult",
+              "the radix cache's API types"),
+    *_imports(f"{_ATTN}.attention_registry", "ATTENTION_BACKENDS register_attention_backend",
+              "registers and builds attention backends"),
+    *_imports(f"{_MEM}.registry", "get_radix_cache_factory register_radix_cache_backend",
+              "registers the `compaction` radix cache"),
+    *_imports("sglang.srt.server_args", "ATTENTION_BACKEND_CHOICES add_attention_backend_choices",
+              "adds `compaction` to --attention-backend"),
+    *_imports("sglang.srt.arg_groups.model_override_base", "get_default_attn_backend",
+              "the backend wrapped when --attention-backend is unset"),
+    *_imports(f"{_ATTN}.base_attn_backend", "AttentionBackend", "CompactionBackend's base"),
+    *_imports("sglang.srt.layers.radix_attention", "AttentionType", "refuses non-decoder layers"),
+    *_imports(f"{_MEM}.memory_pool", "KVWriteLoc", "writes new K/V as the stock code does"),
+    _hook(CONFIGURE_LOGGER, "announces the plugin and runs these checks in each process",
+          ("server_args",), serving=False),
+    _hook(ADD_CLI_ARGS, "adds the --compaction-* flags", ("parser",), serving=False),
+    _hook(FROM_CLI_ARGS, "reads the flags, selects the plugin's backends, turns serving on",
+          ("args",), serving=False),
+    _hook(INGEST_REQUESTS, "the scheduler's safe point: installs finished compactions",
+          ("self",)),
+    *(_hook(t, "drops compacted prefixes made for the old weights", ("self", "recv_req"))
+      for t in WEIGHT_UPDATES),
+    *(_hook(t, "a batch with a compacted request runs eagerly, never a stock CUDA graph",
+            ("self", "forward_batch")) for t in GRAPH_GATES),
+    _hook(INIT_NEW, "marks each request's compacted prefix on the ForwardBatch, on the host",
+          ("batch", "model_runner")),
+    Symbol("override", f"{_RADIX}.__init__", f"{_CACHE}: builds the tree", params=("self", "params")),
+    *(Symbol("override", f"{_RADIX}.{name}", f"{_CACHE}: {why}", params=("self", *params))
+      for name, params, why in (
+          ("reset", (), "drops compacted nodes and their beta"),
+          ("checkpoint", ("req", "up_to"), "keeps requests that predate an install off it"),
+          ("evict", ("params",), "frees compacted nodes' physical slots"),
+          ("inc_lock_ref", ("node",), "counts compacted nodes physically"),
+          ("dec_lock_ref", ("node", "params"), "counts compacted nodes physically"),
+          ("total_size", (), "counts compacted nodes physically"),
+          ("_match_prefix_helper", ("node", "key"), "matches through compacted nodes"),
+          ("_insert_helper", ("node", "key", "value", "priority", "inserted_len"),
+           "inserts below compacted nodes"),
+          ("_inc_hit_count", ("node",), "feeds hits to the trigger"),
+          ("_delete_leaf", ("node",), "deletes compacted nodes"),
+      )),
+    Symbol("override", f"{_BACKEND}.init_forward_metadata", "CompactionBackend: per-forward "
+           "decision", params=("self", "forward_batch")),
+    *(Symbol("override", f"{_BACKEND}.{name}", "CompactionBackend: biased attention for "
+             "compacted batches", params=params, prefix=True)
+      for name, params in (("init_forward_metadata_out_graph", ("self", "forward_batch")),
+                           ("forward", _FWD), ("forward_extend", _FWD), ("forward_decode", _FWD))),
+    *(Symbol("private", f"{_RADIX}.{name}", f"{_CACHE}: {why}")
+      for name, why in (("evictable_size_", "writes the counter for compacted nodes"),
+                        ("protected_size_", "writes the counter for compacted nodes"),
+                        ("evictable_leaves", "removes deleted compacted leaves"))),
+    Symbol("private", f"{_RADIX}._split_node", f"{_CACHE}: splits a path it retires",
+           params=("self", "key", "child", "split_len")),
+    Symbol("private", f"{_RADIX}._update_leaf_status", f"{_CACHE}: keeps the leaf set",
+           params=("self", "node")),
+    *(Symbol("private", f"{_REGISTRY}.HookRegistry.{name}", why, serving=False)
+      for name, why in (("_hooks", "lists this plugin's registered hooks"),
+                        ("_patched", "tells which hook targets SGLang applied"))),
+    Symbol("private", "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+           "asks the graph runners' can_run_graph (the gate) before it replays a graph",
+           calls="can_run_graph"),
+    Symbol("private", PLUGINS_LOADED, "tells whether load_plugins() "
+           "(and so HookRegistry.apply_hooks) ran in this process", serving=False),
+    Symbol("private", f"{_REGISTRY}._wrap_fn", "recognises SGLang's hook wrappers",
+           serving=False, params=("original_fn", "hook", "hook_type")),
+)
+# fmt: on
+
+
+def sglang_version() -> str:
+    """The installed SGLang distribution's version (`unknown` without its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_OPS: dict[str, Callable[[Any, Any], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt,
+}  # fmt: skip
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """The release numbers a version starts with ("0.5.23.post1" -> (0, 5, 23))."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
+    if m is None:
+        raise ValueError(f"cannot read a release number from version {text!r}")
+    parts = [int(p) for p in m.group(1).split(".")]
+    return tuple(parts + [0] * (4 - len(parts)))
+
+
+def in_supported(version: str, supported: Iterable[str] = SUPPORTED) -> bool:
+    """Whether `version` satisfies every clause of `supported` (`>=`, `<`, ... a version).
+
+    Raises:
+        ValueError: a clause without a known operator, or an unreadable version.
+    """
+    have = _release(version)
+    for clause in supported:
+        op = next((o for o in _OPS if clause.startswith(o)), None)
+        if op is None:
+            raise ValueError(f"SUPPORTED clause {clause!r} has no operator ({', '.join(_OPS)})")
+        if not _OPS[op](have, _release(clause[len(op) :])):
+            return False
+    return True
+
+
+def check_surface(active: bool) -> list[str]:
+    """Problems with SGLang's surface in this process: the version, and each symbol of
+    `SURFACE` (serving-only ones with `active`), one line each naming the symbol and the
+    installed SGLang version. Empty: all found as the plugin uses them."""
+    version = sglang_version()
+    try:
+        ok = in_supported(version)
+    except ValueError:
+        ok = False
+    problems = [] if ok else [
+        f"sglang {version}: outside the versions the plugin was checked against "
+        f"({', '.join(SUPPORTED)})"
+    ]  # fmt: skip
+    for sym in SURFACE:
+        if sym.serving and not active:
+            continue
+        try:
+            what = _problem(sym)
+        except Exception as exc:  # an import that fails for another reason is a problem too
+            what = f"cannot be resolved ({type(exc).__name__}: {exc})"
+        if what:
+            problems.append(
+                f"{sym.kind} {sym.target}: {what}, in SGLang {version} (needed: {sym.why})"
+            )
+    return problems
+
+
+def _problem(sym: Symbol) -> str | None:
+    """What is wrong with one symbol (None: nothing)."""
+    if sym.kind in ("import", "hook"):
+        obj = pkgutil.resolve_name(sym.target)
+        if sym.kind == "hook" and (isinstance(obj, type) or not callable(obj)):
+            return f"is {type(obj).__name__}, not a function"
+        return _params_problem(sym, obj)
+    owner_path, name = sym.target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    if sym.kind == "override":
+        if not isinstance(owner, type) or name not in vars(owner):
+            return f"not defined by {owner_path.rsplit('.', 1)[-1]} itself any more"
+        return _params_problem(sym, getattr(owner, name))
+    if hasattr(owner, name):
+        obj = getattr(owner, name)
+        if sym.calls and not _loads(inspect.unwrap(obj).__code__, sym.calls):
+            return f"no longer calls {sym.calls}"
+        return _params_problem(sym, obj)
+    if isinstance(owner, type) and _stored_by(owner, name):
+        return None
+    return "neither defined nor set by SGLang's code any more"
+
+
+def _params_problem(sym: Symbol, obj: Any) -> str | None:
+    if sym.params is None:
+        return None
+    try:
+        have = tuple(inspect.signature(obj).parameters)  # follows a hook wrapper's __wrapped__
+    except (TypeError, ValueError) as exc:
+        return f"has no readable signature ({exc})"
+    want = sym.params
+    if have == want or (sym.prefix and have[: len(want)] == want):
+        return None
+    return (
+        f"takes ({', '.join(have)}), the plugin expects ({', '.join(want)}{', ...' * sym.prefix})"
+    )
+
+
+def _stored_by(cls: type, name: str) -> bool:
+    """Whether a function of `cls` or its bases (not `object`) assigns `self.<name>`."""
+    for klass in cls.__mro__[:-1]:
+        for value in vars(klass).values():
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if isinstance(code, types.CodeType) and _stores(code, name):
+                return True
+    return False
+
+
+def _stores(code: types.CodeType, name: str) -> bool:
+    """Whether `code` (or code nested in it) assigns attribute `name`."""
+    return _uses(code, name, ("STORE_ATTR",))
+
+
+def _loads(code: types.CodeType, name: str) -> bool:
+    """Whether `code` (or code nested in it) reads attribute or method `name`."""
+    return _uses(code, name, ("LOAD_ATTR", "LOAD_METHOD"))
+
+
+def _uses(code: types.CodeType, name: str, ops: tuple[str, ...]) -> bool:
+    if any(i.opname in ops and i.argval == name for i in dis.get_instructions(code)):
+        return True
+    return any(isinstance(c, types.CodeType) and _uses(c, name, ops) for c in code.co_consts)
+
+
+def check_hooks_applied(serving: bool) -> list[str]:
+    """Problems with the plugin's hooks in this process, after SGLang applied them: each
+    target of `FLAG_HOOKS` (and `SERVING_HOOKS` with `serving`) must be in
+    `HookRegistry._patched`, and its attribute must be a `HookRegistry` wrapper (a function
+    built by `hook_registry._wrap_fn`) around the plugin's hook. One line per problem, naming
+    the target and the installed SGLang version."""
+    import sglang_ext
+
+    hooks = [*sglang_ext.FLAG_HOOKS, *(sglang_ext.SERVING_HOOKS if serving else ())]
+    return hook_problems(hooks)
+
+
+def hook_problems(hooks: Iterable[tuple[str, Any]]) -> list[str]:
+    """`check_hooks_applied` for the given (target, hook) pairs."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    version, problems = sglang_version(), []
+    for target, hook in hooks:
+        name = getattr(hook, "__name__", repr(hook))
+        if target not in HookRegistry._patched:
+            what = "not applied by SGLang's HookRegistry (not in HookRegistry._patched)"
+        else:
+            try:
+                found = hook in _wrapped_hooks(_raw_attribute(target))
+            except Exception as exc:
+                what = f"cannot be resolved ({type(exc).__name__}: {exc})"
+            else:
+                what = "" if found else f"is not a HookRegistry wrapper around {name}"
+        if what:
+            problems.append(f"hook {target}: {what}, in SGLang {version} (hook: sglang_ext.{name})")
+    return problems
+
+
+def _raw_attribute(target: str) -> Any:
+    """The attribute `target` names as stored on its owner (a classmethod's function)."""
+    owner_path, name = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    raw = getattr(owner, name)
+    if isinstance(owner, type):
+        raw = next((vars(k)[name] for k in owner.__mro__ if name in vars(k)), raw)
+    return getattr(raw, "__func__", raw) if isinstance(raw, classmethod | staticmethod) else raw
+
+
+def _wrapped_hooks(fn: Any) -> Iterator[Any]:
+    """The hooks of the `HookRegistry` wrappers along `fn`'s `__wrapped__` chain."""
+    from sglang.srt.plugins.hook_registry import _wrap_fn
+
+    codes = {c for c in _wrap_fn.__code__.co_consts if isinstance(c, types.CodeType)}
+    for _ in range(64):  # a chain of wrappers, one per hook type and plugin; never a cycle
+        code = getattr(fn, "__code__", None)
+        if code in codes and "hook" in code.co_freevars:
+            yield fn.__closure__[code.co_freevars.index("hook")].cell_contents
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return
+
+
+_verified: set[tuple[bool, bool]] = set()
+
+
+def plugins_loaded() -> bool:
+    """Whether SGLang's `load_plugins()` ran in this process, which applies the hooks (a
+    server's processes: yes; a unit test calling the plugin's functions: no)."""
+    try:
+        return bool(pkgutil.resolve_name(PLUGINS_LOADED))
+    except (ImportError, AttributeError):  # renamed: check_surface names it
+        return False
+
+
+def verify_process(serving: bool, *, hooks: bool | None = None) -> None:
+    """Check this process once: `check_surface(serving)` and, with `hooks` (default: where
+    SGLang applied hooks, `plugins_loaded()`), `check_hooks_applied(serving)`.
+
+    Raises:
+        RuntimeError: `serving` (compaction is on here) and any problem, each named; a
+            process with compaction off only logs them once as a warning.
+    """
+    hooks = plugins_loaded() if hooks is None else hooks
+    key = (serving, hooks)
+    if key in _verified:
+        return
+    problems = check_surface(serving) + (check_hooks_applied(serving) if hooks else [])
+    if problems and serving:
+        raise RuntimeError(
+            "sglang_ext refuses to serve compacted prefixes on this SGLang: " + "; ".join(problems)
+        )
+    _verified.add(key)
+    for problem in problems:
+        logger.warning(
+            "sglang_ext: %s (a server with --compaction-endpoint refuses to start)", problem
+        )
