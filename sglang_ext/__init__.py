@@ -52,6 +52,7 @@ import os
 from typing import Any
 
 from sglang_ext import surface
+from sglang_ext.guard import HookGuard
 
 __all__ = ["ACTIVE_ENV", "PLUGIN_NAME", "register"]
 
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 _mark_failed = False  # set once marking raised: later forwards are left unmarked
 _registered = False
 _serving = False  # whether this process registered the serving hooks (ACTIVE_ENV at register)
+_GATE_GUARD = HookGuard()  # the graph gate has no cache at hand: counted per process
 _GRAPH_RUNNERS = surface.GRAPH_RUNNERS
 
 
@@ -153,10 +155,13 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on `Scheduler.ingest_requests`: install finished compactions."""
-    poll = getattr(getattr(scheduler, "tree_cache", None), "poll_compactions", None)
+    """AFTER hook on `Scheduler.ingest_requests`: install finished compactions; an exception
+    never reaches the scheduler loop (the cache's `HookGuard` counts it, and its breaker
+    stops compaction after repeated failures)."""
+    cache: Any = getattr(scheduler, "tree_cache", None)
+    poll = getattr(cache, "poll_compactions", None)
     if callable(poll):
-        poll()
+        cache.guard.call("the install poll", 0, poll)
 
 
 def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -166,7 +171,9 @@ def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> An
         return None
     from sglang_ext.wrapped_backend import graph_gate
 
-    return graph_gate(result, graph_runner, *args, **kwargs)
+    # if deciding fails, run the batch eagerly: always correct, compacted or not
+    return _GATE_GUARD.call("the CUDA-graph gate", False, graph_gate, result, graph_runner,
+                            *args, **kwargs)  # fmt: skip
 
 
 def _mark_batch(result: Any, cls: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -188,11 +195,15 @@ def _mark_batch(result: Any, cls: Any, batch: Any = None, *args: Any, **kwargs: 
 def _weights_updated(result: Any, manager: Any, recv_req: Any = None, *a: Any, **kw: Any) -> None:
     """AFTER hook on SGLang's `update_weights_from_*`: tell the compaction cache, with the
     fingerprint results must carry from now on (None: compaction off)."""
-    cache = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
+    cache: Any = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
     update = getattr(cache, "on_weights_updated", None)
     if not callable(update):
         return
-    update(weights_fingerprint(getattr(cache, "fingerprint", None), result, recv_req))
+    try:
+        update(weights_fingerprint(getattr(cache, "fingerprint", None), result, recv_req))
+    except Exception as exc:  # never into the scheduler; and no compaction for new weights
+        cache.guard.failed("a weight update", exc)
+        cache.trip(f"handling a weight update raised {exc!r}")
 
 
 def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str | None:

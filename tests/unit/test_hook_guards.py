@@ -88,3 +88,32 @@ def test_the_guard_answers_the_fallback_and_resets_on_success() -> None:
         guard.call("poll", None, boom)
     assert guard.open and guard.errors == BREAKER_AFTER + 1
     assert len(tripped) == 1 and "3 failures in a row, the last in poll" in tripped[0]
+
+
+def test_scheduler_hooks_never_raise_into_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AFTER hooks SGLang's scheduler calls answer their safe fallback when their work
+    raises: the install poll (counted, the breaker trips after BREAKER_AFTER), the graph gate
+    (False: the batch runs eagerly, always correct), a weight update (compaction stops)."""
+    from types import SimpleNamespace
+
+    import sglang_ext
+    import sglang_ext.wrapped_backend as wb
+
+    tripped: list[str] = []
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cache = SimpleNamespace(guard=HookGuard(tripped.append), poll_compactions=boom,
+                            on_weights_updated=boom, fingerprint="fp",
+                            trip=tripped.append)  # fmt: skip
+    scheduler = SimpleNamespace(tree_cache=cache)
+    for _ in range(BREAKER_AFTER):
+        assert sglang_ext._poll_scheduler(None, scheduler) is None
+    assert cache.guard.errors == BREAKER_AFTER and len(tripped) == 1
+
+    monkeypatch.setattr(wb, "graph_gate", boom)
+    assert sglang_ext._graph_gate(True, object(), object()) is False
+
+    sglang_ext._weights_updated(SimpleNamespace(success=True), SimpleNamespace(scheduler=scheduler))
+    assert "a weight update raised" in tripped[-1]
