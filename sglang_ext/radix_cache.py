@@ -128,6 +128,10 @@ class CompactionRadixCache(InstallLifecycle, RadixCache):
             ):
                 held.clear()
             self.trigger.reset()
+            if self.runner is not None:  # results in flight were asked of the flushed tree
+                self.runner.new_epoch()
+            if self.tp is not None:
+                self.tp.clear()
         super().reset()
         if store is not None:
             self._refresh_gauges()

@@ -117,3 +117,18 @@ def test_scheduler_hooks_never_raise_into_the_scheduler(monkeypatch: pytest.Monk
 
     sglang_ext._weights_updated(SimpleNamespace(success=True), SimpleNamespace(scheduler=scheduler))
     assert "a weight update raised" in tripped[-1]
+
+
+def test_a_flush_drops_results_in_flight(compacted: Any) -> None:
+    """/flush_cache resets the tree: a result asked of the flushed tree is dropped as stale."""
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    insert_fresh(cache, ids)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    cache.reset()  # what SGLang's flush_cache does: the tree, then the pool
+    cache.token_to_kv_pool_allocator.clear()
+    insert_fresh(cache, ids)
+    assert cache.poll_compactions() == 0
+    assert cache.stats.stale == 1 and not cache.compacted_nodes()
+    check_accounting(cache)
