@@ -34,7 +34,9 @@ The radix cache reports hits (`on_hit`) and requests it saw (`remember`, the las
   seconds, at most `max_retries` times; then it cools down `failure_cooldown_s` and its
   record is dropped (a fresh start). An evicted compacted prefix may be sent again (unless
   it lies inside a longer one held);
-- memory is bounded: at most `_MAX_PATHS` paths held (oldest dropped first: a dropped
+- memory is bounded: at most `_RECENT_PROMPTS` recent prompts and `_RECENT_TOKENS` tokens
+  in them (a long chat history counts by its length), at most `_MAX_PATHS` paths held
+  (oldest dropped first: a dropped
   installed path is at worst sent again and counted as a double install) and
   `_MAX_FAILURES` failure records (oldest dropped);
 - follow-ups are the first `follow_up_tokens` tokens after the path of the most recent
@@ -62,6 +64,7 @@ from sglang_ext.config import CompactionConfig
 __all__ = ["CompactionTrigger", "PathIndex", "Submission"]
 
 _RECENT_PROMPTS = 64
+_RECENT_TOKENS = 1 << 20  # ~36 MB as Python ints, whatever the prompts' lengths
 _MAX_PATHS = 256
 _MAX_FAILURES = 1024
 
@@ -179,6 +182,7 @@ class CompactionTrigger:
         self.clock = clock
         self.candidates: list[Any] = []
         self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._recent_tokens = 0
         self._paths: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # in flight/installed
         self._index = PathIndex()  # the same paths, for overlap lookups
         self._failures: OrderedDict[str, _Failure] = OrderedDict()
@@ -188,6 +192,7 @@ class CompactionTrigger:
     def reset(self) -> None:
         self.candidates.clear()
         self._recent.clear()
+        self._recent_tokens = 0
         self._paths.clear()
         self._index = PathIndex()
         self._failures.clear()
@@ -197,10 +202,13 @@ class CompactionTrigger:
     def remember(self, rid: str, prompt: Sequence[int]) -> None:
         """Keep a request's prompt (the last `_RECENT_PROMPTS`): its questions and follow-ups;
         a question on a held path counts towards that path's refits."""
+        old = self._recent.pop(rid, ())
         p = self._recent[rid] = tuple(int(t) for t in prompt)
-        self._recent.move_to_end(rid)
-        while len(self._recent) > _RECENT_PROMPTS:
-            self._recent.popitem(last=False)
+        self._recent_tokens += len(p) - len(old)
+        while len(self._recent) > 1 and (
+            len(self._recent) > _RECENT_PROMPTS or self._recent_tokens > _RECENT_TOKENS
+        ):
+            self._recent_tokens -= len(self._recent.popitem(last=False)[1])
         if self._fits and self.config.refit_at:
             deepest, _ = self._index.query(p)
             phash = prefix_hash(list(p[:deepest])) if deepest else ""

@@ -203,3 +203,21 @@ def test_new_flags_reach_the_config() -> None:
     assert cfg is not None and (cfg.min_continuations, cfg.failure_cooldown_s) == (4, 5.0)
     default = config_from_namespace(parser.parse_args(["--compaction-endpoint", "inproc://"]))
     assert default is not None and default.min_continuations == 3
+
+
+def test_recent_prompts_are_bounded_by_tokens_not_only_by_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A few very long prompts (long chat histories) cannot hold unbounded memory: the
+    oldest are dropped once the prompts kept hold more than `_RECENT_TOKENS` tokens."""
+    import sglang_ext.trigger as trigger_module
+
+    monkeypatch.setattr(trigger_module, "_RECENT_TOKENS", 1000)
+    t = CompactionTrigger(CompactionConfig(endpoint="inproc://"))
+    for i in range(5):
+        t.remember(f"r{i}", list(range(i, i + 400)))
+    assert list(t._recent) == ["r3", "r4"] and t._recent_tokens == 800
+    t.remember("r4", list(range(10)))  # the same request again: counted once
+    assert t._recent_tokens == 410
+    t.remember("huge", list(range(5000)))  # one prompt over the budget alone is kept
+    assert list(t._recent) == ["huge"] and t._recent_tokens == 5000
