@@ -21,11 +21,17 @@ generation on the full prefix), then :func:`collect_queries` runs them on top of
 :class:`~compactor.hf.PrefixState` and records the queries; for on-policy compaction the
 pipeline instead advances them layer by layer through an ``hf.LayerStream`` over the layers
 compacted so far, and :func:`pool_queries` turns either recording into reference queries.
+
+Both stages can take long (generation: one forward call per generated token; collection: one
+run per continuation), so both take a `checkpoint` callback: called with the stage's name
+("self-study generation", "follow-up answer generation", "query collection") once per
+generated token and once per continuation collected, it may raise to abort (the service's
+cancellation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +43,7 @@ from compactor.spec import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig  # re-
 __all__ = [
     "QUERY_SOURCES",
     "SELF_STUDY_PROMPTS",
+    "Checkpoint",
     "Continuation",
     "QueryConfig",
     "QueryPlan",
@@ -53,6 +60,8 @@ REPEAT_INSTRUCTION = " Repeat the previous context. "
 # at most max(1, GENERATE_CACHE_BYTES // prefix KV bytes) rows (all at once for a short
 # prefix, one at a time for a long one).
 GENERATE_CACHE_BYTES = 1 << 30
+
+Checkpoint = Callable[[str], None]  # called with a stage name; may raise to abort
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ def plan_queries(
     prefill: hf.PrefillResult,
     config: QueryConfig,
     follow_ups: Sequence[Sequence[int]] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> QueryPlan:
     """Fix the continuations of every source (runs self-study generation on the full prefix).
 
@@ -142,6 +152,7 @@ def plan_queries(
         prefill: its :func:`hf.prefill` result (with queries when ``context-prefill`` or
             ``random`` is asked for).
         follow_ups: token sequences for the ``follow-up`` source.
+        checkpoint: called once per generated token (see the module docstring).
     Raises:
         ValueError: a source needs what is missing (a tokenizer, follow-ups, prefix queries).
     """
@@ -161,7 +172,7 @@ def plan_queries(
         elif source == "self-study":
             if tokenizer is None:
                 raise ValueError("the self-study source needs a tokenizer")
-            plan.continuations.extend(_self_study(model, tokenizer, prefill, config))
+            plan.continuations.extend(_self_study(model, tokenizer, prefill, config, checkpoint))
         elif source == "follow-up":
             if not follow_ups:
                 raise ValueError("the follow-up source needs follow_ups (token sequences)")
@@ -169,9 +180,9 @@ def plan_queries(
             if any(len(seq) == 0 for seq in seqs):
                 raise ValueError("a follow-up token sequence is empty")
             if config.follow_up_answer_tokens:
-                answers = _generate(
-                    model, tokenizer, prefill, seqs, config.follow_up_answer_tokens, 0.0, 0
-                )
+                check = _stage(checkpoint, "follow-up answer generation")
+                n = config.follow_up_answer_tokens
+                answers = _generate(model, tokenizer, prefill, seqs, n, 0.0, 0, check)
                 seqs = [seq + ans for seq, ans in zip(seqs, answers)]
             plan.continuations.extend(Continuation(source, seq) for seq in seqs)
     return plan
@@ -182,15 +193,19 @@ def collect_queries(
     state: hf.PrefixState,
     plan: QueryPlan,
     layers: Sequence[int] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> dict[int, torch.Tensor]:
     """Run the plan on top of `state` (forked, not mutated); ``{layer: [H_kv, n, D]}`` fp32.
 
     Each source is capped at ``max_queries_per_head`` (reservoir), then the concatenation.
+    `checkpoint` is called with "query collection" before each continuation runs.
     """
     info = hf.model_info(model)
     wanted = list(range(info.num_layers)) if layers is None else list(layers)
     recorded: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
     for cont in plan.continuations:
+        if checkpoint is not None:
+            checkpoint("query collection")
         with hf.record_queries(model, wanted) as rec:
             state.fork().forward(model, cont.tokens, last_only=True)
         for layer in wanted:  # a long continuation runs as several forward calls
@@ -241,12 +256,14 @@ def _generate(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    check: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """The model's answers to `prompts` on the full prefix, decoded in batches (cut at EOS).
 
     A batch holds at most :func:`generate_rows` prompts (each row copies the prefix's KV
     cache): one batch for a short prefix. Sampling (temperature > 0) draws from one
-    generator on the model's device, seeded `seed`.
+    generator on the model's device, seeded `seed`. `check` is called before every
+    forward call (``hf.batched_generate``'s): it may raise to abort.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     gen = torch.Generator(device=model.device).manual_seed(seed)
@@ -261,8 +278,16 @@ def _generate(
             eos_ids=[eos] if eos is not None else [],
             temperature=temperature,
             generator=gen,
+            check=check,
         )
     return out
+
+
+def _stage(checkpoint: Checkpoint | None, stage: str) -> Callable[[], None] | None:
+    """`checkpoint` bound to the name of `stage` (None stays None)."""
+    if checkpoint is None:
+        return None
+    return lambda: checkpoint(stage)
 
 
 def generate_rows(prefill: hf.PrefillResult) -> int:
@@ -273,7 +298,11 @@ def generate_rows(prefill: hf.PrefillResult) -> int:
 
 
 def _self_study(
-    model: Any, tokenizer: Any, prefill: hf.PrefillResult, config: QueryConfig
+    model: Any,
+    tokenizer: Any,
+    prefill: hf.PrefillResult,
+    config: QueryConfig,
+    checkpoint: Checkpoint | None = None,
 ) -> list[Continuation]:
     """One generated answer per prompt, on the full prefix (greedy or sampled)."""
     prompts = [_encode(tokenizer, f"\n\n{p}\n") for p in config.self_study_prompts]
@@ -285,5 +314,6 @@ def _self_study(
         config.self_study_tokens,
         config.temperature,
         config.seed,
+        _stage(checkpoint, "self-study generation"),
     )
     return [Continuation("self-study", p + a) for p, a in zip(prompts, answers)]

@@ -13,7 +13,7 @@ tokens get the *logical* positions ``T, T+1, ...`` whatever S is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -389,13 +389,15 @@ def batched_generate(
     eos_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    check: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """:func:`greedy_generate` for several prompts at once after one shared prefix.
 
     Prompts are left-padded (padding masked out, positions counted per row), decoded for
     `max_new_tokens` steps in one batch, and each output is cut after its first EOS.
     The tokens stay on the model's device until the end (one host sync). Mutates `state`
-    (use ``state.fork()``).
+    (use ``state.fork()``). `check` is called before every forward call (the prompt's, then
+    one per generated token): it may raise to abort the generation (cancellation).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched_generate: need non-empty prompts")
@@ -409,6 +411,8 @@ def batched_generate(
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.as_tensor(list(p), device="cpu")
         pad[i, width - len(p) :] = False
+    check = check or (lambda: None)
+    check()
     logits = state.forward(model, ids, last_only=True, pad=pad)[:, -1]
     steps = []
     for step in range(max_new_tokens):
@@ -418,6 +422,7 @@ def batched_generate(
             tok = _sample(logits, temperature, generator).squeeze(1)
         steps.append(tok)
         if step < max_new_tokens - 1:
+            check()
             logits = state.forward(model, tok[:, None], last_only=True)[:, -1]
     out, eos = [], set(eos_ids)
     for row in torch.stack(steps, 1).tolist():

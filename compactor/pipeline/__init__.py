@@ -58,6 +58,11 @@ class Hooks:
         progress: show a per-layer progress bar.
         before_layer: called with each layer index before that layer is compacted (the
             service's cancellation point: it may raise to abort).
+        checkpoint: called with a stage name ("self-study generation", "follow-up answer
+            generation", "query collection") once per generated token and once per
+            continuation whose queries are collected, i.e. inside the stages before the
+            layer loop that may take long (the service's cancellation point there: it may
+            raise to abort). Not called for a ``reuse`` hit (nothing runs then).
         reuse: a dict the call may read and fill (mutated) with the prefill, the query plan
             and the off-policy reference queries, keyed by (prefix, query config, follow-ups,
             on_policy): a sweep over methods and ratios of one prefix then prefills and draws
@@ -69,6 +74,7 @@ class Hooks:
 
     progress: bool = True
     before_layer: Callable[[int], None] | None = None
+    checkpoint: Callable[[str], None] | None = None
     reuse: dict[Any, Any] | None = None
     model_fingerprint: str | None = None
     method: Any = None
@@ -118,7 +124,9 @@ def compact_prefix(
         fp = hooks.model_fingerprint or resolve_fingerprint(model)
         info = hf.model_info(model)
         plan = plan_budgets(model, ceiling, meth, T, fp)
-    inputs = prepare_inputs(model, tokenizer, ids, spec, follow_ups, hooks.reuse, watch)
+    inputs = prepare_inputs(
+        model, tokenizer, ids, spec, follow_ups, hooks.reuse, watch, hooks.checkpoint
+    )
     # Methods that need the layer's inputs (GVote, CompressKV) get a LayerContext per layer
     # (one extra prefill); a LayerBudgetPlanner (KVCompose) sets per-layer budgets up front.
     contexts = (
@@ -128,7 +136,9 @@ def compact_prefix(
     )
     choice = None
     if spec.target_error is not None:  # then refit on every continuation at the chosen ratio
-        choice = choose_ratio(model, spec, meth, inputs, contexts, fp, watch, hooks.before_layer)
+        choice = choose_ratio(
+            model, spec, meth, inputs, contexts, fp, watch, hooks.before_layer, hooks.checkpoint
+        )
         spec = spec.with_budget(ratio=choice.ratio)
         with watch.measure("prefill"):
             plan = plan_budgets(model, spec, meth, T, fp)

@@ -13,7 +13,7 @@ import torch
 
 from compactor import hf
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import QueryPlan, collect_queries, plan_queries
+from compactor.queries import Checkpoint, QueryPlan, collect_queries, plan_queries
 from compactor.spec import CompactionSpec
 
 __all__ = ["Inputs", "prepare_inputs", "resolve_fingerprint"]
@@ -42,12 +42,14 @@ def prepare_inputs(
     follow_ups: Sequence[Sequence[int]] | None,
     reuse: dict[Any, Any] | None,
     watch: Stopwatch,
+    checkpoint: Checkpoint | None = None,
 ) -> Inputs:
     """Prefill `ids` [T] and draw the reference queries of `spec.queries`.
 
     `reuse` (mutated) caches (prefill, plan, off-policy queries) per (prefix, query config,
     follow-ups, on_policy): a hit skips both stages (they then time ~0 s). Times the
-    "prefill" and "queries" stages into `watch`.
+    "prefill" and "queries" stages into `watch`. `checkpoint` is called per generated token
+    and per collected continuation (``compactor.queries``): it may raise to abort.
     """
     qcfg = spec.queries
     need_q = bool({"context-prefill", "random"} & set(qcfg.sources))
@@ -59,9 +61,11 @@ def prepare_inputs(
         if hit is not None:
             _, plan, all_queries = hit
         else:
-            plan = plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups)
+            plan = plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups, checkpoint)
             all_queries = (
-                {} if spec.on_policy else collect_queries(model, hf.PrefixState.full(pre), plan)
+                {}
+                if spec.on_policy
+                else collect_queries(model, hf.PrefixState.full(pre), plan, checkpoint=checkpoint)
             )
             if reuse is not None:
                 reuse[key] = (pre, plan, all_queries)

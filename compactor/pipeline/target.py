@@ -156,12 +156,14 @@ def choose_ratio(
     model_fingerprint: str,
     watch: Stopwatch,
     before_layer: Callable[[int], None] | None = None,
+    checkpoint: Callable[[str], None] | None = None,
 ) -> RatioChoice:
     """Choose `spec`'s ratio by held-out error (module docstring); `inputs` is not changed.
 
     Times the candidates' query collection and compaction into `watch` ("queries",
-    "compaction"). Raises ValueError when `spec.target_error` is None or nothing can be
-    held out (:func:`split_held_out`).
+    "compaction"). `before_layer` / `checkpoint` are the cancellation points of the
+    candidates' layer loops and of query collection (``Hooks``). Raises ValueError when
+    `spec.target_error` is None or nothing can be held out (:func:`split_held_out`).
     """
     if spec.target_error is None:
         raise ValueError("choose_ratio needs spec.target_error")
@@ -171,8 +173,10 @@ def choose_ratio(
     fit_plan, held_plan, source = split_held_out(inputs.plan)
     with watch.measure("queries"):
         full = hf.PrefixState.full(pre)
-        held_q = collect_queries(model, full, held_plan)
-        fit_q = {} if spec.on_policy else collect_queries(model, full, fit_plan)
+        held_q = collect_queries(model, full, held_plan, checkpoint=checkpoint)
+        fit_q = (
+            {} if spec.on_policy else collect_queries(model, full, fit_plan, checkpoint=checkpoint)
+        )
     tried: list[tuple[float, float]] = []
     for ratio in spec.candidate_ratios():
         cand = spec.with_budget(ratio=ratio)

@@ -16,7 +16,7 @@ from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
 from compactor.types import dtype_from_name
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch
-from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob
+from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob, safe_log_id
 from compactor.workers.pool import PoolConfig, WorkerPool
 from compactor.workers.singleflight import SingleFlight
 
@@ -182,7 +182,8 @@ class CompactionService:
         """The encoded result for `job` (cache, else shared or new compaction).
 
         Raises ModelMismatch, InvalidRequest, QueueFull, DeadlineExceeded (after `timeout`
-        seconds; the compaction is cancelled if no other request waits for it), WorkerLost.
+        seconds; the compaction is cancelled if no other request waits for it), WorkerLost,
+        PoisonedJob (workers died on this prefix too often: ``compactor.workers.poison``).
         """
         t0 = time.perf_counter()
         self.check(job)
@@ -238,7 +239,7 @@ class CompactionService:
         self.metrics.cache_bytes.set(self.cache.nbytes)
         log.info(
             "compacted %s: T=%d method=%s %d bytes (%s) in %.2f s on %s",
-            job.request_id or key[:12],
+            safe_log_id(job.request_id) or key[:12],
             len(job.token_ids),
             job.spec.method,
             len(payload),

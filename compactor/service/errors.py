@@ -1,9 +1,14 @@
-"""The one exception -> gRPC status table (INTERNAL, with a logged traceback, by default)."""
+"""The one exception -> gRPC status table (INTERNAL, with a logged traceback, by default).
+
+An unexpected exception's text never reaches the client: it gets "internal error
+(incident <id>)", and the server log has the traceback under the same incident id.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import grpc
 
@@ -12,6 +17,7 @@ from compactor.workers.errors import (
     DeadlineExceeded,
     InvalidRequest,
     ModelMismatch,
+    PoisonedJob,
     QueueFull,
     WorkerLost,
 )
@@ -28,6 +34,7 @@ class ServerDraining(Exception):
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (PoisonedJob, grpc.StatusCode.FAILED_PRECONDITION),  # not UNAVAILABLE: not to be retried
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -38,9 +45,13 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 
 def status_for(exc: BaseException, where: str = "") -> tuple[grpc.StatusCode, str]:
-    """(status code, details) for `exc`; logs the traceback of anything unexpected."""
+    """(status code, details) for `exc`. Anything unexpected is INTERNAL with a generic
+    message naming a short incident id; its traceback is logged under that id."""
     for cls, code in STATUS_TABLE:
         if isinstance(exc, cls):
             return code, str(exc) or cls.__name__
-    log.error("internal error%s", f" in {where}" if where else "", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    incident = uuid.uuid4().hex[:12]
+    log.error(
+        "internal error (incident %s)%s", incident, f" in {where}" if where else "", exc_info=exc
+    )
+    return grpc.StatusCode.INTERNAL, f"internal error (incident {incident})"

@@ -4,11 +4,14 @@
     ... server.port ...
     await server.stop()          # drains: NOT_SERVING, refuse new calls, finish in-flight
 
-Binds 127.0.0.1 unless told otherwise; port 0 picks a free port.
+Binds 127.0.0.1 unless told otherwise; port 0 picks a free port. Health reports SERVING
+while at least one worker replica is alive and NOT_SERVING while none is (every replica
+died and no replacement is up yet), and NOT_SERVING for good once the server drains.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +89,8 @@ class CompactorServer:
         self.gate = gate or DrainGate()
         self.health: health.aio.HealthServicer | None = None
         self.metrics_port: int | None = None
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self._health_lock = asyncio.Lock()
 
     @property
     def address(self) -> str:
@@ -135,8 +140,8 @@ class CompactorServer:
         await server.start()
         self = cls(server, service, port, config, gate)
         self.health = health_servicer
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._sync_health()
+        service.pool.add_liveness_listener(self._on_liveness)
         if config.metrics_port is not None:
             self.metrics_port = service.metrics.serve_http(config.metrics_port, config.host)
         log.info(
@@ -149,6 +154,33 @@ class CompactorServer:
             service.model.fingerprint,
         )
         return self
+
+    async def _sync_health(self) -> None:
+        """Health of the server and the Compactor service: SERVING while a replica lives
+        (ignored by the servicer once it shuts down gracefully)."""
+        if self.health is None:
+            return
+        async with self._health_lock:  # one update at a time, each from the pool's state now
+            await self._set_health(self.health, self.service.pool.live > 0)
+
+    @staticmethod
+    async def _set_health(servicer: health.aio.HealthServicer, live: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if live
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await servicer.set(name, status)
+
+    def _on_liveness(self, live: int) -> None:
+        """The pool's liveness listener: re-read its state and set health (a task: the pool
+        calls this synchronously; the task reads the pool when it runs, so the last one wins)."""
+        if live == 0:
+            log.warning("no worker replica is alive: health NOT_SERVING until one is replaced")
+        task = asyncio.ensure_future(self._sync_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain, then stop. Health reports NOT_SERVING at once and new Compact calls get

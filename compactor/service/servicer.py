@@ -17,6 +17,7 @@ from compactor.service.engine import CompactionService
 from compactor.service.errors import status_for
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.workers.job import safe_log_id
 
 __all__ = ["CompactorServicer"]
 
@@ -73,7 +74,7 @@ class CompactorServicer(pb_grpc.CompactorServicer):
                 m.bytes_streamed.inc(len(out.encoded.payload))
         except asyncio.CancelledError:
             status = "CANCELLED"
-            log.info("request %r cancelled by the client", request.request_id)
+            log.info("request %s cancelled by the client", safe_log_id(request.request_id))
             raise
         except Exception as exc:
             code, details = status_for(exc, "Compact")

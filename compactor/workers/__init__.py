@@ -1,5 +1,6 @@
 """Compaction workers: the job/result types, the worker (one model replica), the pool of
-replicas (in-process threads or Ray actors), single-flight and the byte-bounded result cache.
+replicas (in-process threads or Ray actors) and its table of poison prefixes (prefixes that
+killed workers), single-flight and the byte-bounded result cache.
 
 Only the picklable dataclasses of :mod:`compactor.workers.job` and tensors cross the Ray
 boundary. Nothing here imports grpc; :mod:`compactor.service` builds on it.
@@ -11,6 +12,7 @@ from compactor.workers.errors import (
     DeadlineExceeded,
     InvalidRequest,
     ModelMismatch,
+    PoisonedJob,
     QueueFull,
     WorkerLost,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "InvalidRequest",
     "JobResult",
     "ModelMismatch",
+    "PoisonedJob",
     "QueueFull",
     "WorkerLost",
 ]

@@ -29,3 +29,9 @@ class Cancelled(CompactionError):
 
 class WorkerLost(CompactionError):
     """Workers died on this request more often than the retry bound allows."""
+
+
+class PoisonedJob(CompactionError):
+    """Workers died on this prefix too often (across requests): it is refused for a while
+    without running it, so that retries cannot take down replica after replica. Not
+    retryable (unlike WorkerLost)."""

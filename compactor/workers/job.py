@@ -17,12 +17,24 @@ __all__ = [
     "KV_DTYPE_CHOICES",
     "CompactJob",
     "JobResult",
+    "safe_log_id",
 ]
 
 # spec.head_budgets a request may ask for: HEAD_BUDGET_CHOICES (uniform, or the worker
 # model's sensitivity curves); file paths are not accepted.
 # Result keys/values dtypes a request may ask for ("" = float32, as computed).
 KV_DTYPE_CHOICES: tuple[str, ...] = ("", "float16", "bfloat16")
+# The longest client-given id (request_id) written to a log as is; longer ones are cut.
+LOG_ID_CHARS = 64
+
+
+def safe_log_id(text: str, limit: int = LOG_ID_CHARS) -> str:
+    """A client-given id (request_id) fit for a log line: printable ASCII without whitespace
+    (any other character becomes "?"), cut to `limit` characters ("..." marks a cut)."""
+    out = "".join(
+        c if c.isascii() and c.isprintable() and not c.isspace() else "?" for c in text[:limit]
+    )
+    return out + "..." if len(text) > limit else out
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,8 @@ class CompactJob:
     built) or a `target_error` (the worker chooses the ratio). `follow_ups` are the token sequences of the ``follow-up`` query source: hints
     the request that starts a compaction brings, not part of :meth:`key`, so requests for
     the same prefix with other follow-ups (another replica's questions) share its result.
-    `request_id` is for logs only and is not part of :meth:`key` either. `kv_dtype` is the dtype
+    `request_id` is for logs only (written through :func:`safe_log_id`: it is the client's) and
+    is not part of :meth:`key` either. `kv_dtype` is the dtype
     the service casts the result's keys/values to before encoding (one of
     KV_DTYPE_CHOICES; "" = float32, as computed); the worker ignores it. `fit_round` is 0
     for a prefix's first fit and n for its n-th refit on more follow-ups: part of

@@ -4,27 +4,45 @@ Dispatch goes to the least-loaded live replica (fewest jobs in flight, then fewe
 served). A job waits in a bounded queue when every replica is busy (QueueFull beyond
 `max_queue`). A replica that dies mid-job (Ray actor killed, node lost) is replaced in the
 background and the job retried on another replica, at most `max_retries` times (then
-WorkerLost). Cancelling the awaiting coroutine tells the worker to stop at its next layer
-and waits (up to `cancel_grace_s`) until it has, so a cancelled job really frees its replica.
+WorkerLost). Workers lost are also counted per prefix across requests
+(:mod:`compactor.workers.poison`): once a prefix has lost `poison_after` workers, jobs for
+it fail at once with PoisonedJob (not retryable) for `poison_ttl_s`, so one poison prefix
+restarts at most `poison_after` replicas however often clients retry (jobs for it already
+running on other replicas at that moment aside).
+
+Cancelling the awaiting coroutine tells the worker to stop at its next cancellation point
+and returns at once; the replica stays busy until the job has really stopped, so one
+replica never computes two jobs. A job still running `cancel_grace_s` after its cancel
+gets its Ray actor killed and replaced; an in-process replica (a thread: it cannot be
+killed) stays busy until the job ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import itertools
 import logging
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from compactor.workers.errors import QueueFull, WorkerLost
-from compactor.workers.job import CompactJob, JobResult
+from compactor.workers.job import CompactJob, JobResult, safe_log_id
+from compactor.workers.poison import PoisonTable, poison_key
+from compactor.workers.replica import LocalReplica, RayReplica, Replica
 from compactor.workers.worker import Worker
 
-__all__ = ["ACTOR_GPUS_PER_WORKER", "ACTOR_NUM_CPUS", "PoolConfig", "Replica", "WorkerPool"]
+__all__ = [
+    "ACTOR_GPUS_PER_WORKER",
+    "ACTOR_NUM_CPUS",
+    "LocalReplica",
+    "PoolConfig",
+    "RayReplica",
+    "Replica",
+    "WorkerPool",
+]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +51,10 @@ log = logging.getLogger(__name__)
 # sizes nodes from these numbers and tests/deploy checks that it does.
 ACTOR_NUM_CPUS = 1
 ACTOR_GPUS_PER_WORKER = 1
+
+# Loading a transformers checkpoint is not thread-safe (two loads at once in one process fail
+# with "Cannot copy out of meta tensor"): in-process replicas are loaded one at a time.
+_LOCAL_LOAD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -46,8 +68,11 @@ class PoolConfig:
             uses the running Ray if initialised, else ``ray.init(address=ray_address)``).
         max_queue: jobs that may wait for a replica before QueueFull.
         max_retries: re-dispatches of a job whose replica died.
-        cancel_grace_s: how long a cancelled job may take to stop before its replica is
-            counted free anyway.
+        cancel_grace_s: how long a cancelled job may take to stop; then its Ray actor is
+            killed and replaced (an in-process replica stays busy until the job ends).
+        poison_after: workers lost on one prefix (across requests) after which jobs for it
+            are refused with PoisonedJob; poison_ttl_s: for how long after its last loss;
+            poison_keys: how many such prefixes are remembered (least recent out first).
         layer_delay_s: test-only per-layer sleep passed to each Worker's constructor.
         device: torch device of "local" replicas ("cpu" or "cuda"); Ray actors take a GPU
             when the cluster has one.
@@ -60,100 +85,33 @@ class PoolConfig:
     max_queue: int = 64
     max_retries: int = 2
     cancel_grace_s: float = 30.0
+    poison_after: int = 2
+    poison_ttl_s: float = 600.0
+    poison_keys: int = 4096
     layer_delay_s: float = 0.0
     device: str = "cpu"
-
-
-class Replica:
-    """One model replica and its load counters; `run` raises WorkerLost if it dies."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.inflight = 0
-        self.served = 0
-        self.alive = True
-
-    async def run(self, job_id: str, job: CompactJob, grace_s: float) -> JobResult:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        self.alive = False
-
-
-class LocalReplica(Replica):
-    """A :class:`Worker` in this process; jobs run in its own thread."""
-
-    def __init__(self, name: str, worker: Worker) -> None:
-        super().__init__(name)
-        self.worker = worker
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-    async def run(self, job_id: str, job: CompactJob, grace_s: float) -> JobResult:
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, self.worker.compact, job_id, job
-        )
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            self.worker.cancel(job_id)
-            await _settle(fut, grace_s)
-            raise
-
-    async def close(self) -> None:
-        await super().close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-class RayReplica(Replica):
-    """A Ray actor running :class:`Worker` (max_concurrency=2 so `cancel` gets through)."""
-
-    def __init__(self, name: str, handle: Any) -> None:
-        super().__init__(name)
-        self.handle = handle
-
-    async def run(self, job_id: str, job: CompactJob, grace_s: float) -> JobResult:
-        import ray
-
-        fut = asyncio.wrap_future(self.handle.compact.remote(job_id, job).future())
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                self.handle.cancel.remote(job_id)
-            await _settle(fut, grace_s)
-            raise
-        except ray.exceptions.RayActorError as exc:
-            self.alive = False
-            raise WorkerLost(f"worker {self.name} died: {type(exc).__name__}") from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, BaseException):
-                raise cause from None
-            raise
-
-    async def close(self) -> None:
-        import ray
-
-        await super().close()
-        with contextlib.suppress(Exception):
-            ray.kill(self.handle, no_restart=True)
 
 
 class WorkerPool:
     """Async facade over the replicas; create with :meth:`start`, stop with :meth:`close`.
 
-    `on_restart` is called once per replaced replica (for metrics).
+    `on_restart` is called once per replaced replica (for metrics). Listeners added with
+    :meth:`add_liveness_listener` are called with the number of live replicas whenever it
+    may have changed (a replica died or was killed, a replacement came up).
     """
 
     def __init__(self, config: PoolConfig, on_restart: Callable[[], None] | None = None) -> None:
         self.config = config
         self.replicas: list[Replica] = []
         self.waiting = 0
+        self.poison = PoisonTable(config.poison_after, config.poison_ttl_s, config.poison_keys)
         self._on_restart = on_restart or (lambda: None)
+        self._listeners: list[Callable[[int], None]] = []
         self._cond = asyncio.Condition()
         self._names = itertools.count()
         self._owns_ray = False
-        self._replacing: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._being_replaced: set[str] = set()  # names of dead replicas being replaced
         self._closed = False
 
     @classmethod
@@ -176,36 +134,58 @@ class WorkerPool:
 
     @property
     def busy(self) -> int:
+        """Replicas running a job (a cancelled job counts until it has really stopped)."""
         return sum(r.inflight for r in self.replicas)
+
+    @property
+    def live(self) -> int:
+        """Replicas alive (dead ones count again once their replacement is up)."""
+        return sum(r.alive for r in self.replicas)
+
+    def add_liveness_listener(self, fn: Callable[[int], None]) -> None:
+        """Call `fn(live)` (in the pool's event loop) whenever :attr:`live` may change."""
+        self._listeners.append(fn)
 
     async def run(self, job: CompactJob) -> JobResult:
         """Run `job` on the least-loaded replica (see module docstring for errors)."""
+        key = poison_key(job)
+        self.poison.check(key)  # PoisonedJob: refused without touching a worker
         if self.waiting >= self.config.max_queue:
             raise QueueFull(
                 f"{self.waiting} requests already wait for a worker (limit {self.config.max_queue})"
             )
-        job_id = job.request_id or uuid.uuid4().hex
-        job_id = f"{job_id}-{uuid.uuid4().hex[:8]}"
+        job_id = f"{safe_log_id(job.request_id) or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}"
         lost = 0
         while True:
             replica = await self._acquire()
+            stopping = False  # True: a background task releases the replica once it stopped
             try:
-                result = await replica.run(job_id, job, self.config.cancel_grace_s)
+                self.poison.check(key)  # another job may have lost a worker on it meanwhile
+                result = await replica.run(job_id, job)
                 replica.served += 1
                 return result
+            except asyncio.CancelledError:
+                stopping = self._stop(replica, job_id)
+                raise
             except WorkerLost as exc:
                 lost += 1
-                log.warning("job %s: %s (attempt %d)", job_id, exc, lost)
+                total = self.poison.lost(key)
+                log.warning(
+                    "job %s: %s (attempt %d; %d lost on its prefix)", job_id, exc, lost, total
+                )
                 self._replace(replica)
+                if total >= self.poison.threshold:
+                    raise self.poison.error(key, total) from None
                 if lost > self.config.max_retries:
                     raise WorkerLost(f"{exc}; gave up after {lost} attempts") from None
             finally:
-                await self._release(replica)
+                if not stopping:
+                    await self._release(replica)
 
     async def close(self) -> None:
         """Stop the replicas (running jobs are abandoned: drain before calling this)."""
         self._closed = True
-        for task in list(self._replacing):
+        for task in list(self._background):
             task.cancel()
         for r in self.replicas:
             await r.close()
@@ -234,35 +214,100 @@ class WorkerPool:
             replica.inflight -= 1
             self._cond.notify_all()
 
+    def _stop(self, replica: Replica, job_id: str) -> bool:
+        """The job `job_id` of `replica` was cancelled: tell the worker, and unless the job
+        has already ended, release the replica only once it has (background task; after
+        `cancel_grace_s` a replica that can be killed is killed and replaced). True if that
+        task now owns the release."""
+        fut = replica.job
+        if fut is None or fut.done():
+            return False
+        replica.cancel(job_id)
+        self._spawn(self._release_when_stopped(replica, job_id, fut))
+        return True
+
+    async def _release_when_stopped(
+        self, replica: Replica, job_id: str, fut: asyncio.Future[JobResult]
+    ) -> None:
+        grace = self.config.cancel_grace_s
+        try:
+            done, _ = await asyncio.wait([fut], timeout=grace)
+            if done:
+                if not replica.alive:  # it died meanwhile (a Ray actor lost)
+                    self._replace(replica)
+                return
+            if await replica.kill():
+                log.warning(
+                    "job %s did not stop within %.3g s of its cancel: killed worker %s",
+                    job_id,
+                    grace,
+                    replica.name,
+                )
+                self._replace(replica)
+                return
+            log.warning(
+                "job %s did not stop within %.3g s of its cancel; worker %s stays busy until "
+                "it ends",
+                job_id,
+                grace,
+                replica.name,
+            )
+            await asyncio.wait([fut])
+        finally:
+            await self._release(replica)
+
     def _replace(self, dead: Replica) -> None:
+        """Count `dead` out and bring up a replacement in the background (retried with
+        backoff until it comes up or the pool closes). Once per replica."""
         dead.alive = False
+        if dead.name in self._being_replaced or dead not in self.replicas:
+            return
+        self._being_replaced.add(dead.name)
         self._on_restart()
+        self._notify_liveness()
 
         async def replace() -> None:
-            try:
-                new = await self._new_replica()
-            except Exception:
-                log.exception("could not replace worker %s", dead.name)
-                return
+            delay = 1.0
+            while True:
+                try:
+                    new = await self._new_replica()
+                    break
+                except Exception:
+                    log.exception(
+                        "could not replace worker %s; retrying in %.3g s", dead.name, delay
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 60.0)
             async with self._cond:
                 if self._closed:
                     await new.close()
                     return
                 self.replicas[self.replicas.index(dead)] = new
+                self._being_replaced.discard(dead.name)
                 self._cond.notify_all()
             log.info("replaced worker %s with %s", dead.name, new.name)
+            self._notify_liveness()
 
-        task = asyncio.create_task(replace())
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
+        self._spawn(replace())
+
+    def _notify_liveness(self) -> None:
+        live = self.live
+        for fn in self._listeners:
+            try:
+                fn(live)
+            except Exception:
+                log.exception("liveness listener failed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _new_replica(self) -> Replica:
         cfg = self.config
         name = f"worker-{next(self._names)}"
         if cfg.mode == "local":
-            worker = await asyncio.to_thread(
-                Worker, cfg.model_dir, cfg.device, 1, cfg.layer_delay_s
-            )
+            worker = await asyncio.to_thread(_load_local, cfg)
             return LocalReplica(name, worker)
         import ray
 
@@ -276,8 +321,7 @@ class WorkerPool:
         return RayReplica(name, handle)
 
 
-async def _settle(fut: asyncio.Future[Any], timeout: float) -> None:
-    """Wait (up to `timeout`) for a cancelled job's future; swallow its outcome."""
-    await asyncio.wait([fut], timeout=timeout)
-    if fut.done() and not fut.cancelled():
-        fut.exception()
+def _load_local(cfg: PoolConfig) -> Worker:
+    """An in-process :class:`Worker` (one load at a time: see _LOCAL_LOAD_LOCK)."""
+    with _LOCAL_LOAD_LOCK:
+        return Worker(cfg.model_dir, cfg.device, 1, cfg.layer_delay_s)

@@ -3,6 +3,11 @@
 :func:`run_compaction` is the single code path of a compaction: the in-process pool calls it
 in a thread, the Ray actor (:class:`Worker` wrapped by ``ray.remote``) calls it in its
 process. Deterministic: fixed seed; the worker process runs torch on one thread.
+
+Cancellation is cooperative: a compaction checks `should_stop()` before each layer and,
+before the layer loop, once per generated token (self-study / follow-up answers) and once per
+continuation whose queries are collected (the pipeline's ``Hooks.checkpoint``). A request's
+deadline reaches the worker the same way: the service cancels the job when it passes.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,10 @@ from compactor.workers.job import CompactJob, JobResult
 __all__ = ["Worker", "run_compaction"]
 
 log = logging.getLogger(__name__)
+
+# Cancels of jobs that are not running (yet: a Ray cancel may overtake its compact call) are
+# remembered, oldest first out, up to this many; cancels of running jobs until they end.
+EARLY_CANCELS = 32
 
 
 def _cancellation_point(
@@ -41,6 +51,17 @@ def _cancellation_point(
                 time.sleep(min(0.02, layer_delay_s))
         if should_stop():
             raise Cancelled(f"compaction cancelled before layer {layer}")
+
+    return check
+
+
+def _stage_checkpoint(should_stop: Callable[[], bool]) -> Callable[[str], None]:
+    """`compact_prefix`'s checkpoint hook (per generated token / collected continuation):
+    raise Cancelled naming the stage once `should_stop()` is true."""
+
+    def check(stage: str) -> None:
+        if should_stop():
+            raise Cancelled(f"compaction cancelled during {stage}")
 
     return check
 
@@ -74,6 +95,7 @@ def run_compaction(
     hooks = Hooks(
         progress=False,
         before_layer=_cancellation_point(should_stop, layer_delay_s),
+        checkpoint=_stage_checkpoint(should_stop),
         model_fingerprint=fingerprint,
     )
     follow_ups = [list(f) for f in job.follow_ups] or None
@@ -117,7 +139,9 @@ class Worker:
         self.fingerprint = fingerprint(self.model_dir)
         self.model, self.tokenizer = hf.load_model(self.model_dir, device=device)
         self.layer_delay_s = layer_delay_s
-        self._cancelled: set[str] = set()
+        self._running: set[str] = set()
+        self._cancelled: set[str] = set()  # running jobs asked to stop
+        self._early: OrderedDict[str, None] = OrderedDict()  # bounded: EARLY_CANCELS
         self._lock = threading.Lock()
 
     def ready(self) -> str:
@@ -128,7 +152,13 @@ class Worker:
         return os.getpid()
 
     def compact(self, job_id: str, job: CompactJob) -> JobResult:
-        """Run `job`; raises Cancelled if :meth:`cancel` (job_id) is called meanwhile."""
+        """Run `job`; raises Cancelled if :meth:`cancel` (job_id) is called meanwhile (or
+        shortly before: see EARLY_CANCELS)."""
+        with self._lock:
+            self._running.add(job_id)
+            if job_id in self._early:  # cancelled before it started
+                del self._early[job_id]
+                self._cancelled.add(job_id)
         try:
             return run_compaction(
                 self.model,
@@ -140,12 +170,22 @@ class Worker:
             )
         finally:
             with self._lock:
+                self._running.discard(job_id)
                 self._cancelled.discard(job_id)
 
     def cancel(self, job_id: str) -> None:
-        """Ask the running job `job_id` to stop at its next layer."""
+        """Ask the job `job_id` to stop at its next cancellation point (see the module
+        docstring). Only running jobs' ids are kept until they end; the id of a job that is
+        not running is kept among the last EARLY_CANCELS such ids (its compact call may
+        still be on its way)."""
         with self._lock:
-            self._cancelled.add(job_id)
+            if job_id in self._running:
+                self._cancelled.add(job_id)
+                return
+            self._early[job_id] = None
+            self._early.move_to_end(job_id)
+            while len(self._early) > EARLY_CANCELS:
+                self._early.popitem(last=False)
 
     def _is_cancelled(self, job_id: str) -> bool:
         with self._lock:
