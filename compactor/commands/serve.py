@@ -103,6 +103,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "they are cancelled (new ones get UNAVAILABLE at once); exit 0 at most ~10 s later",
     )
     WorkLimits.add_cli_args(p)
+    p.add_argument("--max-deadline-s", type=float, default=3600.0,
+                   help="the longest one request may keep a compaction going (default 3600; "
+                   "requests without a deadline get it)")  # fmt: skip
+    p.add_argument("--max-requests-per-tenant", type=int, default=64,
+                   help="requests one caller (its mTLS identity) may have in progress at once "
+                   "(default 64; beyond: RESOURCE_EXHAUSTED)")  # fmt: skip
+    p.add_argument("--max-concurrent-rpcs", type=int, default=256,
+                   help="gRPC calls served at once, all callers (default 256)")  # fmt: skip
     # test-only: sleep this long before each layer, to make compactions deterministically slow
     p.add_argument("--test-layer-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
@@ -148,31 +156,39 @@ def _serve(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
     except ValueError as exc:
         raise SystemExit(f"compactor serve: error: {exc}") from exc
-    config = ServerConfig(
-        service=ServiceConfig(
-            pool=PoolConfig(
-                model_dir=str(model_dir),
-                workers=args.workers,
-                mode="local" if args.in_process else "ray",
-                ray_address=args.ray_address,
-                max_queue=args.max_queue,
-                layer_delay_s=args.test_layer_delay_s,
-                device=args.device,
+    try:
+        config = ServerConfig(
+            service=ServiceConfig(
+                pool=PoolConfig(
+                    model_dir=str(model_dir),
+                    workers=args.workers,
+                    mode="local" if args.in_process else "ray",
+                    ray_address=args.ray_address,
+                    max_queue=args.max_queue,
+                    layer_delay_s=args.test_layer_delay_s,
+                    device=args.device,
+                ),
+                max_prefix_tokens=args.max_prefix_tokens,
+                cache_bytes=args.cache_mb << 20,
+                auto_ratio=args.auto_ratio,
+                auto_chunk_tokens=args.auto_chunk_tokens,
+                limits=limits,
+                max_deadline_s=args.max_deadline_s,
+                max_per_tenant=args.max_requests_per_tenant,
             ),
-            max_prefix_tokens=args.max_prefix_tokens,
-            cache_bytes=args.cache_mb << 20,
-            auto_ratio=args.auto_ratio,
-            auto_chunk_tokens=args.auto_chunk_tokens,
-            limits=limits,
-        ),
-        host=args.host,
-        port=args.port,
-        tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
-        auth_token=token,
-        max_message_bytes=args.max_message_mb << 20,
-        metrics_port=args.metrics_port,
-        drain_seconds=args.drain_seconds,
-    )
+            host=args.host,
+            port=args.port,
+            tls=TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.tls_cert
+            else None,
+            auth_token=token,
+            max_message_bytes=args.max_message_mb << 20,
+            metrics_port=args.metrics_port,
+            drain_seconds=args.drain_seconds,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"compactor serve: error: {exc}") from None
     try:
         asyncio.run(_run(config))
     except PortInUseError as exc:

@@ -15,7 +15,7 @@ from compactor.service.metrics import ServiceMetrics
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
 from compactor.types import dtype_from_name
 from compactor.workers.cache import ResultCache
-from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch
+from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch, QueueFull
 from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob, safe_log_id
 from compactor.workers.pool import PoolConfig, WorkerPool
 from compactor.workers.singleflight import SingleFlight
@@ -72,6 +72,9 @@ class ServiceConfig:
     `auto_chunk_tokens`: prefixes longer than this whose spec leaves chunk_size unset are
     compacted in chunks of this many tokens (:func:`auto_chunk_size`; None: never).
     `limits`: the most work one request may ask (reference queries, generated tokens, ...).
+    `max_deadline_s`: the longest a request may keep a compaction going (a request without a
+    deadline, or a longer one, gets this one). `max_per_tenant`: requests one tenant (the
+    caller's mTLS identity, "" for all others) may have in progress at once.
     """
 
     pool: PoolConfig
@@ -81,6 +84,14 @@ class ServiceConfig:
     chunk_bytes: int = 1 << 20
     auto_chunk_tokens: int | None = AUTO_CHUNK_TOKENS
     limits: WorkLimits = field(default_factory=WorkLimits)
+    max_deadline_s: float = 3600.0
+    max_per_tenant: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.max_deadline_s > 0:
+            raise ValueError(f"max_deadline_s must be > 0, got {self.max_deadline_s!r}")
+        if self.max_per_tenant < 1:
+            raise ValueError(f"max_per_tenant must be >= 1, got {self.max_per_tenant!r}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,7 @@ class CompactionService:
             config.cache_bytes, EncodedPrefix.nbytes
         )
         self.flights: SingleFlight[EncodedPrefix] = SingleFlight()
+        self._per_tenant: dict[str, int] = {}  # requests in progress, by tenant
 
     @classmethod
     async def start(
@@ -187,6 +199,25 @@ class CompactionService:
         """
         t0 = time.perf_counter()
         self.check(job)
+        cap = self.config.max_deadline_s
+        timeout = cap if timeout is None else min(timeout, cap)
+        busy = self._per_tenant.get(job.tenant, 0)
+        if busy >= self.config.max_per_tenant:
+            raise QueueFull(
+                f"{busy} requests of this caller are in progress (limit "
+                f"{self.config.max_per_tenant} per tenant)"
+            )
+        self._per_tenant[job.tenant] = busy + 1
+        try:
+            return await self._compact(job, timeout, t0)
+        finally:
+            left = self._per_tenant[job.tenant] - 1
+            if left:
+                self._per_tenant[job.tenant] = left
+            else:
+                del self._per_tenant[job.tenant]
+
+    async def _compact(self, job: CompactJob, timeout: float, t0: float) -> CompactOutcome:
         job = self.effective_job(job)
         key = job.key()
         hit = self.cache.get(key)

@@ -69,6 +69,7 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     drain_seconds: float = 30.0
+    max_concurrent_rpcs: int = 256  # calls beyond it get RESOURCE_EXHAUSTED from gRPC
 
 
 class CompactorServer:
@@ -113,6 +114,7 @@ class CompactorServer:
         interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(
             interceptors=interceptors,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),

@@ -58,6 +58,7 @@ def running_server(
     layer_delay_s: float = 0.0,
     max_queue: int = 64,
     max_prefix_tokens: int | None = 4096,
+    service_kwargs: dict[str, Any] | None = None,
     **server_kwargs: Any,
 ) -> Iterator[tuple[CompactorServer, LoopThread]]:
     pool = PoolConfig(
@@ -68,7 +69,9 @@ def running_server(
         layer_delay_s=layer_delay_s,
         cancel_grace_s=10.0,
     )
-    service = ServiceConfig(pool=pool, max_prefix_tokens=max_prefix_tokens)
+    service = ServiceConfig(
+        pool=pool, max_prefix_tokens=max_prefix_tokens, **(service_kwargs or {})
+    )
     lt = LoopThread()
     try:
         server = lt.run(CompactorServer.start(ServerConfig(service=service, **server_kwargs)))

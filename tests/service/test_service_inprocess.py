@@ -261,3 +261,29 @@ def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp
         info.value.details() or ""
     )
     assert _metric(server, "compactor_requests_total", status="OK") == busy
+
+
+def test_per_tenant_limit_and_deadline_cap(prepared_model: Path, model_fp: str) -> None:
+    """One caller cannot hold more than `max_per_tenant` requests in progress
+    (RESOURCE_EXHAUSTED), and a request without a deadline gets the service's cap."""
+    import threading
+
+    limits = {"max_per_tenant": 1, "max_deadline_s": 1.5}
+    with running_server(prepared_model, layer_delay_s=0.2, service_kwargs=limits) as (srv, _):
+        ep = f"127.0.0.1:{srv.port}"
+        codes: list[grpc.StatusCode] = []
+
+        def slow() -> None:
+            with CompactorClient(ep) as c:
+                codes.append(_code(lambda: c.compact(_prefix(11), model_fp, FAST, timeout=None)))
+
+        first = threading.Thread(target=slow)
+        first.start()
+        deadline = time.monotonic() + 30
+        while srv.service.pool.busy == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with CompactorClient(ep) as c:
+            second = _code(lambda: c.compact(_prefix(12), model_fp, FAST, timeout=60))
+        first.join(60)
+    assert second == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED]  # ~6 s of work, capped at 1.5 s
