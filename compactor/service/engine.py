@@ -13,7 +13,7 @@ from compactor.limits import WorkLimits
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
-from compactor.types import dtype_from_name
+from compactor.types import CompactedPrefix, dtype_from_name, prefix_hash
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch, QueueFull
 from compactor.workers.job import DEFAULT_AUTO_RATIO, CompactJob, safe_log_id
@@ -256,6 +256,7 @@ class CompactionService:
             return cached
         self.metrics.compactions.inc()
         result = await self.pool.run(job)
+        _check_result(result.prefix, job, self.model)  # before it can be cached or sent
         kv_dtype = dtype_from_name(job.kv_dtype) if job.kv_dtype else None
         try:
             header, payload, digest = await asyncio.to_thread(
@@ -279,3 +280,21 @@ class CompactionService:
             result.worker,
         )
         return encoded
+
+
+def _check_result(prefix: CompactedPrefix, job: CompactJob, model: ModelSummary) -> None:
+    """A worker's result is the one asked for, for this model (structure, fingerprint, T,
+    prefix hash, method); a RuntimeError (INTERNAL) otherwise, so it is never cached."""
+    try:
+        prefix.validate(
+            expected_fingerprint=job.model_fingerprint,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+        )
+    except ValueError as exc:
+        raise RuntimeError(f"a worker returned an invalid result: {exc}") from None
+    echo = (prefix.logical_length, prefix.prefix_hash, prefix.method)
+    want = (len(job.token_ids), prefix_hash(job.token_ids), job.spec.method)
+    if echo != want:
+        raise RuntimeError(f"a worker returned the result for {echo}, not {want}")
