@@ -19,6 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from compactor.knobs import SpecError, is_int, is_number, knob, meta
+from compactor.query_config import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
+
 __all__ = [
     "AUTO_CHUNK_TOKENS",
     "DEFAULT_AUTO_RATIO",
@@ -33,13 +36,6 @@ __all__ = [
     "spec_fields",
 ]
 
-QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
-SELF_STUDY_PROMPTS = (
-    "Summarize the text above in a few sentences.",
-    "Ask and answer three questions about the specific facts and numbers in the text above.",
-    "Quote the most important sentence of the text above word for word, then continue it.",
-    "Structure the key information in the text above as a list of short bullet points.",
-)
 # Budget "auto" of a service request (no ratio, tokens or target_error) maps to this ratio
 # (`compactor serve --auto-ratio`). A budget chosen by measured error is asked for with
 # target_error (compactor.pipeline.target): such a spec is not auto and keeps its ratio (the
@@ -75,135 +71,6 @@ def parse_chunk_tokens(text: str) -> int | None:
     return n
 
 
-class SpecError(ValueError):
-    """A bad spec value; `field` is the dotted path of the knob (``"queries.sources"``)."""
-
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.field = field
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.field))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _meta(flag: str, help: str, kind: str, **extra: Any) -> dict[str, Any]:
-    """Field metadata that drives :mod:`compactor.spec_args`: the flag name (without
-    ``--`` and prefix), its help text and how it parses: kind is one of str | int | float |
-    opt_int | bool | csv (comma-separated tuple) | params (repeatable KEY=JSON -> dict) |
-    lines (repeatable string -> tuple) | ratio | tokens (the exclusive budget pair)."""
-    return {"flag": flag, "help": help, "kind": kind, **extra}
-
-
-def _knob(default: Any, flag: str, help: str, kind: str, **extra: Any) -> Any:
-    """A field with an immutable default and :func:`_meta` metadata."""
-    return field(default=default, metadata=_meta(flag, help, kind, **extra))
-
-
-@dataclass(frozen=True)
-class QueryConfig:
-    """Which reference-query sources to use and how many queries to keep (``compactor.queries``).
-
-    Attributes:
-        sources: names from ``QUERY_SOURCES``.
-        max_queries_per_head: reservoir cap on n for each source, then on the total.
-        self_study_tokens: tokens generated per self-study prompt.
-        self_study_prompts: the prompts (one generation each).
-        temperature: 0 = greedy self-study answers, else sampling with `seed`.
-        random_count: n for the ``random`` source.
-        follow_up_answer_tokens: greedy answer tokens generated (on the full prefix) after
-            each follow-up and kept in its continuation; 0 = the follow-ups alone.
-        seed: seeds the reservoirs, random queries and sampling.
-    Raises SpecError (a ValueError naming the field) when built with a bad value.
-    """
-
-    sources: tuple[str, ...] = _knob(
-        ("repeat-prefill", "self-study"),
-        "query-sources",
-        f"comma-separated reference-query sources ({', '.join(QUERY_SOURCES)})",
-        "csv",
-    )
-    max_queries_per_head: int = _knob(
-        2048, "max-queries", "reservoir cap of queries per KV head", "int"
-    )
-    self_study_tokens: int = _knob(
-        24, "self-study-tokens", "tokens generated per self-study prompt", "int"
-    )
-    self_study_prompts: tuple[str, ...] = _knob(
-        SELF_STUDY_PROMPTS,
-        "self-study-prompt",
-        "a self-study prompt (repeatable; replaces the four built-in prompts)",
-        "lines",
-    )
-    temperature: float = _knob(
-        0.0, "self-study-temperature", "0 = greedy self-study answers, else sampled", "float"
-    )
-    random_count: int = _knob(256, "random-queries", "queries drawn by the random source", "int")
-    follow_up_answer_tokens: int = _knob(
-        0,
-        "follow-up-answer-tokens",
-        "append the model's greedy answer (this many tokens) to each follow-up query text",
-        "int",
-    )
-    seed: int = _knob(
-        0, "query-seed", "seed of the query reservoirs, random queries, sampling", "int"
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("sources", "self_study_prompts"):  # lists (JSON, argparse) -> tuples
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise SpecError naming the first bad field (``queries.<name>``)."""
-        if isinstance(self.sources, str) or not isinstance(self.sources, Sequence):
-            raise SpecError(
-                f"QueryConfig.sources must be a list of names, got {self.sources!r}",
-                "queries.sources",
-            )
-        if not self.sources:
-            raise SpecError("QueryConfig.sources is empty", "queries.sources")
-        for s in self.sources:
-            if s not in QUERY_SOURCES:
-                raise SpecError(
-                    f"unknown query source {s!r}; choose from {', '.join(QUERY_SOURCES)}",
-                    "queries.sources",
-                )
-        for name in ("max_queries_per_head", "self_study_tokens", "random_count"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise SpecError(
-                    f"QueryConfig.{name} must be >= 1, got {value!r}", f"queries.{name}"
-                )
-        prompts = self.self_study_prompts
-        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise SpecError(
-                f"QueryConfig.self_study_prompts must be non-empty strings, got {prompts!r}",
-                "queries.self_study_prompts",
-            )
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise SpecError(
-                f"QueryConfig.temperature must be >= 0, got {self.temperature!r}",
-                "queries.temperature",
-            )
-        if not _is_int(self.follow_up_answer_tokens) or self.follow_up_answer_tokens < 0:
-            raise SpecError(
-                "QueryConfig.follow_up_answer_tokens must be >= 0, got "
-                f"{self.follow_up_answer_tokens!r}",
-                "queries.follow_up_answer_tokens",
-            )
-        if not _is_int(self.seed):
-            raise SpecError(f"QueryConfig.seed must be an int, got {self.seed!r}", "queries.seed")
-
-
 @dataclass(frozen=True)
 class CompactionSpec:
     """Everything that decides what one compaction computes (the prefix and follow-ups aside).
@@ -229,16 +96,14 @@ class CompactionSpec:
             sensitivity-curves JSON path (see ``compactor.budgets``).
     """
 
-    method: str = _knob("am-omp-fast", "method", "registered compaction method name", "str")
+    method: str = knob("am-omp-fast", "method", "registered compaction method name", "str")
     method_params: dict[str, Any] = field(
         default_factory=dict,
-        metadata=_meta(
-            "param", "method hyper-parameter (repeatable)", "params", metavar="KEY=JSON"
-        ),
+        metadata=meta("param", "method hyper-parameter (repeatable)", "params", metavar="KEY=JSON"),
     )
-    ratio: float | None = _knob(None, "ratio", "kept fraction per KV head, e.g. 0.1", "ratio")
-    tokens: int | None = _knob(None, "tokens", "kept entries per KV head", "tokens")
-    target_error: float | None = _knob(
+    ratio: float | None = knob(None, "ratio", "kept fraction per KV head, e.g. 0.1", "ratio")
+    tokens: int | None = knob(None, "tokens", "kept entries per KV head", "tokens")
+    target_error: float | None = knob(
         None,
         "target-error",
         "choose the ratio by measured error: the smallest of "
@@ -247,18 +112,18 @@ class CompactionSpec:
         "float",
     )
     queries: QueryConfig = field(
-        default_factory=QueryConfig, metadata=_meta("", "reference queries", "group")
+        default_factory=QueryConfig, metadata=meta("", "reference queries", "group")
     )
-    on_policy: bool = _knob(
+    on_policy: bool = knob(
         False, "on-policy", "draw layer l's queries with layers < l compacted", "bool"
     )
-    keep_sink_tokens: int = _knob(
+    keep_sink_tokens: int = knob(
         4, "keep-sink-tokens", "first tokens kept uncompacted (beta 0)", "int"
     )
-    chunk_size: int | None = _knob(
+    chunk_size: int | None = knob(
         None, "chunk-size", "compact the KV in chunks of this many tokens", "opt_int"
     )
-    head_budgets: str = _knob(
+    head_budgets: str = knob(
         "uniform",
         "head-budgets",
         "per-head budgets: uniform; auto = the model's sensitivity curves (made by "
@@ -291,10 +156,10 @@ class CompactionSpec:
         except (TypeError, ValueError) as exc:
             raise SpecError(f"method_params is not JSON-able: {exc}", "method_params") from None
         if self.ratio is not None and not (
-            _is_number(self.ratio) and math.isfinite(self.ratio) and 0 < self.ratio <= 1
+            is_number(self.ratio) and math.isfinite(self.ratio) and 0 < self.ratio <= 1
         ):
             raise SpecError(f"ratio must be in (0, 1], got {self.ratio!r}", "ratio")
-        if self.tokens is not None and not (_is_int(self.tokens) and self.tokens >= 1):
+        if self.tokens is not None and not (is_int(self.tokens) and self.tokens >= 1):
             raise SpecError(f"tokens must be an int >= 1, got {self.tokens!r}", "tokens")
         if self.ratio is not None and self.tokens is not None:
             raise SpecError(
@@ -302,7 +167,7 @@ class CompactionSpec:
             )
         if self.target_error is not None:
             te = self.target_error
-            if not (_is_number(te) and math.isfinite(te) and te > 0):
+            if not (is_number(te) and math.isfinite(te) and te > 0):
                 raise SpecError(f"target_error must be a number > 0, got {te!r}", "target_error")
             if self.tokens is not None:
                 raise SpecError(
@@ -315,11 +180,11 @@ class CompactionSpec:
         self.queries.validate()
         if not isinstance(self.on_policy, bool):
             raise SpecError(f"on_policy must be true or false, got {self.on_policy!r}", "on_policy")
-        if not _is_int(self.keep_sink_tokens) or self.keep_sink_tokens < 0:
+        if not is_int(self.keep_sink_tokens) or self.keep_sink_tokens < 0:
             raise SpecError(
                 f"keep_sink_tokens must be >= 0, got {self.keep_sink_tokens!r}", "keep_sink_tokens"
             )
-        if self.chunk_size is not None and not (_is_int(self.chunk_size) and self.chunk_size >= 1):
+        if self.chunk_size is not None and not (is_int(self.chunk_size) and self.chunk_size >= 1):
             raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size!r}", "chunk_size")
         if not isinstance(self.head_budgets, str) or not self.head_budgets:
             raise SpecError(
