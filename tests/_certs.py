@@ -18,6 +18,7 @@ def make_certs(d: Path, names: tuple[str, ...] = ("server", "client", "client-b"
     """`d`/ca.pem (+ ca.key) and, per name, NAME.pem + NAME.key signed by it; returns `d`."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not found (needed to generate test certificates)")
+    d.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
              "/CN=test-ca", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)  # fmt: skip
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
