@@ -65,7 +65,9 @@ class ManagedProcess:
 
     A port picked here (`port=0`) is free when picked but can be taken before the server binds
     it (an outgoing connection of another process draws from the same ephemeral range); a
-    process that exits saying so is spawned again on a new port, up to `BIND_ATTEMPTS` times.
+    process that says so in its log is stopped and spawned again on a new port, up to
+    `BIND_ATTEMPTS` times. It need not exit first: SGLang's HTTP server logs the failed bind
+    and then hangs in shutdown while its scheduler lives on.
     """
 
     BIND_ATTEMPTS = 3
@@ -167,16 +169,16 @@ class ManagedProcess:
         deadline = time.monotonic() + self.startup_timeout
         attempts = 1
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                if self._lost_port_race() and attempts < self.BIND_ATTEMPTS:
-                    attempts += 1
-                    self.stop()  # whatever the leader left behind
-                    self.spawn()  # a fresh port; the log restarts
-                    continue
-                raise ServerStartError(
-                    f"{name} exited with code {self._proc.returncode}; log tail:\n"
-                    + self.log_tail()
-                )
+            lost_port = self._lost_port_race()
+            if lost_port and attempts < self.BIND_ATTEMPTS:
+                attempts += 1
+                self.stop()  # the leader and whatever it started
+                self.spawn()  # a fresh port; the log restarts
+                continue
+            code = self._proc.poll()
+            if code is not None or lost_port:
+                why = f"exited with code {code}" if code is not None else "could not bind"
+                raise ServerStartError(f"{name} {why}; log tail:\n" + self.log_tail())
             if self._ready():
                 return
             time.sleep(1.0)

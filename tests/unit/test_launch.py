@@ -18,6 +18,8 @@ try:
     s.bind(("127.0.0.1", int(sys.argv[1])))
 except OSError as exc:
     print(f"ERROR: {exc.strerror}", flush=True)  # 'Address already in use', as uvicorn says
+    if sys.argv[2] == "hang":  # as SGLang does: its scheduler keeps the process alive
+        time.sleep(60)
     sys.exit(1)
 s.listen()
 print("listening", flush=True)
@@ -33,9 +35,10 @@ class _Binder(launch.ManagedProcess):
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     _proc: object = None
+    after_error: str = "exit"  # or "hang"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-c", _SERVE, str(self.port)]
+        return [sys.executable, "-c", _SERVE, str(self.port), self.after_error]
 
     def _ready(self) -> bool:  # its own line, not a connect (the holder would answer that)
         return "listening" in self.log_tail()
@@ -55,9 +58,12 @@ def _taken_ports(monkeypatch: pytest.MonkeyPatch, count: int) -> list[socket.soc
     return holders
 
 
-def test_a_port_taken_before_the_bind_is_replaced(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("after_error", ["exit", "hang"])
+def test_a_port_taken_before_the_bind_is_replaced(
+    tmp_path: Path, monkeypatch, after_error: str
+) -> None:
     holders = _taken_ports(monkeypatch, 1)
-    with _Binder(log_path=tmp_path / "log") as proc:
+    with _Binder(log_path=tmp_path / "log", after_error=after_error) as proc:
         assert proc.port != holders[0].getsockname()[1]
         with socket.socket() as probe, pytest.raises(OSError):  # the child holds the new port
             probe.bind(("127.0.0.1", proc.port))
@@ -65,9 +71,12 @@ def test_a_port_taken_before_the_bind_is_replaced(tmp_path: Path, monkeypatch) -
         s.close()
 
 
-def test_it_gives_up_after_the_attempts_and_shows_the_log(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("after_error", ["exit", "hang"])
+def test_it_gives_up_after_the_attempts_and_shows_the_log(
+    tmp_path: Path, monkeypatch, after_error: str
+) -> None:
     holders = _taken_ports(monkeypatch, launch.ManagedProcess.BIND_ATTEMPTS)
-    proc = _Binder(log_path=tmp_path / "log")
+    proc = _Binder(log_path=tmp_path / "log", after_error=after_error)
     with pytest.raises(launch.ServerStartError, match="Address already in use"):
         proc.start()
     proc.stop()
