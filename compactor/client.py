@@ -23,10 +23,10 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
@@ -41,6 +41,8 @@ from compactor.types import CompactedPrefix, dtype_name
 __all__ = ["AsyncCompactorClient", "CompactResult", "CompactorClient", "RetryPolicy", "TlsFiles"]
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+R = TypeVar("R")  # what a compaction call returns: CompactResult or an awaitable of one
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,11 @@ class CompactResult:
         }
 
 
-class _Base:
+class _Base(Generic[R]):
+    """What both clients share; R is what a compaction call returns (a CompactResult, or
+    an awaitable of one).
+    """
+
     def __init__(
         self,
         endpoint: str,
@@ -127,6 +133,51 @@ class _Base:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+
+    def compact(
+        self,
+        token_ids: Sequence[int],
+        model_fingerprint: str,
+        spec: CompactionSpec,
+        follow_ups: Sequence[Sequence[int]] = (),
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        kv_dtype: torch.dtype | str | None = None,
+        max_result_bytes: int | None = None,
+        fit_round: int = 0,
+    ) -> R:
+        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32);
+        `fit_round` n > 0 asks for the n-th refit (not the cached first fit). The async
+        client returns an awaitable (the request is built, and checked, at the call).
+
+        Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
+        ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
+        float32 / float16 / bfloat16).
+        """
+        req = compact_request(
+            token_ids,
+            model_fingerprint,
+            spec,
+            follow_ups,
+            request_id or uuid.uuid4().hex,
+            kv_dtype,
+            fit_round,
+        )
+        return self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
+
+    def compact_request(
+        self,
+        req: pb.CompactRequest,
+        timeout: float | None = None,
+        max_result_bytes: int | None = None,
+    ) -> R:
+        """Send `req`; retries UNAVAILABLE within `timeout` (see :meth:`compact`)."""
+        return self._send(req, timeout, max_result_bytes)
+
+    def _send(self, req: pb.CompactRequest, timeout: float | None, cap: int | None) -> R:
+        """:meth:`compact_request` (each client's own: blocking or asyncio)."""
+        raise NotImplementedError
 
     def _result(
         self, asm: Assembler, req: pb.CompactRequest, t0: float, attempts: int
@@ -149,19 +200,8 @@ class _Base:
             stage_seconds=dict(tr.stage_seconds),
         )
 
-    def _retry_delay(
-        self, err: grpc.RpcError, attempt: int, deadline: float | None
-    ) -> float | None:
-        """Seconds to wait before the next attempt, or None to give up."""
-        if err.code() not in _RETRYABLE or attempt + 1 >= self.retry.attempts:
-            return None
-        delay = self.retry.delay(attempt)
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            return None
-        return delay
 
-
-class CompactorClient(_Base):
+class CompactorClient(_Base[CompactResult]):
     """Blocking client (a context manager; one channel)."""
 
     def __init__(self, endpoint: str, **kwargs: Any) -> None:
@@ -192,68 +232,26 @@ class CompactorClient(_Base):
         )
         return list(resp.methods)
 
-    def compact(
-        self,
-        token_ids: Sequence[int],
-        model_fingerprint: str,
-        spec: CompactionSpec,
-        follow_ups: Sequence[Sequence[int]] = (),
-        *,
-        timeout: float | None = None,
-        request_id: str | None = None,
-        kv_dtype: torch.dtype | str | None = None,
-        max_result_bytes: int | None = None,
-        fit_round: int = 0,
+    def _send(
+        self, req: pb.CompactRequest, timeout: float | None, cap: int | None
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32);
-        `fit_round` n > 0 asks for the n-th refit (not the cached first fit).
-
-        Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
-        ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
-        float32 / float16 / bfloat16).
-        """
-        req = compact_request(
-            token_ids,
-            model_fingerprint,
-            spec,
-            follow_ups,
-            request_id or uuid.uuid4().hex,
-            kv_dtype,
-            fit_round,
-        )
-        return self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
-
-    def compact_request(
-        self,
-        req: pb.CompactRequest,
-        timeout: float | None = None,
-        max_result_bytes: int | None = None,
-    ) -> CompactResult:
-        """Send `req`; retries UNAVAILABLE within `timeout` (see :meth:`compact`)."""
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        attempt = 0
+        tries = _Tries(self.retry, timeout)
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            asm = Assembler(max_result_bytes)
+            asm = Assembler(cap)
             try:
-                call = self.stub.Compact(req, timeout=left, metadata=self.metadata)
+                call = self.stub.Compact(req, timeout=tries.left(), metadata=self.metadata)
                 try:
                     for msg in call:
                         asm.add(msg)
                 except ChecksumError:
                     call.cancel()  # stop receiving: nothing more of this stream is wanted
                     raise
-                return self._result(asm, req, t0, attempt + 1)
+                return self._result(asm, req, tries.t0, tries.attempt + 1)
             except grpc.RpcError as err:
-                delay = self._retry_delay(err, attempt, deadline)
-                if delay is None:
-                    raise
-                time.sleep(delay)
-                attempt += 1
+                time.sleep(tries.backoff(err))
 
 
-class AsyncCompactorClient(_Base):
+class AsyncCompactorClient(_Base[Awaitable[CompactResult]]):
     """asyncio client (grpc.aio); use ``async with``."""
 
     def __init__(self, endpoint: str, **kwargs: Any) -> None:
@@ -284,62 +282,47 @@ class AsyncCompactorClient(_Base):
         )
         return list(resp.methods)
 
-    async def compact(
-        self,
-        token_ids: Sequence[int],
-        model_fingerprint: str,
-        spec: CompactionSpec,
-        follow_ups: Sequence[Sequence[int]] = (),
-        *,
-        timeout: float | None = None,
-        request_id: str | None = None,
-        kv_dtype: torch.dtype | str | None = None,
-        max_result_bytes: int | None = None,
-        fit_round: int = 0,
+    async def _send(
+        self, req: pb.CompactRequest, timeout: float | None, cap: int | None
     ) -> CompactResult:
-        """Compact `token_ids` as `spec` says, keys/values in `kv_dtype` (None = float32);
-        `fit_round` n > 0 asks for the n-th refit (not the cached first fit).
-
-        Raises grpc.RpcError, ResultTooLarge (over `max_result_bytes`, the call cancelled),
-        ChecksumError (a corrupt stream) or ValueError (an invalid result, or `kv_dtype` not
-        float32 / float16 / bfloat16).
-        """
-        req = compact_request(
-            token_ids,
-            model_fingerprint,
-            spec,
-            follow_ups,
-            request_id or uuid.uuid4().hex,
-            kv_dtype,
-            fit_round,
-        )
-        return await self.compact_request(req, timeout=timeout, max_result_bytes=max_result_bytes)
-
-    async def compact_request(
-        self,
-        req: pb.CompactRequest,
-        timeout: float | None = None,
-        max_result_bytes: int | None = None,
-    ) -> CompactResult:
-        """Send `req`; retries UNAVAILABLE within `timeout` (see :meth:`compact`)."""
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        attempt = 0
+        tries = _Tries(self.retry, timeout)
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            asm = Assembler(max_result_bytes)
+            asm = Assembler(cap)
             try:
-                call = self.stub.Compact(req, timeout=left, metadata=self.metadata)
+                call = self.stub.Compact(req, timeout=tries.left(), metadata=self.metadata)
                 try:
                     async for msg in call:
                         asm.add(msg)
                 except ChecksumError:
                     call.cancel()  # stop receiving: nothing more of this stream is wanted
                     raise
-                return await asyncio.to_thread(self._result, asm, req, t0, attempt + 1)
+                return await asyncio.to_thread(self._result, asm, req, tries.t0, tries.attempt + 1)
             except grpc.RpcError as err:
-                delay = self._retry_delay(err, attempt, deadline)
-                if delay is None:
-                    raise
-                await asyncio.sleep(delay)
-                attempt += 1
+                await asyncio.sleep(tries.backoff(err))
+
+
+class _Tries:
+    """The attempts of one compaction call: its clock, its deadline (`timeout` seconds from
+    now; None: none) and how many attempts failed so far."""
+
+    def __init__(self, retry: RetryPolicy, timeout: float | None) -> None:
+        self.retry = retry
+        self.t0 = time.perf_counter()
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
+        self.attempt = 0
+
+    def left(self) -> float | None:
+        """Seconds left for the next attempt (None: no deadline)."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def backoff(self, err: grpc.RpcError) -> float:
+        """Seconds to wait before retrying after `err`; counts the failed attempt. Raises
+        `err` when it is not retryable, no attempt is left or the wait would pass the
+        deadline."""
+        if err.code() not in _RETRYABLE or self.attempt + 1 >= self.retry.attempts:
+            raise err
+        delay = self.retry.delay(self.attempt)
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            raise err
+        self.attempt += 1
+        return delay

@@ -6,18 +6,27 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-__all__ = ["SpecError", "is_int", "is_number", "knob", "meta"]
+__all__ = ["LabelledError", "SpecError", "is_int", "is_number", "knob", "meta"]
 
 
-class SpecError(ValueError):
-    """A bad spec value; `field` is the dotted path of the knob (``"queries.sources"``)."""
+class LabelledError(ValueError):
+    """A ValueError about one named thing, its `label` ("" if none); picklable (message,
+    label), so that it crosses process boundaries whole."""
 
-    def __init__(self, message: str, field: str = "") -> None:
+    def __init__(self, message: str, label: str = "") -> None:
         super().__init__(message)
-        self.field = field
+        self.label = label
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.field))
+        return (type(self), (str(self), self.label))
+
+
+class SpecError(LabelledError):
+    """A bad spec value; `field` is the dotted path of the knob (``"queries.sources"``)."""
+
+    @property
+    def field(self) -> str:
+        return self.label
 
 
 def is_int(x: Any) -> bool:

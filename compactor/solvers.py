@@ -51,13 +51,7 @@ def nnls(
     Returns:
         w: [k] or [B, k], dtype of A promoted to at least fp32.
     """
-    batched = A.dim() == 3
-    if not batched:
-        A, b = A.unsqueeze(0), b.unsqueeze(0)
-        if mask is not None:
-            mask = mask.unsqueeze(0)
-    if A.dim() != 3 or b.dim() != 2 or b.shape != A.shape[:2]:
-        raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
+    A, b, mask, batched = _as_batch(A, b, mask)
     dt = torch.promote_types(A.dtype, torch.float32)
     A, b = A.to(dt), b.to(dt)
     if rounds is not None and A.shape[1] < A.shape[2]:
@@ -121,8 +115,7 @@ def nnls_gram(
     if mask is not None:
         m = mask.to(torch.bool)
         zero = G.new_zeros(())
-        both = m.unsqueeze(1) & m.unsqueeze(2)
-        G = torch.where(both, G, zero) + torch.diag_embed((~m).to(dt))
+        G = _mask_gram(G, m) + torch.diag_embed((~m).to(dt))
         c = torch.where(m, c, zero)
         lo = torch.where(m, lo, zero)
         hi = torch.where(m, hi, zero)
@@ -162,12 +155,7 @@ def nnls_projected(
     counted as 1, as in :func:`nnls`. With m < k the least squares and the steps go
     through the data (fp64 [m, m] kernel system), never forming A'A.
     """
-    batched = A.dim() == 3
-    if not batched:
-        A, b = A.unsqueeze(0), b.unsqueeze(0)
-        mask = None if mask is None else mask.unsqueeze(0)
-    if A.dim() != 3 or b.dim() != 2 or b.shape != A.shape[:2]:
-        raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
+    A, b, mask, batched = _as_batch(A, b, mask)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"nnls_projected: iters must be an int >= 0, got {iters!r}")
     dt = torch.promote_types(A.dtype, torch.float32)
@@ -264,8 +252,7 @@ def lstsq_values(
     if mask is not None:
         m = mask.to(torch.bool)
         zero = G.new_zeros(())
-        both = m.unsqueeze(1) & m.unsqueeze(2)
-        G = torch.where(both, G, zero)
+        G = _mask_gram(G, m)
         R = torch.where(m.unsqueeze(-1), R, zero)
         diag_mean = torch.diagonal(G, dim1=1, dim2=2).sum(-1) / m.sum(-1).clamp_min(1)
     else:
@@ -354,3 +341,23 @@ def _solve_spd(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     else:
         X = torch.linalg.lstsq(G, rhs).solution
     return X.squeeze(-1) if vec else X
+
+
+def _as_batch(
+    A: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """``(A [B, m, k], b [B, m], mask [B, k] | None, batched)``: a single problem
+    (A [m, k], b [m], mask [k]) as a batch of one; ValueError when A and b do not match."""
+    batched = A.dim() == 3
+    if not batched:
+        A, b = A.unsqueeze(0), b.unsqueeze(0)
+        mask = None if mask is None else mask.unsqueeze(0)
+    if A.dim() != 3 or b.dim() != 2 or b.shape != A.shape[:2]:
+        raise ValueError(f"nnls: A {tuple(A.shape)} and b {tuple(b.shape)} do not match")
+    return A, b, mask, batched
+
+
+def _mask_gram(G: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """G [B, k, k] with the rows and columns of padded entries (mask [B, k] bool False)
+    zeroed (a new tensor)."""
+    return torch.where(mask.unsqueeze(1) & mask.unsqueeze(2), G, G.new_zeros(()))

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from compactor.knobs import LabelledError
 from compactor.spec import CompactionSpec, SpecError, spec_fields
 
 __all__ = [
@@ -39,15 +40,12 @@ __all__ = [
 ]
 
 
-class UsageError(ValueError):
+class UsageError(LabelledError):
     """A bad command-line value (the CLI exits 2); `flag` names its option ("" if none)."""
 
-    def __init__(self, message: str, flag: str = "") -> None:
-        super().__init__(message)
-        self.flag = flag
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.flag))
+    @property
+    def flag(self) -> str:
+        return self.label
 
     def with_flag(self) -> str:
         """``"--flag: message"`` (the message alone when no flag is known)."""

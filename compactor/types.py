@@ -21,17 +21,21 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["FORMAT_VERSION", "CompactedLayer", "CompactedPrefix", "prefix_hash"]
 
 FORMAT_VERSION = 1
 _META_KEY = "compactor"
+_D = TypeVar("_D", bound="DataclassInstance")
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -56,6 +60,16 @@ def dtype_name(dtype: torch.dtype) -> str:
         if dt == dtype:
             return name
     raise ValueError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
+
+
+def tensors_to(obj: _D, device: torch.device | str, names: Sequence[str]) -> _D:
+    """The frozen dataclass ``obj`` with its tensor fields ``names`` on ``device`` (None
+    stays None), or ``obj`` itself when they all are there already. Mutates nothing."""
+    dev = torch.device(device)
+    ts = {n: getattr(obj, n) for n in names}
+    if all(t is None or t.device == dev for t in ts.values()):
+        return obj
+    return replace(obj, **{n: None if t is None else t.to(dev) for n, t in ts.items()})
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -102,14 +116,7 @@ class CompactedLayer:
 
     def to(self, device: torch.device | str) -> CompactedLayer:
         """The same layer with every tensor on ``device`` (self when already there)."""
-        dev = torch.device(device)
-        ts = (self.keys, self.values, self.beta, self.indptr, self.kept_indices)
-        if all(t is None or t.device == dev for t in ts):
-            return self
-        ki = None if self.kept_indices is None else self.kept_indices.to(dev)
-        return CompactedLayer(
-            self.keys.to(dev), self.values.to(dev), self.beta.to(dev), self.indptr.to(dev), ki
-        )
+        return tensors_to(self, device, ("keys", "values", "beta", "indptr", "kept_indices"))
 
     def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys [t_h, D], values [t_h, D], beta [t_h]) of KV head h (views)."""

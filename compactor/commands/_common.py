@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compactor.spec_args import UsageError
+
+if TYPE_CHECKING:
+    from compactor.spec import CompactionSpec
 
 __all__ = [
     "UsageError",
     "add_model_args",
     "add_progress_arg",
+    "check_head_budgets",
     "encode",
-    "head_budget_error",
     "load",
     "parse_floats",
+    "read_lines",
     "require_file",
 ]
 
@@ -50,17 +54,22 @@ def require_file(path: str | Path | None, flag: str) -> Path:
     return Path(path)
 
 
-def head_budget_error(spec: str, model: Any, methods: list[str]) -> str | None:
-    """Why head budgets `spec` cannot be used with `model` and each method name (None when
-    they can)."""
+def read_lines(path: str | Path | None, flag: str) -> list[str]:
+    """The non-blank lines of the UTF-8 text file `path` (UsageError naming `flag` when it
+    is not a readable file)."""
+    text = require_file(path, flag).read_text(encoding="utf-8")
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def check_head_budgets(model: Any, spec: CompactionSpec, label: str = "") -> None:
+    """UsageError (--head-budgets, its message after ``label: `` when given) when the
+    spec's head budgets cannot be used with `model` and the spec's method."""
     from compactor.pipeline import head_budget_curves
 
-    for name in methods:
-        try:
-            head_budget_curves(model, name, spec)
-        except ValueError as exc:
-            return str(exc)
-    return None
+    try:
+        head_budget_curves(model, spec.method, spec.head_budgets)
+    except ValueError as exc:
+        raise UsageError(f"{label}: {exc}" if label else str(exc), "--head-budgets") from None
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:

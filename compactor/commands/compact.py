@@ -6,12 +6,12 @@ import argparse
 import json
 
 from compactor.commands._common import (
-    UsageError,
     add_model_args,
     add_progress_arg,
+    check_head_budgets,
     encode,
-    head_budget_error,
     load,
+    read_lines,
     require_file,
 )
 from compactor.spec_args import add_spec_args, spec_from_args
@@ -39,14 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)  # every argument is checked before the model loads
     text = require_file(args.input, "--input").read_text(encoding="utf-8")
-    lines = None
-    if args.follow_ups:
-        follow_text = require_file(args.follow_ups, "--follow-ups").read_text(encoding="utf-8")
-        lines = [ln for ln in follow_text.splitlines() if ln.strip()]
+    lines = read_lines(args.follow_ups, "--follow-ups") if args.follow_ups else None
     model, tok = load(args)
-    err = head_budget_error(spec.head_budgets, model, [spec.method])
-    if err:
-        raise UsageError(err, "--head-budgets")
+    check_head_budgets(model, spec)
     ids = encode(tok, text)
     follow = [encode(tok, "\n\n" + ln) for ln in lines] if lines is not None else None
     prefix, times = compact_prefix(

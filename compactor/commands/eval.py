@@ -9,10 +9,11 @@ from compactor.commands._common import (
     UsageError,
     add_model_args,
     add_progress_arg,
+    check_head_budgets,
     encode,
-    head_budget_error,
     load,
     parse_floats,
+    read_lines,
     require_file,
 )
 from compactor.spec import CompactionSpec
@@ -91,19 +92,13 @@ def run(args: argparse.Namespace) -> int:
     questions = require_file(args.questions, "--questions") if args.questions else None
     model, tok = load(args)
     for m, spec in swept:
-        err = head_budget_error(spec.head_budgets, model, [spec.method])
-        if err:
-            raise UsageError(f"{m}: {err}", "--head-budgets")
+        check_head_budgets(model, spec, m)
     if args.niah is not None:
         cases = make_niah_cases(tok, args.niah, args.niah_tokens)
     else:
         qs: tuple[str, ...] = DEFAULT_QUESTIONS
         if questions is not None:
-            qs = tuple(
-                "\n\n" + ln
-                for ln in questions.read_text(encoding="utf-8").splitlines()
-                if ln.strip()
-            )
+            qs = tuple("\n\n" + ln for ln in read_lines(questions, "--questions"))
         cases = [EvalCase(Path(args.input).name, encode(tok, text), [encode(tok, q) for q in qs])]
     records = run_eval(
         model,

@@ -27,6 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from compactor.types import tensors_to
+
 __all__ = [
     "LayerBudgetPlanner",
     "LayerContext",
@@ -91,19 +93,7 @@ class LayerContext:
 
     def to(self, device: torch.device | str) -> LayerContext:
         """The same context with its tensors on ``device`` (self when they already are)."""
-        dev = torch.device(device)
-        ts = (self.hidden, self.q_weight, self.q_bias, self.inv_freq, self.last_query)
-        if all(t is None or t.device == dev for t in ts):
-            return self
-        bias = None if self.q_bias is None else self.q_bias.to(dev)
-        return dataclasses.replace(
-            self,
-            hidden=self.hidden.to(dev),
-            q_weight=self.q_weight.to(dev),
-            q_bias=bias,
-            inv_freq=self.inv_freq.to(dev),
-            last_query=self.last_query.to(dev),
-        )
+        return tensors_to(self, device, ("hidden", "q_weight", "q_bias", "inv_freq", "last_query"))
 
     def for_span(self, start: int, stop: int) -> LayerContext:
         """The same context for the keys of tokens [start, stop) (a chunk or the non-sinks)."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from compactor.methods.selection import Selection, pack_layer
-from compactor.solvers import NNLS_SOLVERS, lstsq_values, nnls, nnls_gram, nnls_projected
+from compactor.solvers import NNLS_SOLVERS, lstsq_values, nnls, nnls_projected
 from compactor.types import CompactedLayer
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "PG_ITERS",
     "Targets",
     "fit_beta_nnls",
-    "fit_beta_nnls_gram",
     "fit_layer_beta",
     "fit_layer_values",
     "reference_targets",
@@ -372,44 +371,17 @@ def fit_beta_nnls(
         raise ValueError(f"unknown NNLS solver {name!r}; expected one of {NNLS_SOLVERS}")
     if name == "projected":
         w = nnls_projected(A, mass, lower=lo, upper=hi, mask=mask, ridge=ridge, iters=PG_ITERS)
-        beta = torch.log(w.float())
-        return torch.where(mask, beta, beta.new_zeros(()))
-    w = nnls(
-        A,
-        mass,
-        lower=lo,
-        upper=hi,
-        mask=mask,
-        ridge=ridge,
-        rounds=rounds,
-        polish_rounds=polish_rounds,
-    )
-    beta = torch.log(w.float())
-    return torch.where(mask, beta, beta.new_zeros(()))
-
-
-def fit_beta_nnls_gram(
-    G: torch.Tensor,
-    c: torch.Tensor,
-    mask: torch.Tensor,
-    beta_bounds: tuple[float | None, float | None],
-    *,
-    ridge: float = 1e-6,
-    rounds: int | None = NNLS_ROUNDS,
-    polish_rounds: int | None = None,
-) -> torch.Tensor:
-    """As :func:`fit_beta_nnls` from the normal equations G [H, t, t] = A'A, c [H, t] = A'mass."""
-    lo, hi = _weight_bounds(beta_bounds)
-    w = nnls_gram(
-        G,
-        c,
-        lower=lo,
-        upper=hi,
-        mask=mask,
-        ridge=ridge,
-        rounds=rounds,
-        polish_rounds=polish_rounds,
-    )
+    else:
+        w = nnls(
+            A,
+            mass,
+            lower=lo,
+            upper=hi,
+            mask=mask,
+            ridge=ridge,
+            rounds=rounds,
+            polish_rounds=polish_rounds,
+        )
     beta = torch.log(w.float())
     return torch.where(mask, beta, beta.new_zeros(()))
 
