@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sglang_ext import ACTIVE_ENV
+from sglang_ext.adapter.hooks import ACTIVE_ENV
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry-point group for general plugins
 NO_PLUGIN = "none"  # an allow-list entry that names no installed plugin
@@ -52,7 +52,7 @@ def stock_plugins() -> str:
     """
     from importlib.metadata import entry_points
 
-    from sglang_ext import PLUGIN_NAME
+    from sglang_ext.adapter.hooks import PLUGIN_NAME
 
     others = sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)} - {PLUGIN_NAME})
     return ",".join(others) or NO_PLUGIN

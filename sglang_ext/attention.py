@@ -1,4 +1,4 @@
-"""The CPU biased path of `sglang_ext.wrapped_backend.CompactionBackend`: torch SDPA per request.
+"""The CPU biased path of `sglang_ext.adapter.wrapped_backend.CompactionBackend`: torch SDPA per request.
 
 A batch that touches a compacted prefix runs here on CPU (on CUDA it runs `sglang_ext.cascade`).
 A compacted request's KV row is the node's T entries (t_max physical slots, then T - t_max

@@ -1,11 +1,9 @@
 """The plugin's command-line flags and the `CompactionConfig` they build.
 
-The flags are added to SGLang's own parser (an AFTER hook on `ServerArgs.add_cli_args`) and
-read back after `ServerArgs.from_cli_args` (another AFTER hook), which stores the config on
-the record as the underscore attribute `_compaction_config`. ServerArgs pickles its
-underscore attributes to the scheduler process, where the radix-cache factory reads them.
-Giving `--compaction-endpoint` also selects this plugin's radix-cache and attention backends
-(`sglang_ext.server_args`); without it the record is left exactly as SGLang built it.
+`add_cli_args(parser)` adds the flags to an argparse parser (the adapter's hook gives it
+SGLang's own) and `config_from_namespace` reads them back (None without
+`--compaction-endpoint`). How the config reaches SGLang's scheduler, and what it selects
+there, is the adapter's (`sglang_ext.adapter.server_args`).
 """
 
 from __future__ import annotations
@@ -26,24 +24,17 @@ from sglang_ext.channel import add_channel_args, check_channel, token_from_env
 
 __all__ = [
     "ATTENTION_BACKEND",
-    "CONFIG_ATTR",
     "CPU_INNER_BACKEND",
-    "INNER_ATTR",
     "PLUGIN_SPEC",
     "RADIX_CACHE_BACKEND",
     "SPEC_PREFIX",
     "CompactionConfig",
     "add_cli_args",
     "config_from_namespace",
-    "get_config",
 ]
 
 RADIX_CACHE_BACKEND = "compaction"
 ATTENTION_BACKEND = "compaction"
-CONFIG_ATTR = "_compaction_config"
-# The user's --attention-backend that `compaction` wraps (None: SGLang's default for the model,
-# resolved in the scheduler); an underscore attribute of the record, so it reaches the scheduler.
-INNER_ATTR = "_compaction_inner_attention"
 # The backend `compaction` wraps on CPU when --attention-backend is unset (the engine this
 # project serves on there; SGLang's own CPU default would be intel_amx).
 CPU_INNER_BACKEND = "torch_native"
@@ -331,9 +322,3 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
     )
     check_channel(endpoint, **channel)
     return CompactionConfig(spec=spec, **settings, **channel)
-
-
-def get_config(server_args: Any) -> CompactionConfig | None:
-    """The config stored on a ServerArgs record (None: plugin inactive)."""
-    cfg = getattr(server_args, CONFIG_ATTR, None)
-    return cfg if isinstance(cfg, CompactionConfig) else None

@@ -9,8 +9,9 @@ of the slots get K = V = 0 and beta = -inf. The tree node keeps T entries: the t
 then T - t_max copies of `ALIAS_SLOT` (SGLang's padding slot 0), whose beta is -inf in every
 layer and head, so aliases hold positions without memory and are masked out.
 
-`BetaStore` is attached to the KV pool object (`kvcache.compaction_beta`), which both the
-radix cache (writer, scheduler) and the attention backend (reader, same process) hold.
+One `BetaStore` per KV pool is shared by the radix cache (writer, in the scheduler) and the
+attention backend (reader, same process); the adapter keeps it beside SGLang's pool
+(`sglang_ext.adapter.compacted_node.beta_store_of`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from compactor import CompactedPrefix
 __all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_layers"]
 
 ALIAS_SLOT = 0
-_ATTR = "compaction_beta"
 
 
 class BetaStore:
@@ -55,15 +55,10 @@ class BetaStore:
         self.alias_ready = False
 
     @classmethod
-    def for_pool(cls, kvcache: Any) -> BetaStore:
-        """The store attached to `kvcache`, created on first use (mutates `kvcache`)."""
-        store = getattr(kvcache, _ATTR, None)
-        if isinstance(store, cls):
-            return store
+    def of_pool(cls, kvcache: Any) -> BetaStore:
+        """A new store sized for the KV pool `kvcache` (its layers, slots and KV heads)."""
         k0 = kvcache.get_key_buffer(kvcache.start_layer)
-        store = cls(kvcache.layer_num, k0.shape[0], k0.shape[1], k0.device)
-        setattr(kvcache, _ATTR, store)
-        return store
+        return cls(kvcache.layer_num, k0.shape[0], k0.shape[1], k0.device)
 
     def enable_alias(self) -> None:
         """Mask the alias slot in every layer and head (done at the first install)."""

@@ -1,86 +1,99 @@
-"""How results become installed compacted prefixes (a mixin of `CompactionRadixCache`).
+"""The compacted-prefix state machine: results become installs, installs become nodes.
 
-At the scheduler's poll point (`poll_compactions`) finished jobs are taken from the runner:
-a job of an older epoch (submitted before a weight update) is dropped as `stale`, a failed
-one is counted (`invalid` for a ValueError: a checksum, shape, echo or magnitude check;
-`failures` otherwise) and the path may be retried; a result starts a `PendingInstall`
-(`sglang_ext.installer`) whose slots count as protected (SGLang's pool accounting stays
-exact while it is written) and whose layers are written `install_chunk_mb` (and about
-`install_step_ms`) at a time across
-iterations, then becomes a node; a refit (`fit_round` n > 0 of an installed prefix) takes the
-installed node's place at that moment (`_supersede`). Structure checks (`check_result`) run on the runner's
-thread, never the scheduler's.
+A compacted prefix is *pending* (a `PendingInstall`, `sglang_ext.installer`: t_max slots
+allocated and counted as protected while its layers are written `install_chunk_mb`, and
+about `install_step_ms`, at a time across iterations), then *installed* (a node new requests
+match; its original path is *retired*: freed once no request holds it), then *superseded*
+(a refit, `fit_round` n > 0, took its place), *dropped* (the served weights changed) or
+evicted. Superseded and dropped nodes no longer match and are freed, with what hangs below
+them, when their requests let go (`_reap`). A result that fails a check or a write frees its
+slots: the prefix stays uncompacted (or the installed fit keeps serving).
 
-With tensor parallelism (`tp` set: `sglang_ext.tp.TpSync`) the ranks agree at each poll on
-what starts, becomes a node or is dropped; each writes its own KV-head slice in between.
-
-`on_weights_updated` (called by the plugin's hooks on SGLang's `update_weights_*`) drops
-every compacted prefix (unmatchable at once, freed when their requests let go), pending
-installs and results in flight, and sets the fingerprint results must carry from then on.
+`InstallLifecycle` holds that state and runs the transitions at the scheduler's poll point
+(`poll`); structure checks (`check_result`) run on the runner's thread. It reaches the tree
+only through `TreeOps` (`sglang_ext.prefix_tree`), which the adapter implements over SGLang's
+radix cache. With tensor parallelism the TP strategy (`tp`: `sglang_ext.tp.TpSync`) makes the
+ranks agree at each poll on what starts, becomes a node or is dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Generic
 
 import torch
-from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from compactor.types import CompactedPrefix, prefix_hash
-from sglang_ext.compacted_node import compaction_info, new_compacted_node
-from sglang_ext.installer import PendingInstall, original_bounds
-from sglang_ext.kv_store import head_counts
+from sglang_ext.guard import HookGuard
+from sglang_ext.installer import PendingInstall, budget_of, fmt, original_bounds
+from sglang_ext.kv_store import BetaStore, head_counts
+from sglang_ext.metrics import CompactionStats, PrometheusExporter
+from sglang_ext.prefix_tree import CompactionInfo, N, TreeOps
+from sglang_ext.trigger import CompactionTrigger
 
 if TYPE_CHECKING:
     from sglang_ext.compactors import PoolShape
     from sglang_ext.config import CompactionConfig
-    from sglang_ext.guard import HookGuard
-    from sglang_ext.kv_store import BetaStore
-    from sglang_ext.metrics import CompactionStats
     from sglang_ext.tp import TpSync
-    from sglang_ext.trigger import CompactionTrigger
 
-__all__ = ["InstallLifecycle", "budget_of"]
+__all__ = ["InstallLifecycle"]
 
-logger = logging.getLogger("sglang_ext.radix_cache")
+logger = logging.getLogger("sglang_ext.lifecycle")
 
 
-class InstallLifecycle:
-    """Result intake, chunked installs and weight updates of `CompactionRadixCache`."""
+class InstallLifecycle(Generic[N]):
+    """The compacted prefixes of one KV pool and their transitions (module docstring).
 
-    tp: TpSync | None = None  # set by the factory when --tp-size > 1
+    Args:
+        tree: the tree the prefixes hang in. kvcache: the KV pool it indexes (duck-typed:
+            `get_key_buffer`, `start_layer`, `layer_num`), written with its `beta_store`.
+        pool_shape: what results must fit. runner: the `CompactionRunner` (None: installs
+            only through `install`). exporter: Prometheus series of `stats` (None: none).
+        tp: the TP agreement strategy (None: one rank decides alone).
+    """
 
-    if TYPE_CHECKING:  # what the cache (and SGLang's RadixCache under it) provides
-        config: CompactionConfig
-        fingerprint: str | None
-        runner: Any
-        stats: CompactionStats
-        trigger: CompactionTrigger
-        guard: HookGuard  # its breaker calls `trip`
-        kvcache: Any
-        pool_shape: PoolShape
-        beta_store: BetaStore
-        root_node: TreeNode
-        token_to_kv_pool_allocator: Any
-        evictable_size_: int
-        protected_size_: int
-        _compacted: dict[str, TreeNode]
-        _dropped: dict[str, TreeNode]
-        _superseded: set[TreeNode]
-        _pending: list[PendingInstall]
-        _retired: set[TreeNode]
+    def __init__(
+        self,
+        tree: TreeOps[N],
+        config: CompactionConfig,
+        fingerprint: str | None,
+        kvcache: Any,
+        beta_store: BetaStore,
+        pool_shape: PoolShape,
+        runner: Any = None,
+        exporter: PrometheusExporter | None = None,
+        tp: TpSync | None = None,
+    ):
+        self.tree, self.config, self.fingerprint = tree, config, fingerprint
+        self.kvcache, self.beta_store, self.pool_shape = kvcache, beta_store, pool_shape
+        self.runner, self.exporter, self.tp = runner, exporter, tp
+        self.stats = CompactionStats()
+        self.trigger = CompactionTrigger(config)
+        self.guard = HookGuard(self.trip)  # its breaker calls `trip`
+        self.pending: list[PendingInstall] = []
+        self._compacted: dict[str, N] = {}  # installed, by prefix hash
+        self._superseded: set[N] = set()  # replaced by a refit, freed when unlocked
+        self._dropped: dict[str, N] = {}  # compacted for old weights, freed when unlocked
+        self._retired: set[N] = set()  # original paths, freed when unlocked leaves
+        if runner is not None:
+            runner.check = self.check_result
 
-        def _alloc(self, n: int) -> torch.Tensor: ...
-        def _reap(self) -> None: ...
-        def _retire_original(self, key: RadixKey) -> None: ...
-        def _original_slots(self, ids: list[int]) -> torch.Tensor: ...
-        def _refresh_gauges(self) -> None: ...
-        def _export(self, latency_s: float | None = None) -> None: ...
-        def _update_leaf_status(self, node: TreeNode) -> None: ...
+    # ---- state, read by the tree ------------------------------------------------------
+    @property
+    def installed(self) -> Mapping[str, N]:
+        """The installed compacted nodes by prefix hash (what new requests match)."""
+        return self._compacted
 
-    def poll_compactions(self) -> int:
+    @property
+    def dropped(self) -> Mapping[str, N]:
+        """Compacted nodes of older weights, by prefix hash (never matched, freed when
+        unlocked)."""
+        return self._dropped
+
+    # ---- the poll point ---------------------------------------------------------------
+    def poll(self) -> int:
         """Take finished compactions, write pending installs (at most `install_chunk_mb` per
         call), free retired nodes, read pool gauges; returns the installs completed. With
         `tp`, every rank must call it at the same scheduler iteration (a collective)."""
@@ -94,29 +107,28 @@ class InstallLifecycle:
                     self._take(job)
         done += self._advance_installs()
         self._reap()
-        alloc = self.token_to_kv_pool_allocator
-        pending = sum(int(p.slots.numel()) for p in self._pending)
-        tree = self.evictable_size_ + self.protected_size_ - pending
+        tree, free, size = self.tree.slot_counts()
+        tree -= sum(int(p.slots.numel()) for p in self.pending)
         mismatches = self.beta_store.mark_mismatches
         changed = mismatches != self.stats.host_mark_mismatches
         self.stats.host_mark_mismatches = mismatches
-        if self.stats.read_pool(alloc.available_size(), tree, alloc.size) or changed:
-            self._export()
+        if self.stats.read_pool(free, tree, size) or changed:
+            self.export()
         return done
 
-    def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:
+    def install(self, token_ids: Any, prefix: CompactedPrefix) -> N:
         """Check `prefix` for `token_ids` [T], write it into the pool at once, add its node.
 
         Mutates the KV pool, the beta store and the tree; returns the compacted node (the
         existing one for a prefix installed before). The scheduler's path is the same, its
-        writes spread over iterations (`poll_compactions`).
+        writes spread over iterations (`poll`).
         Raises:
             ValueError: the prefix is for another model, tokens or pool shape, or out of range.
             RuntimeError: the pool cannot give t_max slots even after eviction.
         """
         self.check_result(prefix)
         t_max = int(head_counts(prefix).max())
-        pending = self._begin(token_ids, self.pool_shape.take(prefix), t_max=t_max)
+        pending = self.begin(token_ids, self.pool_shape.take(prefix), t_max=t_max)
         if pending is None:
             node = self._compacted.get(prefix.prefix_hash)
             if node is None:
@@ -126,10 +138,10 @@ class InstallLifecycle:
             while not pending.done:
                 pending.step(self.kvcache, self.beta_store, 1 << 62)
         finally:
-            self._pending.remove(pending)
+            self.pending.remove(pending)
             if not pending.done:
-                self._abort(pending)
-        return self._finish(pending)
+                self.abort(pending)
+        return self.finish(pending)
 
     def check_result(self, prefix: CompactedPrefix) -> None:
         """Structure checks of a result (every KV head of the model, not only this rank's)
@@ -145,6 +157,32 @@ class InstallLifecycle:
             head_dim=pool.head_dim,
         )
 
+    def submit_next(self, path_tokens: Callable[[Any], list[int] | None]) -> None:
+        """Send the trigger's pick (a refit first) to the runner, unless `max_in_flight`
+        results are pending (back-pressure: the candidates are found again at their next
+        hit). `path_tokens(node)`: the tokens from the root to a trigger candidate."""
+        trigger = self.trigger
+        if self.runner is None or self.fingerprint is None:
+            return
+        if not trigger.candidates and not trigger.refit_asked:
+            return
+        if self.runner.pending + len(self.pending) >= self.config.max_in_flight:
+            self.stats.deferred += bool(trigger.candidates)
+            trigger.candidates.clear()
+            return
+        picked = trigger.next_refit() or trigger.pick(path_tokens)
+        if picked is None:
+            return
+        self.stats.requested += 1
+        logger.info(
+            "sglang_ext: compaction requested T=%d hash=%s follow_ups=%d%s",
+            len(picked.tokens), prefix_hash(picked.tokens)[:12], len(picked.follow_ups),
+            f" (refit {picked.fit_round})" if picked.fit_round else "",
+        )  # fmt: skip
+        self.runner.submit(picked.tokens, picked.follow_ups, fit_round=picked.fit_round)
+        self.export()
+
+    # ---- events from SGLang -----------------------------------------------------------
     def on_weights_updated(self, fingerprint: str | None) -> None:
         """The served weights changed: compacted prefixes stop matching at once (freed when
         their requests let go), pending installs and results in flight are dropped, and
@@ -153,14 +191,14 @@ class InstallLifecycle:
             self.runner.new_epoch()
         if self.tp is not None:
             self.tp.clear()
-        for pending in self._pending:
-            self._abort(pending)
-        self._pending.clear()
+        for pending in self.pending:
+            self.abort(pending)
+        self.pending.clear()
         dropped = len(self._compacted)
         for phash, node in list(self._compacted.items()):
             del self._compacted[phash]
             self._dropped[phash] = node
-            self._retire_descendants(node)
+            self._retired.update(self.tree.descendants(node))
         self.trigger.reset()
         old, self.fingerprint = self.fingerprint, fingerprint
         logger.warning(
@@ -170,24 +208,144 @@ class InstallLifecycle:
         )  # fmt: skip
         self._reap()
 
-    def _take(self, job: Any) -> None:
-        """One finished job from the runner: start its install or count why not."""
-        self.stats.last_latency_s = job.latency_s
-        if self.runner is not None and job.epoch != self.runner.epoch:
-            self.stats.stale += 1
-            logger.info("sglang_ext: dropped a compaction started before a weight update")
-        elif job.prefix is None:
-            self._fallback(job.token_ids, job.error, job.fit_round)
-        else:
-            try:
-                self._begin(job.token_ids, job.prefix, fit_round=job.fit_round)
-            except Exception as e:  # a failed check, no slots, or a device error
-                if not isinstance(e, (ValueError, RuntimeError)) or _device_error(e):
-                    self.install_error(e)
-                self._fallback(job.token_ids, e, job.fit_round)
-        self._export(job.latency_s)
+    def reset(self) -> None:
+        """The tree is flushed (the caller frees its nodes): forget every compacted prefix,
+        pending install and retired node, give their slots' beta back, and drop results in
+        flight (they were asked of the flushed tree). Mutates the beta store."""
+        store = self.beta_store
+        for node in [*self._compacted.values(), *self._dropped.values(), *self._superseded]:
+            info = self.tree.info(node)
+            if info is not None:
+                store.clear(info.slots)
+        for pending in self.pending:
+            store.clear(pending.slots)
+        held: Any
+        for held in (self._compacted, self._dropped, self._superseded, self.pending, self._retired):
+            held.clear()
+        self.trigger.reset()
+        if self.runner is not None:
+            self.runner.new_epoch()
+        if self.tp is not None:
+            self.tp.clear()
 
-    def _fallback(self, token_ids: Any, error: BaseException | None, fit_round: int = 0) -> None:
+    def install_error(self, error: BaseException) -> None:
+        """An install raised something other than a failed check: count it (its install is
+        aborted by the caller) and tell the hook guard, whose breaker stops compaction after
+        repeated errors."""
+        self.stats.install_errors += 1
+        self.guard.failed("an install", error)
+
+    def trip(self, reason: str) -> None:
+        """The circuit breaker opened: no further compaction in this process (results in
+        flight are dropped, new ones refused); installed prefixes keep serving."""
+        if self.runner is not None:
+            self.runner.new_epoch()
+        self.fingerprint = None
+        self.stats.breaker_open = 1
+        self.export()
+        logger.error("sglang_ext: compaction off in this server: %s", reason)
+
+    # ---- events from the tree ---------------------------------------------------------
+    def freeing(self, node: N, info: CompactionInfo) -> None:
+        """The tree frees compacted `node` (evicted, or a superseded or dropped one let go):
+        its slots' beta goes back to 0; an evicted prefix may be compacted again."""
+        self.beta_store.clear(info.slots)
+        if node not in self._superseded:  # (a replaced fit is freed, not evicted)
+            self.stats.evicted += 1
+            self.trigger.forget(info.prefix_hash)
+
+    def removed(self, node: N, info: CompactionInfo) -> None:
+        """Compacted `node` left the tree: no state refers to it any more."""
+        for held in (self._compacted, self._dropped):
+            if held.get(info.prefix_hash) is node:
+                del held[info.prefix_hash]
+        self._superseded.discard(node)
+
+    def refresh_gauges(self) -> None:
+        """Logical and physical tokens, bytes saved and beta slots of the compacted prefixes."""
+        kv, store = self.kvcache, self.beta_store
+        k0 = kv.get_key_buffer(kv.start_layer)
+        slot_bytes = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
+        infos = [self.tree.info(n) for n in self._compacted.values()]
+        lengths = [(i.logical_length, i.t_max) for i in infos if i is not None]
+        beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
+        self.stats.read_prefixes(lengths, slot_bytes, beta_slots)
+
+    def export(self, latency_s: float | None = None) -> None:
+        if self.exporter is not None:
+            self.exporter.update(self.stats, latency_s)
+
+    # ---- transitions (also the TP strategy's) -----------------------------------------
+    def begin(
+        self, token_ids: Any, prefix: CompactedPrefix, t_max: int | None = None, fit_round: int = 0
+    ) -> PendingInstall | None:
+        """Start installing `prefix` for `token_ids` (pending): echo checks (fingerprint, T,
+        prefix hash), bounds from what is left of the original prefix, slots (`t_max`: the
+        full result's longest head when `prefix` is this rank's slice, so every TP rank
+        allocates alike); None if being installed already, or installed at this `fit_round`
+        or a later one. Raises ValueError (a check) or RuntimeError (no slots)."""
+        ids = [int(t) for t in token_ids]
+        T = len(ids)
+        if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"model fingerprint {prefix.model_fingerprint!r} != {self.fingerprint!r} served"
+            )
+        if prefix.logical_length != T:
+            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
+        phash = prefix_hash(ids)
+        if prefix.prefix_hash != phash:
+            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
+        current = self._compacted.get(phash)
+        info = None if current is None else self.tree.info(current)
+        newer = info is not None and fit_round > info.fit_round
+        if (current is not None and not newer) or any(p.phash == phash for p in self.pending):
+            self.stats.double_installs += 1
+            return None
+        t_max = int(head_counts(prefix).max()) if t_max is None else t_max
+        if not 0 < t_max <= T:  # (t_max = T saves nothing: an identity fit, for checks)
+            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T} tokens")
+        bounds = original_bounds(self.kvcache, self.tree.original_slots(ids))
+        pending = PendingInstall(ids, phash, prefix, self.tree.alloc(t_max), bounds, fit_round)
+        self.tree.hold(t_max)  # held, not evictable, until the node takes them
+        self.pending.append(pending)
+        return pending
+
+    def finish(self, pending: PendingInstall) -> N:
+        """A fully written prefix becomes a node (installed); its original path is retired,
+        or, for a refit, the fit it replaces is superseded."""
+        prefix, ids, slots = pending.prefix, pending.token_ids, pending.slots
+        old = self._compacted.get(pending.phash)
+        info = CompactionInfo(slots, len(ids), pending.phash, prefix.method, pending.fit_round)
+        node = self.tree.add_node(ids, info)
+        self._compacted[pending.phash] = node
+        if old is None:
+            self._retired.update(self.tree.original_path(ids))
+        else:  # the old fit stops matching; freed with what hangs below it when let go
+            self._superseded.add(old)
+            self._retired.update(self.tree.descendants(old))
+        self._reap()
+        self.trigger.installed(ids)
+        self.stats.installed += 1
+        self.stats.refits += old is not None
+        self.refresh_gauges()
+        ratio, error = budget_of(prefix)
+        self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
+        logger.info(
+            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
+            "ratio=%s estimated_error=%s%s",
+            pending.phash[:12], prefix.method, len(ids), info.t_max, len(ids) / info.t_max,
+            fmt(ratio), fmt(error), f" refit={pending.fit_round}" if old is not None else "",
+        )  # fmt: skip
+        return node
+
+    def abort(self, pending: PendingInstall) -> None:
+        """Free a pending install's slots (nothing of it was reachable by a request)."""
+        self.tree.hold(-int(pending.slots.numel()))
+        self.beta_store.clear(pending.slots)
+        self.tree.free(pending.slots)
+        self.refresh_gauges()
+
+    def fallback(self, token_ids: Any, error: BaseException | None, fit_round: int = 0) -> None:
         """Count a result that will not be installed: `invalid` for a ValueError (it failed a
         check: checksum, shape, echo, magnitude), `failures` otherwise. A failed refit
         (`fit_round` > 0) leaves the installed fit serving; a failed first fit the original
@@ -210,42 +368,22 @@ class InstallLifecycle:
             what, " (may be retried)" if retry else " (retries spent: cooling down)", error,
         )  # fmt: skip
 
-    def _begin(
-        self,
-        token_ids: Any,
-        prefix: CompactedPrefix,
-        t_max: int | None = None,
-        fit_round: int = 0,
-    ) -> PendingInstall | None:
-        """Echo checks (fingerprint, T, prefix hash), bounds from what is left of the original
-        prefix (`_original_slots`), slots (`t_max`: the full result's longest head when
-        `prefix` is this rank's slice, so every TP rank allocates alike); None if being
-        installed already, or installed at this `fit_round` or a later one."""
-        ids = [int(t) for t in token_ids]
-        T = len(ids)
-        if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
-            raise ValueError(
-                f"model fingerprint {prefix.model_fingerprint!r} != {self.fingerprint!r} served"
-            )
-        if prefix.logical_length != T:
-            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
-        phash = prefix_hash(ids)
-        if prefix.prefix_hash != phash:
-            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
-        current = self._compacted.get(phash)
-        info = None if current is None else compaction_info(current)
-        newer = info is not None and fit_round > info.fit_round
-        if (current is not None and not newer) or any(p.phash == phash for p in self._pending):
-            self.stats.double_installs += 1
-            return None
-        t_max = int(head_counts(prefix).max()) if t_max is None else t_max
-        if not 0 < t_max <= T:  # (t_max = T saves nothing: an identity fit, for checks)
-            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T} tokens")
-        bounds = original_bounds(self.kvcache, self._original_slots(ids))
-        pending = PendingInstall(ids, phash, prefix, self._alloc(t_max), bounds, fit_round)
-        self.protected_size_ += t_max  # held, not evictable, until the node takes them
-        self._pending.append(pending)
-        return pending
+    def _take(self, job: Any) -> None:
+        """One finished job from the runner: start its install or count why not."""
+        self.stats.last_latency_s = job.latency_s
+        if self.runner is not None and job.epoch != self.runner.epoch:
+            self.stats.stale += 1
+            logger.info("sglang_ext: dropped a compaction started before a weight update")
+        elif job.prefix is None:
+            self.fallback(job.token_ids, job.error, job.fit_round)
+        else:
+            try:
+                self.begin(job.token_ids, job.prefix, fit_round=job.fit_round)
+            except Exception as e:  # a failed check, no slots, or a device error
+                if not isinstance(e, (ValueError, RuntimeError)) or _device_error(e):
+                    self.install_error(e)
+                self.fallback(job.token_ids, e, job.fit_round)
+        self.export(job.latency_s)
 
     def _advance_installs(self) -> int:
         """Write pending installs in order, `install_chunk_mb` and about `install_step_ms` at
@@ -254,7 +392,7 @@ class InstallLifecycle:
         budget, done = self.config.install_chunk_mb << 20, 0
         deadline = time.perf_counter() + self.config.install_step_ms / 1000
         wrote, tp = False, self.tp  # one layer at least per call, then within the budgets
-        for pending in list(self._pending):
+        for pending in list(self.pending):
             if budget <= 0 or (wrote and time.perf_counter() >= deadline):
                 break
             if pending.done or (tp is not None and tp.is_failed(pending)):
@@ -268,105 +406,33 @@ class InstallLifecycle:
                 if tp is not None:
                     tp.failed_install(pending, e)
                     continue
-                self._pending.remove(pending)
-                self._abort(pending)
-                self._fallback(pending.token_ids, e)
+                self.pending.remove(pending)
+                self.abort(pending)
+                self.fallback(pending.token_ids, e)
                 continue
             if pending.done and tp is None:
-                self._pending.remove(pending)
-                self._finish(pending)
+                self.pending.remove(pending)
+                self.finish(pending)
                 done += 1
         return done
 
-    def install_error(self, error: BaseException) -> None:
-        """An install raised something other than a failed check: count it (its install is
-        aborted by the caller) and tell the hook guard, whose breaker stops compaction after
-        repeated errors."""
-        self.stats.install_errors += 1
-        self.guard.failed("an install", error)
-
-    def trip(self, reason: str) -> None:
-        """The circuit breaker opened: no further compaction in this process (results in
-        flight are dropped, new ones refused); installed prefixes keep serving."""
-        if self.runner is not None:
-            self.runner.new_epoch()
-        self.fingerprint = None
-        self.stats.breaker_open = 1
-        self._export()
-        logger.error("sglang_ext: compaction off in this server: %s", reason)
-
-    def _abort(self, pending: PendingInstall) -> None:
-        self.protected_size_ -= int(pending.slots.numel())
-        self.beta_store.clear(pending.slots)
-        self.token_to_kv_pool_allocator.free(pending.slots)
-        self._refresh_gauges()
-
-    def _finish(self, pending: PendingInstall) -> TreeNode:
-        """Add the node of a fully written prefix and retire its original path, or, for a
-        refit, the fit it replaces."""
-        prefix, ids, t_max = pending.prefix, pending.token_ids, int(pending.slots.numel())
-        old = self._compacted.get(pending.phash)
-        node = new_compacted_node(
-            self.root_node, ids, pending.slots, pending.phash, prefix.method, pending.fit_round
-        )
-        self._compacted[pending.phash] = node
-        self.protected_size_ -= t_max
-        self.evictable_size_ += t_max
-        self._update_leaf_status(node)
-        self._update_leaf_status(self.root_node)
-        if old is None:
-            self._retire_original(node.key)
-        else:
-            self._supersede(old)
-        self._reap()
-        self.trigger.installed(ids)
-        self.stats.installed += 1
-        self.stats.refits += old is not None
-        self._refresh_gauges()
-        ratio, error = budget_of(prefix)
-        self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
-        logger.info(
-            "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
-            "ratio=%s estimated_error=%s%s",
-            pending.phash[:12], prefix.method, len(ids), t_max, len(ids) / t_max,
-            _fmt(ratio), _fmt(error), f" refit={pending.fit_round}" if old is not None else "",
-        )  # fmt: skip
-        return node
-
-    def _supersede(self, old: TreeNode) -> None:
-        """`old` was replaced by a refit: it and everything below it stop being reachable by
-        new requests (no longer in `_compacted`; the refit's node matches) and are freed
-        when their requests let go (`_reap`)."""
-        self._superseded.add(old)
-        self._retire_descendants(old)
-
-    def _retire_descendants(self, node: TreeNode) -> None:
-        """Mark every node below `node` for freeing when it is an unlocked leaf (`_reap`)."""
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            self._retired.add(child)
-            stack.extend(child.children.values())
-
-
-def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
-    """(the kept fraction the compactor used, its held-out error estimate) from the result's
-    params: the ratio a `target_error` search chose (or the method's own choice, GVote), else
-    the spec's; the estimate only when a target was set."""
-    params = prefix.params
-    search = params.get("budget_search") or {}
-    ratio = params.get("chosen_ratio")
-    if ratio is None:
-        ratio = params.get("ratio")
-    error = search.get("estimated_error")
-    return (
-        float(ratio) if isinstance(ratio, (int, float)) else None,
-        float(error) if isinstance(error, (int, float)) else None,
-    )
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+    def _reap(self) -> None:
+        """Free superseded, dropped and retired nodes that are now unlocked leaves (repeats
+        up the path; a retired node no longer in the tree is forgotten)."""
+        tree = self.tree
+        for node in [*self._dropped.values(), *self._superseded]:
+            if tree.unlocked_leaf(node):
+                tree.free_node(node)
+        progress = True
+        while progress and self._retired:
+            progress = False
+            for node in list(self._retired):
+                if not tree.attached(node):
+                    self._retired.discard(node)
+                elif tree.unlocked_leaf(node):
+                    self.stats.retired_tokens_freed += tree.free_node(node)
+                    self._retired.discard(node)
+                    progress = True
 
 
 def _device_error(exc: BaseException) -> bool:

@@ -79,6 +79,17 @@ class CompactionStats:
         self.tree_slots, self.free_slots, self.pool_slots = new
         return new != old
 
+    def read_prefixes(
+        self, lengths: list[tuple[int, int]], slot_bytes: int, beta_slots: int
+    ) -> None:
+        """Set the compacted-prefix gauges from each installed prefix's (T, t_max), the bytes
+        one KV slot holds over all layers, and the slots with a beta. Mutates
+        `logical_tokens`, `physical_tokens`, `bytes_saved` and `beta_slots`."""
+        self.logical_tokens = sum(T for T, _ in lengths)
+        self.physical_tokens = sum(t for _, t in lengths)
+        self.bytes_saved = (self.logical_tokens - self.physical_tokens) * slot_bytes
+        self.beta_slots = beta_slots
+
 
 class PrometheusExporter:
     """Mirror `CompactionStats` into prometheus_client series (create in the scheduler)."""

@@ -47,7 +47,7 @@ __all__ = [
     "slice_heads",
 ]
 
-logger = logging.getLogger("sglang_ext.radix_cache")
+logger = logging.getLogger(__name__)
 
 # job id, tokens, follow-ups, fit round
 Announcement = tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...], int]
@@ -226,14 +226,14 @@ class TpSync:
             held.clear()
         self._dropped.clear()
 
-    def poll(self, cache: Any, jobs: Sequence[Any]) -> int:
-        """Take this rank's finished `jobs`, exchange reports, apply the agreement to
-        `cache` (a CompactionRadixCache: its runner, install steps and stats); returns the
-        installs completed. Mutates `cache` and this object; every rank must call it at the
-        same poll."""
+    def poll(self, lc: Any, jobs: Sequence[Any]) -> int:
+        """Take this rank's finished `jobs`, exchange reports, apply the agreement to `lc`
+        (the rank's `sglang_ext.lifecycle.InstallLifecycle`: its runner, transitions and
+        stats); returns the installs completed. Mutates `lc` and this object; every rank
+        must call it at the same poll."""
         for job in jobs:
-            self._intake(cache, job)
-        alive = {id(p) for p in cache._pending}  # a cache reset drops pending installs
+            self._intake(lc, job)
+        alive = {id(p) for p in lc.pending}  # a cache reset drops pending installs
         for job in [j for j, p in self._begun.items() if id(p) not in alive]:
             del self._begun[job]
             self._tokens.pop(job, None)
@@ -246,19 +246,19 @@ class TpSync:
                 self._tokens[job] = tokens
                 if fit_round:
                     self._rounds[job] = fit_round
-                cache.stats.requested += 1
-                cache.runner.submit(tokens, [list(f) for f in fus], job_id=job, fit_round=fit_round)
+                lc.stats.requested += 1
+                lc.runner.submit(tokens, [list(f) for f in fus], job_id=job, fit_round=fit_round)
         for job, failure in deal.drop.items():
-            self._drop(cache, job, failure)
+            self._drop(lc, job, failure)
         for job in deal.begin:
-            self._begin(cache, job)
+            self._begin(lc, job)
         done = 0
         for job in deal.finish:
             pending = self._begun.pop(job)
             self._tokens.pop(job, None)
             self._rounds.pop(job, None)
-            cache._pending.remove(pending)
-            cache._finish(pending)
+            lc.pending.remove(pending)
+            lc.finish(pending)
             done += 1
         return done
 
@@ -276,12 +276,12 @@ class TpSync:
         torch.distributed.all_gather_object(out, report, group=self.group)
         return out
 
-    def _intake(self, cache: Any, job: Any) -> None:
+    def _intake(self, lc: Any, job: Any) -> None:
         """One finished job of this rank's runner: hold its head slice, or note its failure."""
-        cache.stats.last_latency_s = job.latency_s
-        cache._export(job.latency_s)
-        if job.epoch != cache.runner.epoch:
-            cache.stats.stale += 1
+        lc.stats.last_latency_s = job.latency_s
+        lc.export(job.latency_s)
+        if job.epoch != lc.runner.epoch:
+            lc.stats.stale += 1
             return
         if job.job_id in self._dropped:
             self._dropped.discard(job.job_id)
@@ -297,16 +297,16 @@ class TpSync:
                 from sglang_ext.kv_store import head_counts
 
                 t_max = int(head_counts(job.prefix).max())
-                self._held[job.job_id] = (cache.pool_shape.take(job.prefix), t_max)
+                self._held[job.job_id] = (lc.pool_shape.take(job.prefix), t_max)
                 return
             except ValueError as e:
                 error = e
         self._failed[job.job_id] = (isinstance(error, ValueError), repr(error))
 
-    def _begin(self, cache: Any, job: int) -> None:
+    def _begin(self, lc: Any, job: int) -> None:
         prefix, t_max = self._held.pop(job)
         try:
-            pending = cache._begin(
+            pending = lc.begin(
                 self._tokens[job], prefix, t_max=t_max, fit_round=self._rounds.get(job, 0)
             )
         except (ValueError, RuntimeError) as e:
@@ -318,17 +318,17 @@ class TpSync:
         else:
             self._begun[job] = pending
 
-    def _drop(self, cache: Any, job: int, failure: Failure) -> None:
+    def _drop(self, lc: Any, job: int, failure: Failure) -> None:
         _, invalid, msg = failure
         known = job in self._held or job in self._begun or job in self._failed
         self._held.pop(job, None)
         self._failed.pop(job, None)
         pending = self._begun.pop(job, None)
         if pending is not None:
-            cache._pending.remove(pending)
-            cache._abort(pending)
+            lc.pending.remove(pending)
+            lc.abort(pending)
         if not known:
             self._dropped.add(job)  # this rank's result is still to come: discard it then
         tokens = self._tokens.pop(job, ())
         error = ValueError(msg) if invalid else RuntimeError(msg)
-        cache._fallback(tokens, error, self._rounds.pop(job, 0))
+        lc.fallback(tokens, error, self._rounds.pop(job, 0))

@@ -50,8 +50,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture(autouse=True)
 def _plugin_marker_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     """A test that parses `--compaction-endpoint` in-process sets the plugin's marker in this
-    process's environment (`sglang_ext.ACTIVE_ENV`); it is undone after each test."""
-    from sglang_ext import ACTIVE_ENV
+    process's environment (`sglang_ext.adapter.hooks.ACTIVE_ENV`); it is undone after each test."""
+    from sglang_ext.adapter.hooks import ACTIVE_ENV
 
     monkeypatch.delenv(ACTIVE_ENV, raising=False)
 

@@ -1,25 +1,35 @@
-"""Compacted-prefix tree nodes: what marks one, how one is built, how one is found.
+"""Compacted prefixes on SGLang's objects: the tree node that holds one, and the pool's beta.
 
-A compacted prefix of T tokens is a `TreeNode` hanging off the root under
-`child_key(prefix_hash, fit_round)`, beside the ordinary tree; its `compaction` attribute is
-a `CompactionInfo`. A refit of the same prefix hangs beside the fit it replaces (another
-round, another key) until that one's requests let go. Its value is T slot indices: the t_max physical slots, then `ALIAS_SLOT`
-(see `sglang_ext.kv_store`). `sglang_ext.radix_cache.CompactionRadixCache` owns these nodes;
-the functions here only read nodes, except `new_compacted_node`, which attaches one.
+A compacted prefix of T tokens is a `CompactedTreeNode` (SGLang's `TreeNode` with a typed
+`compaction: CompactionInfo`) hanging off the root under `child_key(prefix_hash, fit_round)`,
+beside the ordinary tree. A refit of the same prefix hangs beside the fit it replaces
+(another round, another key) until that one's requests let go. Its value is T slot indices:
+the t_max physical slots, then `ALIAS_SLOT` (see `sglang_ext.kv_store`).
+`sglang_ext.adapter.radix_cache.CompactionRadixCache` owns these nodes; the functions here
+only read nodes, except `new_compacted_node`, which attaches one.
+
+`beta_store_of(kvcache)`: the `BetaStore` beside SGLang's KV pool, which the radix cache
+(writer) and the attention backend (reader) share in the scheduler. SGLang builds the two
+through separate factories, the pool being the one object both are given, so the store is
+attached to the pool (`kvcache.compaction_beta`).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
+from sglang_ext.prefix_tree import CompactionInfo
 
 __all__ = [
+    "CompactedTreeNode",
     "CompactionInfo",
+    "beta_store_of",
     "child_key",
     "compacted_ancestor",
     "compaction_info",
@@ -29,30 +39,20 @@ __all__ = [
     "physical_size",
 ]
 
+_BETA_ATTR = "compaction_beta"
 
-class CompactionInfo:
-    """What makes a tree node a compacted prefix."""
 
-    __slots__ = ("fit_round", "logical_length", "method", "prefix_hash", "slots", "t_max")
+class CompactedTreeNode(TreeNode):
+    """A radix-tree node that is a compacted prefix (`compaction`: what it holds)."""
 
-    def __init__(
-        self, slots: torch.Tensor, logical_length: int, phash: str, method: str, fit_round: int
-    ):
-        self.slots = slots  # [t_max] int64 physical slots
-        self.t_max = int(slots.numel())
-        self.logical_length = logical_length
-        self.prefix_hash = phash
-        self.method = method
-        self.fit_round = fit_round  # 0: the first fit, n: the n-th refit
-
-    @property
-    def child_key(self) -> tuple[str, str, int]:
-        return child_key(self.prefix_hash, self.fit_round)
+    def __init__(self, info: CompactionInfo):
+        super().__init__()
+        self.compaction = info
 
 
 def compaction_info(node: TreeNode) -> CompactionInfo | None:
     """The node's `CompactionInfo`, or None for an ordinary node."""
-    return getattr(node, "compaction", None)
+    return node.compaction if isinstance(node, CompactedTreeNode) else None
 
 
 def compacted_ancestor(node: TreeNode | None) -> CompactionInfo | None:
@@ -79,28 +79,30 @@ def physical_size(node: TreeNode) -> int:
     return info.t_max if info is not None else len(node.key)
 
 
-def new_compacted_node(
-    root: TreeNode,
-    ids: list[int],
-    slots: torch.Tensor,
-    phash: str,
-    method: str,
-    fit_round: int = 0,
-) -> TreeNode:
-    """Attach a compacted node for tokens `ids` [T] holding `slots` [t_max] int64 under `root`
-    (`fit_round`: 0 for a first fit, n for the n-th refit).
+def new_compacted_node(root: TreeNode, ids: list[int], info: CompactionInfo) -> TreeNode:
+    """Attach a compacted node for tokens `ids` [T] holding `info.slots` [t_max] int64 under
+    `root`.
 
     Mutates `root.children` only; the caller does the tree's size and leaf bookkeeping.
     """
-    T, t_max = len(ids), int(slots.numel())
-    node = TreeNode()
+    T, slots = len(ids), info.slots
+    node = CompactedTreeNode(info)
     node.parent = root
     node.key = RadixKey(array("q", ids), None)
-    node.value = torch.cat([slots, torch.full((T - t_max,), ALIAS_SLOT, dtype=torch.int64)])
-    info = CompactionInfo(slots, T, phash, method, fit_round)
-    node.compaction = info  # type: ignore[attr-defined]
-    root.children[info.child_key] = node
+    node.value = torch.cat([slots, torch.full((T - info.t_max,), ALIAS_SLOT, dtype=torch.int64)])
+    root.children[child_key(info.prefix_hash, info.fit_round)] = node
     return node
+
+
+def beta_store_of(kvcache: Any) -> BetaStore:
+    """The `BetaStore` attached to SGLang's KV pool `kvcache`, created on first use (mutates
+    `kvcache`: see the module docstring for why it is attached there)."""
+    store = getattr(kvcache, _BETA_ATTR, None)
+    if isinstance(store, BetaStore):
+        return store
+    store = BetaStore.of_pool(kvcache)
+    setattr(kvcache, _BETA_ATTR, store)
+    return store
 
 
 def covering(compacted: Iterable[TreeNode], key: RadixKey) -> TreeNode | None:

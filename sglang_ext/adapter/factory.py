@@ -2,7 +2,7 @@
 
 `register_backends()` adds the name `compaction` to SGLang's radix-cache registry, and the
 attention backend `compaction` (`wrapped_backend.CompactionBackend`, wrapping the user's
-`--attention-backend`, `config.INNER_ATTR`) to its attention-backend registry and
+`--attention-backend`, `server_args.INNER_ATTR`) to its attention-backend registry and
 `--attention-backend` choices (called from `register()`; idempotent). The factory builds `CompactionRadixCache` with the scheduler's pools, the
 model fingerprint and a `CompactionRunner` for the configured endpoint (with `--tp-size` > 1,
 a `sglang_ext.tp.TpSync` over the scheduler's TP CPU group on every rank, rank 0 deciding and
@@ -18,13 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.config import (
-    ATTENTION_BACKEND,
-    CPU_INNER_BACKEND,
-    INNER_ATTR,
-    RADIX_CACHE_BACKEND,
-    get_config,
-)
+from sglang_ext.adapter.server_args import INNER_ATTR, get_config
+from sglang_ext.config import ATTENTION_BACKEND, CPU_INNER_BACKEND, RADIX_CACHE_BACKEND
 
 __all__ = [
     "attach_tp",
@@ -59,8 +54,8 @@ def register_backends() -> None:
 
 
 def _create_attention_backend(runner: Any) -> Any:
-    from sglang_ext.surface import verify_process
-    from sglang_ext.wrapped_backend import CompactionBackend
+    from sglang_ext.adapter.surface import verify_process
+    from sglang_ext.adapter.wrapped_backend import CompactionBackend
 
     verify_process(True)  # done at configure_logger already, unless that hook is missing
     name = inner_attention_backend(runner)
@@ -71,7 +66,7 @@ def _create_attention_backend(runner: Any) -> Any:
 
 def inner_attention_backend(runner: Any) -> str:
     """The backend `compaction` wraps in this model runner: the name stored on the record
-    (`config.INNER_ATTR`, from the user's `--attention-backend`), else SGLang's default for
+    (`server_args.INNER_ATTR`, from the user's `--attention-backend`), else SGLang's default for
     the runner's device and model (`get_default_attn_backend`; `torch_native` on CPU)."""
     server_args = getattr(runner, "server_args", None)
     name = getattr(server_args, INNER_ATTR, None)
@@ -94,10 +89,10 @@ def create_compaction_cache(ctx: Any) -> Any:
             checkpoint cannot be found or fingerprinted (see `resolve_model_dir`).
     """
     from compactor.models import fingerprint
+    from sglang_ext.adapter.radix_cache import CompactionRadixCache
+    from sglang_ext.adapter.surface import verify_process
     from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
     from sglang_ext.metrics import PrometheusExporter
-    from sglang_ext.radix_cache import CompactionRadixCache
-    from sglang_ext.surface import verify_process
 
     verify_process(True)  # done at configure_logger already, unless that hook is missing
     cfg = get_config(ctx.server_args)
@@ -136,9 +131,9 @@ def create_compaction_cache(ctx: Any) -> Any:
 
 
 def attach_tp(cache: Any, group: Any, tp_rank: int, tp_size: int, pool: Any) -> Any:
-    """Make `cache` one rank of a TP group (mutates it): its pool shape names the rank's
-    heads, rank 0's runner announces submissions, other ranks' triggers never pick.
-    Returns the `TpSync`."""
+    """Make `cache` one rank of a TP group (mutates its lifecycle): the TP strategy, a pool
+    shape that names the rank's heads, rank 0's runner announcing submissions, other ranks'
+    triggers never picking. Returns the `TpSync`."""
     from sglang_ext.tp import FollowerTrigger, TpSync
 
     if cache.config.in_process:
@@ -146,13 +141,13 @@ def attach_tp(cache: Any, group: Any, tp_rank: int, tp_size: int, pool: Any) -> 
             "--compaction-endpoint inproc:// would compact on every TP rank; give a "
             "compaction service's address with --tp-size > 1"
         )
-    sync = TpSync(group, tp_rank, tp_size)
-    cache.pool_shape = pool
-    cache.tp = sync
+    sync, lc = TpSync(group, tp_rank, tp_size), cache.lifecycle
+    lc.pool_shape = pool
+    lc.tp = sync
     if sync.leads:
-        cache.runner.on_submit = sync.on_submit
+        lc.runner.on_submit = sync.on_submit
     else:
-        cache.trigger = FollowerTrigger(cache.config)
+        lc.trigger = FollowerTrigger(lc.config)
     return sync
 
 

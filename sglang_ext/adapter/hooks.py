@@ -1,8 +1,8 @@
-"""SGLang plugin for compacted shared prefixes.
+"""The plugin's hooks into SGLang, and `register()`, which installs them.
 
-SGLang discovers this package through the `sglang.srt.plugins` entry point (see
-pyproject.toml) and calls `register()` early in every SGLang process (server, scheduler,
-detokenizer). Importing the package has no side effects. Off means off: without
+SGLang discovers the plugin through the `sglang.srt.plugins` entry point `sglang_ext:register`
+(see pyproject.toml), which calls `register()` here early in every SGLang process (server,
+scheduler, detokenizer). Importing this module has no side effects. Off means off: without
 `--compaction-endpoint` the plugin adds its flags and nothing else (no backend, no hook that
 runs per request or per forward), so a server costs and answers as stock. `register()`
 installs hooks through SGLang's own `HookRegistry`, which applies them after all plugins
@@ -10,18 +10,18 @@ have run. In every process:
 
 - AFTER `configure_logger`: announce the plugin in each process's log (with whether
   compaction is on); the first call (the main process, before it starts the others) also
-  logs what the plugin changed in SGLang's config (`sglang_ext.server_args.log_changes`).
-  Then check SGLang's surface and this process's hooks (`sglang_ext.surface.verify_process`;
+  logs what the plugin changed in SGLang's config (`sglang_ext.adapter.server_args.log_changes`).
+  Then check SGLang's surface and this process's hooks (`sglang_ext.adapter.surface.verify_process`;
   SGLang applied the hooks just before): a serving process refuses to start (RuntimeError
   naming each problem), one with compaction off logs them. The attention-backend and
   radix-cache factories repeat the check (once per process) in case this hook is missing.
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`); none if
   SGLang did not apply the `from_cli_args` hook (the flags would be parsed and ignored).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, check SGLang's surface
-  (`sglang_ext.surface.check_surface`; RuntimeError naming each problem), register the plugin's
+  (`sglang_ext.adapter.surface.check_surface`; RuntimeError naming each problem), register the plugin's
   backends, store the config on the record and select the `compaction` radix-cache backend
   and the `compaction` attention backend, which wraps the user's `--attention-backend`
-  (`sglang_ext.wrapped_backend`), resolve and fingerprint the checkpoint (a directory or a
+  (`sglang_ext.adapter.wrapped_backend`), resolve and fingerprint the checkpoint (a directory or a
   Hub ID in the local cache) before any weights load, and set `ACTIVE_ENV` in the main
   process's environment, which the processes SGLang spawns next inherit; without it,
   nothing changes and SGLang runs stock.
@@ -30,11 +30,11 @@ Only in processes started with `ACTIVE_ENV` set (the scheduler of a server start
 `--compaction-endpoint`), the backends and the serving hooks:
 
 - AFTER `can_run_graph` of SGLang's decode and prefill CUDA-graph runners: a batch with a
-  compacted request runs eagerly (`wrapped_backend.graph_gate`); other batches replay the
+  compacted request runs eagerly (`sglang_ext.adapter.wrapped_backend.graph_gate`); other batches replay the
   wrapped backend's graphs.
 - AFTER `ForwardBatch.init_new`: each request's compacted prefix (or none) is stored on the
   new ForwardBatch from its ScheduleBatch's requests, on the host
-  (`wrapped_backend.mark_forward_batch`), so the backend decides without reading the device.
+  (`sglang_ext.adapter.wrapped_backend.mark_forward_batch`), so the backend decides without reading the device.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
@@ -51,10 +51,10 @@ import logging
 import os
 from typing import Any
 
-from sglang_ext import surface
+from sglang_ext.adapter import surface
 from sglang_ext.guard import HookGuard
 
-__all__ = ["ACTIVE_ENV", "PLUGIN_NAME", "register"]
+__all__ = ["ACTIVE_ENV", "ANNOUNCEMENT", "FLAG_HOOKS", "PLUGIN_NAME", "SERVING_HOOKS", "register"]
 
 PLUGIN_NAME = "compaction"
 ANNOUNCEMENT = "sglang_ext: compaction plugin active"
@@ -79,7 +79,7 @@ def register() -> None:
     hooks = list(FLAG_HOOKS)
     _serving = active()
     if _serving:
-        from sglang_ext.factory import register_backends
+        from sglang_ext.adapter.factory import register_backends
 
         register_backends()
         hooks += SERVING_HOOKS
@@ -114,7 +114,7 @@ def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
                 ", ".join(installed_hooks()))  # fmt: skip
     server_args = args[0] if args else kwargs.get("server_args")
     if server_args is not None:
-        from sglang_ext.server_args import log_changes
+        from sglang_ext.adapter.server_args import log_changes
 
         log_changes(server_args)
     # SGLang applied the hooks before this call (load_plugins): a serving process (the
@@ -137,13 +137,13 @@ def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
 
 def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on `ServerArgs.from_cli_args(cls, namespace)`: read the plugin's flags."""
+    from sglang_ext.adapter.server_args import apply_to_server_args
     from sglang_ext.config import config_from_namespace
-    from sglang_ext.server_args import apply_to_server_args
 
     namespace = args[-1] if args else kwargs.get("args")
     cfg = config_from_namespace(namespace) if namespace is not None else None
     if cfg is not None:
-        from sglang_ext.factory import check_model, register_backends
+        from sglang_ext.adapter.factory import check_model, register_backends
 
         surface.verify_process(True, hooks=False)  # this process's hooks: flags only, applied
         register_backends()
@@ -166,10 +166,10 @@ def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
 
 def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook on a CUDA-graph runner's `can_run_graph(forward_batch)`: False for a batch
-    with a compacted request (see `sglang_ext.wrapped_backend.graph_gate`)."""
+    with a compacted request (see `sglang_ext.adapter.wrapped_backend.graph_gate`)."""
     if not result:
         return None
-    from sglang_ext.wrapped_backend import graph_gate
+    from sglang_ext.adapter.wrapped_backend import graph_gate
 
     # if deciding fails, run the batch eagerly: always correct, compacted or not
     return _GATE_GUARD.call("the CUDA-graph gate", False, graph_gate, result, graph_runner,
@@ -179,11 +179,11 @@ def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> An
 def _mark_batch(result: Any, cls: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on the classmethod `ForwardBatch.init_new(batch, model_runner, ...)`: mark
     each request's compacted prefix on the new ForwardBatch, from the ScheduleBatch's
-    requests (see `sglang_ext.wrapped_backend.mark_forward_batch`)."""
+    requests (see `sglang_ext.adapter.wrapped_backend.mark_forward_batch`)."""
     global _mark_failed
     if result is None or batch is None or _mark_failed:
         return
-    from sglang_ext.wrapped_backend import mark_forward_batch
+    from sglang_ext.adapter.wrapped_backend import mark_forward_batch
 
     try:
         mark_forward_batch(result, batch)

@@ -3,9 +3,9 @@ refuses.
 
 `apply_to_server_args` runs in the AFTER hook on `ServerArgs.from_cli_args` when
 `--compaction-endpoint` is given: it stores the `CompactionConfig` on the record
-(`config.CONFIG_ATTR`), selects the `compaction` radix-cache backend and the `compaction`
+(`CONFIG_ATTR`, read back in the scheduler by `get_config`), selects the `compaction` radix-cache backend and the `compaction`
 attention backend, which wraps the user's `--attention-backend` (its name stored on the record,
-`config.INNER_ATTR`; `sglang_ext.wrapped_backend`): batches without compacted prefixes run the
+`INNER_ATTR`; `sglang_ext.adapter.wrapped_backend`): batches without compacted prefixes run the
 user's backend, CUDA graphs included. It refuses, with a ValueError naming the flag, what the
 plugin cannot serve with (no radix cache, paging, another radix-cache backend, the features of
 SGLang's default cache in `check_cache_features`, split prefill/decode attention backends, and
@@ -24,25 +24,36 @@ from typing import Any
 
 from sglang_ext.config import (
     ATTENTION_BACKEND,
-    CONFIG_ATTR,
     CPU_INNER_BACKEND,
-    INNER_ATTR,
     RADIX_CACHE_BACKEND,
     CompactionConfig,
 )
 
 __all__ = [
     "CHANGES_ATTR",
+    "CONFIG_ATTR",
     "DEFAULT_CACHE_FEATURES",
     "EVICTION_POLICIES",
+    "INNER_ATTR",
     "apply_to_server_args",
     "check_cache_features",
     "check_parallelism",
+    "get_config",
     "log_changes",
 ]
 
 logger = logging.getLogger(__name__)
-CHANGES_ATTR = "compaction_changes"  # [(logging level, message)] not yet logged
+# What the plugin keeps on SGLang's `ServerArgs`: the record is the one object SGLang hands
+# from the main process (where the flags are parsed) to the scheduler process it spawns (where
+# the backends are built), pickling its attributes across; no object of the plugin's own
+# crosses that boundary. The config and the wrapped backend's name ride there for that reason.
+CONFIG_ATTR = "_compaction_config"
+# The user's --attention-backend that `compaction` wraps (None: SGLang's default for the model,
+# resolved in the scheduler).
+INNER_ATTR = "_compaction_inner_attention"
+# [(logging level, message)] not yet logged: noted while `from_cli_args` runs (before SGLang
+# configures logging), logged and dropped by the main process's `configure_logger` hook.
+CHANGES_ATTR = "compaction_changes"
 # What SGLang 0.5.23 builds into its default cache (`UnifiedRadixCache` and the selection
 # chain of `sglang.srt.mem_cache.registry`), which `--radix-cache-backend compaction`
 # replaces: (ServerArgs attribute, flag, what it is). With the plugin's cache SGLang would
@@ -75,7 +86,7 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     """Store `cfg` on the record and select the plugin's backends (mutates `server_args`).
 
     Attention: `compaction`, wrapping the user's `--attention-backend` (stored as
-    `config.INNER_ATTR`); unset, it wraps `torch_native` on CPU (the engine this project
+    `INNER_ATTR`); unset, it wraps `torch_native` on CPU (the engine this project
     serves on there) and, elsewhere, SGLang's default for the model, resolved in the scheduler
     (`INNER_ATTR` None). CUDA graphs stay as the user set them.
 
@@ -103,6 +114,12 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     wrapped = inner if inner is not None else "SGLang's default for the model"
     _change(server_args, "attention_backend", ATTENTION_BACKEND,
             f"wraps {wrapped}: stock kernels for batches without compacted prefixes")  # fmt: skip
+
+
+def get_config(server_args: Any) -> CompactionConfig | None:
+    """The config stored on a ServerArgs record (None: plugin inactive)."""
+    cfg = getattr(server_args, CONFIG_ATTR, None)
+    return cfg if isinstance(cfg, CompactionConfig) else None
 
 
 def log_changes(server_args: Any) -> int:

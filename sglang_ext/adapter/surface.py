@@ -14,7 +14,7 @@ the SGLang versions it was checked against:
 - `verify_process(serving)`: both, once per process (hooks only where `load_plugins()` ran):
   RuntimeError naming each problem where compaction is on, a warning where it is off.
 
-They run (`sglang_ext.__init__`) in the main process when it parses `--compaction-endpoint`
+They run (`sglang_ext.adapter.hooks`) in the main process when it parses `--compaction-endpoint`
 (surface only), in every process's `configure_logger` hook (after `load_plugins()`, before
 the scheduler builds its model), and again in the backend and cache factories (a no-op once
 done; catches a missing `configure_logger` hook).
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 # tags are ignored: 0.5.23.post1 counts as 0.5.23).
 SUPPORTED = (">=0.5.23", "<0.5.24")
 
-# The hook targets (sglang_ext.FLAG_HOOKS / SERVING_HOOKS take them from here).
+# The hook targets (sglang_ext.adapter.hooks.FLAG_HOOKS / SERVING_HOOKS take them from here).
 CONFIGURE_LOGGER = "sglang.srt.utils.common.configure_logger"
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
@@ -323,9 +323,9 @@ def check_hooks_applied(serving: bool) -> list[str]:
     `HookRegistry._patched`, and its attribute must be a `HookRegistry` wrapper (a function
     built by `hook_registry._wrap_fn`) around the plugin's hook. One line per problem, naming
     the target and the installed SGLang version."""
-    import sglang_ext
+    from sglang_ext.adapter import hooks as plugin
 
-    hooks = [*sglang_ext.FLAG_HOOKS, *(sglang_ext.SERVING_HOOKS if serving else ())]
+    hooks = [*plugin.FLAG_HOOKS, *(plugin.SERVING_HOOKS if serving else ())]
     return hook_problems(hooks)
 
 
@@ -346,7 +346,9 @@ def hook_problems(hooks: Iterable[tuple[str, Any]]) -> list[str]:
             else:
                 what = "" if found else f"is not a HookRegistry wrapper around {name}"
         if what:
-            problems.append(f"hook {target}: {what}, in SGLang {version} (hook: sglang_ext.{name})")
+            problems.append(
+                f"hook {target}: {what}, in SGLang {version} (hook: sglang_ext.adapter.hooks.{name})"
+            )
     return problems
 
 

@@ -2,7 +2,7 @@
 
 `--compaction-endpoint` selects the attention backend `compaction`, which builds the backend
 SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION_BACKENDS[name]
-(runner)`; the name rides on the record, `config.INNER_ATTR`) and wraps it:
+(runner)`; the name rides on the record, `sglang_ext.adapter.server_args.INNER_ATTR`) and wraps it:
 
 - Per forward (`init_forward_metadata`, or earlier in SGLang's CUDA-graph gate) it decides
   whether any request sits on a compacted prefix, on the host: `mark_forward_batch` (an AFTER
@@ -44,8 +44,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_ext.adapter.compacted_node import beta_store_of, compacted_ancestor
 from sglang_ext.attention import attend_rows
-from sglang_ext.compacted_node import compacted_ancestor
 from sglang_ext.config import ATTENTION_BACKEND
 from sglang_ext.kv_store import BetaStore
 
@@ -164,7 +164,7 @@ class CompactionBackend(AttentionBackend):
         self.model_runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.beta_store = BetaStore.for_pool(self.token_to_kv_pool)
+        self.beta_store = beta_store_of(self.token_to_kv_pool)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":

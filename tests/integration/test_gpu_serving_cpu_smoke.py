@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext import ANNOUNCEMENT
+from sglang_ext.adapter.hooks import ANNOUNCEMENT
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

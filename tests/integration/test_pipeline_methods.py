@@ -87,6 +87,16 @@ def test_kvcompose_spreads_budget_across_layers(model_and_ids: tuple[Any, list[i
     assert abs(mean - round(RATIO * len(ids))) <= 0.15 * mean
 
 
+def test_kv_compress_varies_budgets_under_the_total(model_and_ids: tuple[Any, list[int]]) -> None:
+    model, ids = model_and_ids
+    prefix = _compact(model, ids, "kv-compress")
+    t, L, H = prefix.params["budget_per_head"], len(prefix.layers), prefix.num_kv_heads
+    per_layer = [sum(layer.head_lengths()) for layer in prefix.layers]
+    assert sum(per_layer) == L * H * t  # the total every method gets, sinks included
+    assert len(set(per_layer)) > 1  # layers trade budget
+    assert any(len(set(layer.head_lengths())) > 1 for layer in prefix.layers)  # and heads
+
+
 def test_gvote_chooses_its_own_budget(model_and_ids: tuple[Any, list[int]]) -> None:
     model, ids = model_and_ids
     prefix = _compact(model, ids, "gvote")

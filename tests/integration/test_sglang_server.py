@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch import SGLangServer, stock_plugins
-from sglang_ext import ANNOUNCEMENT, FLAG_HOOKS
+from sglang_ext.adapter.hooks import ANNOUNCEMENT, FLAG_HOOKS
 
 pytestmark = pytest.mark.sglang
 

@@ -45,6 +45,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [(name, {}) for name in PROJECT_METHOD
     ("kvcompose", {"group_size": G, "refit": "am"}),
     ("compresskv", {"window": 4}),
     ("gvote", {"refit": "am"}),
+    ("kv-compress", {"window": 4, "refit": "am"}),
 ]
 
 
@@ -174,7 +175,7 @@ def test_methods_are_stateless(name: str, params: dict[str, Any], calib_dir: str
     assert vars(method) == before
     _assert_same(first.layer, again.layer)
     assert first.report == again.report
-    assert (first.report != {}) == (name in ("gvote", "compresskv", "kvzip"))
+    assert (first.report != {}) == (name in ("gvote", "compresskv", "kvzip", "kv-compress"))
 
 
 def test_solvers_and_budget_helpers_allocate_nothing_on_the_default_device() -> None:

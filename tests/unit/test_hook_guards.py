@@ -47,7 +47,7 @@ def test_an_oom_inside_an_install_is_contained(
     assert cache.poll_compactions() == 0  # raised nothing into the scheduler
     s = cache.stats
     assert (s.install_errors, s.failures, s.fallbacks, s.installed) == (1, 1, 1, 0)
-    assert not cache.compacted_nodes() and not cache._pending
+    assert not cache.compacted_nodes() and not cache.lifecycle.pending
     assert cache.token_to_kv_pool_allocator.available_size() == POOL - T  # slots returned
     assert cache.match_prefix(MatchPrefixParams(key=key(ids))).device_prefix_len == T
     assert not cache.guard.open
@@ -96,8 +96,8 @@ def test_scheduler_hooks_never_raise_into_the_scheduler(monkeypatch: pytest.Monk
     (False: the batch runs eagerly, always correct), a weight update (compaction stops)."""
     from types import SimpleNamespace
 
-    import sglang_ext
-    import sglang_ext.wrapped_backend as wb
+    import sglang_ext.adapter.wrapped_backend as wb
+    from sglang_ext.adapter import hooks
 
     tripped: list[str] = []
 
@@ -109,13 +109,13 @@ def test_scheduler_hooks_never_raise_into_the_scheduler(monkeypatch: pytest.Monk
                             trip=tripped.append)  # fmt: skip
     scheduler = SimpleNamespace(tree_cache=cache)
     for _ in range(BREAKER_AFTER):
-        assert sglang_ext._poll_scheduler(None, scheduler) is None
+        assert hooks._poll_scheduler(None, scheduler) is None
     assert cache.guard.errors == BREAKER_AFTER and len(tripped) == 1
 
     monkeypatch.setattr(wb, "graph_gate", boom)
-    assert sglang_ext._graph_gate(True, object(), object()) is False
+    assert hooks._graph_gate(True, object(), object()) is False
 
-    sglang_ext._weights_updated(SimpleNamespace(success=True), SimpleNamespace(scheduler=scheduler))
+    hooks._weights_updated(SimpleNamespace(success=True), SimpleNamespace(scheduler=scheduler))
     assert "a weight update raised" in tripped[-1]
 
 

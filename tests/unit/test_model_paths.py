@@ -179,7 +179,7 @@ def test_pytorch_bin_and_pt_checkpoints_are_fingerprinted(tmp_path: Path) -> Non
 def test_plugin_resolves_hub_ids_before_loading(
     hub: Path, prepared_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sglang_ext.factory import check_model, resolve_model_dir
+    from sglang_ext.adapter.factory import check_model, resolve_model_dir
 
     def args(path: str, **kw: object) -> SimpleNamespace:
         return SimpleNamespace(model_path=path, revision=None, download_dir=None, **kw)

@@ -8,12 +8,8 @@ from typing import Any
 
 import pytest
 
-from sglang_ext.config import (
-    CONFIG_ATTR,
-    RADIX_CACHE_BACKEND,
-    CompactionConfig,
-)
-from sglang_ext.server_args import apply_to_server_args
+from sglang_ext.adapter.server_args import CONFIG_ATTR, apply_to_server_args
+from sglang_ext.config import RADIX_CACHE_BACKEND, CompactionConfig
 from tests.unit.test_sglang_ext_config import server_args
 
 SERVICE = CompactionConfig(endpoint="127.0.0.1:50051")

@@ -15,22 +15,23 @@ from typing import Any
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-import sglang_ext
-from sglang_ext.config import CONFIG_ATTR, add_cli_args
+from sglang_ext.adapter import hooks
+from sglang_ext.adapter.server_args import CONFIG_ATTR
+from sglang_ext.config import add_cli_args
 from tests.unit.test_sglang_ext_config import server_args
 
 
 def _ours() -> dict[str, int]:
     """Target -> how many of this plugin's hooks SGLang's registry holds for it."""
-    ours = {hook for _, hook in (*sglang_ext.FLAG_HOOKS, *sglang_ext.SERVING_HOOKS)}
+    ours = {hook for _, hook in (*hooks.FLAG_HOOKS, *hooks.SERVING_HOOKS)}
     return {t: sum(h in ours for _, h, _ in hs) for t, hs in HookRegistry._hooks.items()}
 
 
 def _register_fresh(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Targets that one fresh `register()` call adds hooks to."""
-    monkeypatch.setattr(sglang_ext, "_registered", False)
+    monkeypatch.setattr(hooks, "_registered", False)
     before = _ours()
-    sglang_ext.register()
+    hooks.register()
     return {t: n - before.get(t, 0) for t, n in _ours().items() if n > before.get(t, 0)}
 
 
@@ -38,15 +39,15 @@ def test_without_the_marker_only_the_flag_hooks_are_registered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     added = _register_fresh(monkeypatch)
-    assert set(added) == {t for t, _ in sglang_ext.FLAG_HOOKS}
+    assert set(added) == {t for t, _ in hooks.FLAG_HOOKS}
     assert not any("Scheduler" in t or "init_new" in t or "can_run_graph" in t for t in added)
 
 
 def test_with_the_marker_the_serving_hooks_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(sglang_ext.ACTIVE_ENV, "1")
+    monkeypatch.setenv(hooks.ACTIVE_ENV, "1")
     added = _register_fresh(monkeypatch)
-    assert set(added) == {t for t, _ in (*sglang_ext.FLAG_HOOKS, *sglang_ext.SERVING_HOOKS)}
-    assert "ForwardBatch.init_new" in sglang_ext.installed_hooks()
+    assert set(added) == {t for t, _ in (*hooks.FLAG_HOOKS, *hooks.SERVING_HOOKS)}
+    assert "ForwardBatch.init_new" in hooks.installed_hooks()
 
 
 def _parse(argv: list[str]) -> tuple[Any, argparse.Namespace]:
@@ -57,16 +58,16 @@ def _parse(argv: list[str]) -> tuple[Any, argparse.Namespace]:
 
 def test_the_endpoint_sets_the_marker_and_its_absence_clears_it() -> None:
     args, ns = _parse(["--compaction-endpoint", "inproc://"])
-    sglang_ext._from_cli_args(args, type(args), ns)
-    assert os.environ.get(sglang_ext.ACTIVE_ENV) == "1" and hasattr(args, CONFIG_ATTR)
+    hooks._from_cli_args(args, type(args), ns)
+    assert os.environ.get(hooks.ACTIVE_ENV) == "1" and hasattr(args, CONFIG_ATTR)
 
     args, ns = _parse([])  # a marker inherited from elsewhere does not turn a server on
-    sglang_ext._from_cli_args(args, type(args), ns)
-    assert sglang_ext.ACTIVE_ENV not in os.environ and not hasattr(args, CONFIG_ATTR)
+    hooks._from_cli_args(args, type(args), ns)
+    assert hooks.ACTIVE_ENV not in os.environ and not hasattr(args, CONFIG_ATTR)
 
 
 def test_a_refused_config_sets_no_marker() -> None:
     args, ns = _parse(["--compaction-endpoint", "inproc://", "--compaction-ratio", "2"])
     with pytest.raises(ValueError, match="--compaction-ratio"):
-        sglang_ext._from_cli_args(args, type(args), ns)
-    assert sglang_ext.ACTIVE_ENV not in os.environ
+        hooks._from_cli_args(args, type(args), ns)
+    assert hooks.ACTIVE_ENV not in os.environ

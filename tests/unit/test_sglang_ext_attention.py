@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kernels.biased_attention.reference import biased_attention
+from sglang_ext.adapter.compacted_node import beta_store_of
 from sglang_ext.attention import attend_rows, biased_sdpa, physical_entries
-from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
+from sglang_ext.kv_store import ALIAS_SLOT
 
 
 def _reference(q, k, v, beta, q_offset, scale):  # type: ignore[no-untyped-def]
@@ -84,7 +85,7 @@ PLAIN_ROW = list(range(10, 16))
 def mixed_rows(runner: Any, decode: bool) -> tuple[list[list[int]], list[int]]:
     """Write three rows into the runner's pools: plain, compacted + tail, compacted + child +
     tail; install the compacted prefix's beta (mutates the pools). Returns rows, q_lens."""
-    store = BetaStore.for_pool(runner.token_to_kv_pool)
+    store = beta_store_of(runner.token_to_kv_pool)
     store.enable_alias()
     phys = torch.tensor(PHYS)
     store.compacted[phys] = True
@@ -104,7 +105,7 @@ def full_row_reference(runner: Any, layer: int, q: torch.Tensor, rows: list[list
                        q_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
     """The all-entries path: every slot of each row, aliases masked by their beta = -inf.
     q [tokens, H_q, D]; returns [tokens, H_q, D]."""
-    pool, store = runner.token_to_kv_pool, BetaStore.for_pool(runner.token_to_kv_pool)
+    pool, store = runner.token_to_kv_pool, beta_store_of(runner.token_to_kv_pool)
     out, start = torch.empty_like(q), 0
     for row, q_len in zip(rows, q_lens):
         slots = torch.tensor(row)
@@ -124,7 +125,7 @@ def test_attend_rows_reads_physical_slots_and_matches_full_rows(decode: bool) ->
     rows, q_lens = mixed_rows(runner, decode)
     q = torch.randn(sum(q_lens), 2 * H_KV, D)  # [tokens, H_q, D]
     pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
-    store = BetaStore.for_pool(pool)
+    store = beta_store_of(pool)
     for layer in range(LAYERS):
         want = full_row_reference(runner, layer, q, rows, q_lens, 0.25)
         k_alias = pool.get_key_buffer(layer)[ALIAS_SLOT].clone()
@@ -147,7 +148,7 @@ def test_attend_rows_rejects_bad_lengths() -> None:
 
 
 def test_store_records_prefixes_by_first_slot() -> None:
-    store = BetaStore.for_pool(real_runner().token_to_kv_pool)
+    store = beta_store_of(real_runner().token_to_kv_pool)
     store.mark_prefix(torch.tensor(PHYS), T)
     assert store.prefix_of(PHYS[0]) == (len(PHYS), T) and store.prefix_of(PHYS[1]) is None
     with pytest.raises(ValueError, match="t_max=4 <= T=3"):

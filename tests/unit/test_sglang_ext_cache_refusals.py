@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sglang_ext.config import CONFIG_ATTR, RADIX_CACHE_BACKEND, CompactionConfig
-from sglang_ext.server_args import DEFAULT_CACHE_FEATURES, apply_to_server_args
+from sglang_ext.adapter.server_args import CONFIG_ATTR, DEFAULT_CACHE_FEATURES, apply_to_server_args
+from sglang_ext.config import RADIX_CACHE_BACKEND, CompactionConfig
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ def test_plugin_uses_only_the_public_surface() -> None:
     """sglang_ext reaches compactor through its lazy top-level names (and the client), not
     compactor.hf / compactor.workers internals; the config module imports no torch."""
     root = Path(__file__).resolve().parents[2]
-    for name in ("compactors.py", "config.py", "factory.py"):
+    for name in ("compactors.py", "config.py", "adapter/factory.py"):
         text = (root / "sglang_ext" / name).read_text()
         for internal in ("compactor.hf", "compactor.workers", "compactor.pipeline"):
             assert internal not in text, (name, internal)

@@ -9,19 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_ext.config import (
-    ATTENTION_BACKEND,
-    CONFIG_ATTR,
-    INNER_ATTR,
-    RADIX_CACHE_BACKEND,
-    CompactionConfig,
-)
-from sglang_ext.server_args import (
+from sglang_ext.adapter.server_args import (
     CHANGES_ATTR,
+    CONFIG_ATTR,
     DEFAULT_CACHE_FEATURES,
+    INNER_ATTR,
     apply_to_server_args,
     log_changes,
 )
+from sglang_ext.config import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, CompactionConfig
 
 CFG = CompactionConfig(endpoint="inproc://")
 
@@ -141,7 +137,7 @@ def test_register_backends_adds_the_attention_backend() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
-    from sglang_ext.factory import register_backends
+    from sglang_ext.adapter.factory import register_backends
 
     register_backends()
     register_backends()  # idempotent
@@ -224,7 +220,7 @@ def test_startup_hook_validates_the_spec() -> None:
     """The AFTER hook on ServerArgs.from_cli_args is where a bad spec stops the server."""
     import argparse
 
-    from sglang_ext import _from_cli_args
+    from sglang_ext.adapter.hooks import _from_cli_args
     from sglang_ext.config import add_cli_args
 
     p = argparse.ArgumentParser()
@@ -271,7 +267,7 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
     """The channel is checked where the spec is: a remote plaintext token stops startup."""
     import argparse
 
-    from sglang_ext import _from_cli_args
+    from sglang_ext.adapter.hooks import _from_cli_args
     from sglang_ext.config import add_cli_args
 
     token = tmp_path / "token"
@@ -292,7 +288,7 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
 
 def test_each_change_is_logged_with_old_and_new_value(caplog: pytest.LogCaptureFixture) -> None:
     args = server_args(device="cuda", attention_backend="flashinfer")
-    with caplog.at_level("INFO", logger="sglang_ext.server_args"):
+    with caplog.at_level("INFO", logger="sglang_ext.adapter.server_args"):
         apply_to_server_args(args, CFG)
         assert caplog.records == []  # no log handler exists yet when from_cli_args runs
         assert log_changes(args) == 2
@@ -313,7 +309,7 @@ def test_unchanged_settings_are_not_logged(caplog: pytest.LogCaptureFixture) -> 
     assert log_changes(args) == 0
     args = server_args(device="cuda")
     apply_to_server_args(args, CFG)
-    with caplog.at_level("INFO", logger="sglang_ext.server_args"):
+    with caplog.at_level("INFO", logger="sglang_ext.adapter.server_args"):
         assert log_changes(args) == 2
     msgs = [r.getMessage() for r in caplog.records]
     assert not any("CUDA graphs" in m for m in msgs), msgs
@@ -324,7 +320,7 @@ def test_unchanged_settings_are_not_logged(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_configure_logger_hook_logs_the_changes(caplog: pytest.LogCaptureFixture) -> None:
-    from sglang_ext import ANNOUNCEMENT, _announce
+    from sglang_ext.adapter.hooks import ANNOUNCEMENT, _announce
 
     args = server_args(device="cpu")
     apply_to_server_args(args, CFG)

@@ -18,7 +18,7 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from compactor.types import CompactedPrefix
-from sglang_ext import weights_fingerprint
+from sglang_ext.adapter.hooks import weights_fingerprint
 from sglang_ext.compactors import CompactionRunner, JobResult
 from sglang_ext.installer import BETA_SLACK, KEY_SLACK, VALUE_SLACK, PendingInstall
 from sglang_ext.kv_store import head_counts
@@ -121,7 +121,7 @@ def test_install_reports_the_budget_the_compactor_chose(compacted: Any, caplog: 
     )
     cache = make_cache(fp)
     insert_fresh(cache, ids)
-    with caplog.at_level(logging.INFO, logger="sglang_ext.radix_cache"):
+    with caplog.at_level(logging.INFO, logger="sglang_ext"):
         cache.install(ids, searched)
     assert (cache.stats.chosen_ratio, cache.stats.estimated_error) == (0.2, 0.12)
     assert "ratio=0.2 estimated_error=0.12" in caplog.text
@@ -176,7 +176,7 @@ def test_pending_step_writes_at_least_one_layer(compacted: Any) -> None:
     ids, prefix, fp = compacted
     cache = make_cache(fp)
     insert_fresh(cache, ids)
-    p = cache._begin(ids, prefix)
+    p = cache.lifecycle.begin(ids, prefix)
     assert isinstance(p, PendingInstall)
     assert p.step(cache.kvcache, cache.beta_store, max_bytes=1) == p.layer_bytes(cache.kvcache)
     assert p.next_layer == 1 and not p.done

@@ -13,6 +13,7 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 
 from compactor.workers.job import CompactJob
+from sglang_ext.adapter.compacted_node import child_key
 from sglang_ext.compactors import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import head_counts
@@ -84,7 +85,7 @@ def test_refit_replaces_the_fit_and_frees_the_old_one_when_its_requests_end(
     assert m.device_prefix_len == T and m.last_device_node is second
     assert cache.token_to_kv_pool_allocator.available_size() == free_before - t_max + 3
     assert cache.beta_store.compacted[first.compaction.slots].all()
-    assert first.parent.children[first.compaction.child_key] is first
+    assert first.parent.children[child_key(first.compaction.prefix_hash, 0)] is first
 
     # `old` ends: it stays off the refit (its KV row is the first fit's), then the first
     # fit is freed at the next poll, beta and all, and is not counted as an eviction

@@ -21,8 +21,8 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
+from sglang_ext.adapter.radix_cache import CompactionRadixCache
 from sglang_ext.config import CompactionConfig
-from sglang_ext.radix_cache import CompactionRadixCache
 from tests.unit.test_sglang_ext_radix_cache import FakeRunner, _release, _req, key
 
 POOL = 8192

@@ -20,8 +20,8 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from compactor.types import CompactedPrefix
+from sglang_ext.adapter.radix_cache import CompactionRadixCache
 from sglang_ext.compactors import JobResult
-from sglang_ext.radix_cache import CompactionRadixCache
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     ORIGINAL_KV,
     FakeRunner,
@@ -81,10 +81,10 @@ def test_document_under_a_compacted_prefix_is_compacted_whole(compacted: Any, ne
     assert [tokens for tokens, _ in runner.submitted] == [full]
     assert sorted(runner.submitted[0][1]) == [[501, 502], [601], [701, 702, 703]]
     runner.results.append(JobResult(tuple(full), full_prefix, None, 0.1))
-    while cache._pending or runner.results:
+    while cache.lifecycle.pending or runner.results:
         cache.poll_compactions()
     assert cache.stats.installed == 2 and cache.stats.fallbacks == 0, cache.stats
-    k1 = cache._compacted[full_prefix.prefix_hash]
+    k1 = cache.lifecycle.installed[full_prefix.prefix_hash]
     # S + D + anything goes through the new node; S + anything else still through K0
     m = cache.match_prefix(MatchPrefixParams(key=key([*full, 501, 1])))
     assert m.last_device_node is not k0 and m.device_prefix_len >= len(full)

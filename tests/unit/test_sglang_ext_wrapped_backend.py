@@ -13,15 +13,16 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sglang_ext.config import INNER_ATTR
-from sglang_ext.factory import _create_attention_backend, inner_attention_backend
-from sglang_ext.kv_store import ALIAS_SLOT, BetaStore
-from sglang_ext.wrapped_backend import (
+from sglang_ext.adapter.compacted_node import beta_store_of
+from sglang_ext.adapter.factory import _create_attention_backend, inner_attention_backend
+from sglang_ext.adapter.server_args import INNER_ATTR
+from sglang_ext.adapter.wrapped_backend import (
     CompactionBackend,
     HostMarks,
     graph_gate,
     mark_forward_batch,
 )
+from sglang_ext.kv_store import ALIAS_SLOT
 from tests.unit.test_sglang_ext_attention import (
     CHILD,
     H_KV,
@@ -200,7 +201,7 @@ def test_speculative_modes_are_refused_on_compacted_rows_only() -> None:
 def test_no_installed_prefix_costs_no_lookup() -> None:
     runner = real_runner()
     be = wrapped(runner)
-    assert not BetaStore.for_pool(runner.token_to_kv_pool).prefixes
+    assert not beta_store_of(runner.token_to_kv_pool).prefixes
     fb = forward_batch([PLAIN_ROW], [1], [1], True)
     fb.req_pool_indices = None  # never read while nothing is compacted
     be.init_forward_metadata(fb)
@@ -209,30 +210,30 @@ def test_no_installed_prefix_costs_no_lookup() -> None:
 
 def serving_registration(monkeypatch: pytest.MonkeyPatch) -> Any:
     """`register()` as a serving process (started with --compaction-endpoint) runs it."""
-    import sglang_ext
+    from sglang_ext.adapter import hooks
 
-    monkeypatch.setenv(sglang_ext.ACTIVE_ENV, "1")
-    monkeypatch.setattr(sglang_ext, "_registered", False)
-    sglang_ext.register()
-    return sglang_ext
+    monkeypatch.setenv(hooks.ACTIVE_ENV, "1")
+    monkeypatch.setattr(hooks, "_registered", False)
+    hooks.register()
+    return hooks
 
 
 def test_plugin_gates_both_graph_runners(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    sglang_ext = serving_registration(monkeypatch)
-    for runner in sglang_ext._GRAPH_RUNNERS:
+    plugin = serving_registration(monkeypatch)
+    for runner in plugin._GRAPH_RUNNERS:
         hooks = HookRegistry._hooks[f"{runner}.can_run_graph"]
-        assert any(hook is sglang_ext._graph_gate for _, hook, _ in hooks), runner
+        assert any(hook is plugin._graph_gate for _, hook, _ in hooks), runner
     runner = real_runner()
     be = wrapped(runner)
     rows, q_lens = mixed_rows(runner, True)
     graph_runner = SimpleNamespace(attn_backend=None, model_runner=SimpleNamespace(attn_backend=be))
     mixed = forward_batch(rows, [1, 2, 3], q_lens, True)
-    assert sglang_ext._graph_gate(True, graph_runner, mixed) is False
-    assert sglang_ext._graph_gate(False, graph_runner, mixed) is None  # SGLang said no already
+    assert plugin._graph_gate(True, graph_runner, mixed) is False
+    assert plugin._graph_gate(False, graph_runner, mixed) is None  # SGLang said no already
     plain = forward_batch([PLAIN_ROW], [1], [1], True)
-    assert sglang_ext._graph_gate(True, graph_runner, plain) is None
+    assert plugin._graph_gate(True, graph_runner, plain) is None
 
 
 def schedule_batch(runner: Any, be: CompactionBackend, rows: list[list[int]]) -> Any:
@@ -242,10 +243,13 @@ def schedule_batch(runner: Any, be: CompactionBackend, rows: list[list[int]]) ->
     a plain node off the root."""
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_ext.compacted_node import new_compacted_node
+    from sglang_ext.adapter.compacted_node import new_compacted_node
+    from sglang_ext.prefix_tree import CompactionInfo
 
     root = TreeNode()
-    node = new_compacted_node(root, list(range(T)), torch.tensor(PHYS), "h", "am-highest")
+    node = new_compacted_node(
+        root, list(range(T)), CompactionInfo(torch.tensor(PHYS), T, "h", "am-highest", 0)
+    )
     child, plain = TreeNode(), TreeNode()
     child.parent, plain.parent = node, root
     child.key, plain.key = RadixKey([1] * len(CHILD), None), RadixKey([2] * 6, None)
@@ -303,28 +307,28 @@ def test_no_marks_without_an_installed_prefix_or_a_row() -> None:
 def test_plugin_marks_every_forward_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    sglang_ext = serving_registration(monkeypatch)
+    plugin = serving_registration(monkeypatch)
     hooks = HookRegistry._hooks[
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
     ]
-    assert any(hook is sglang_ext._mark_batch for _, hook, _ in hooks)
+    assert any(hook is plugin._mark_batch for _, hook, _ in hooks)
     runner = real_runner()
     be = wrapped(runner)
     rows, _ = mixed_rows(runner, True)
     fb = SimpleNamespace()
-    sglang_ext._mark_batch(fb, object, schedule_batch(runner, be, rows), runner)
+    plugin._mark_batch(fb, object, schedule_batch(runner, be, rows), runner)
     assert fb.compaction_marks.prefixes[0] is None and fb.compaction_marks.prefixes[2] is not None
 
 
 def test_a_failing_mark_never_reaches_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sglang_ext
+    from sglang_ext.adapter import hooks
 
     runner = real_runner()
     be = wrapped(runner)
     mixed_rows(runner, True)
     sched = schedule_batch(runner, be, [])
     sched.req_pool_indices_cpu = object()  # SGLang changed under us: marking raises
-    monkeypatch.setattr(sglang_ext, "_mark_failed", False)
+    monkeypatch.setattr(hooks, "_mark_failed", False)
     fb = SimpleNamespace()
-    sglang_ext._mark_batch(fb, object, sched, runner)
-    assert not hasattr(fb, "compaction_marks") and sglang_ext._mark_failed
+    hooks._mark_batch(fb, object, sched, runner)
+    assert not hasattr(fb, "compaction_marks") and hooks._mark_failed

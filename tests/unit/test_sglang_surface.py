@@ -1,4 +1,4 @@
-"""`sglang_ext.surface`: every SGLang name the plugin depends on is checked at start-up, and a
+"""`sglang_ext.adapter.surface`: every SGLang name the plugin depends on is checked at start-up, and a
 process that serves compacted prefixes refuses to start when one is missing or unapplied.
 
 Each hook target in turn is made unresolvable, left unapplied, or replaced by its original
@@ -26,12 +26,12 @@ import pytest
 import sglang.srt.plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-import sglang_ext
-from sglang_ext import surface
+from sglang_ext.adapter import hooks as plugin
+from sglang_ext.adapter import surface
 from tests.unit.test_sglang_ext_wrapped_backend import serving_registration
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOKS = [*sglang_ext.FLAG_HOOKS, *sglang_ext.SERVING_HOOKS]
+HOOKS = [*plugin.FLAG_HOOKS, *plugin.SERVING_HOOKS]
 TARGETS = [t for t, _ in HOOKS]
 OVERRIDES = [s.target for s in surface.SURFACE if s.kind == "override"]
 PRIVATE_METHODS = [s.target for s in surface.SURFACE if s.kind == "private" and s.params]
@@ -71,7 +71,7 @@ def applying(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     hooked attribute does so in a `pytest.MonkeyPatch.context()`, undone before this exit.)"""
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(HookRegistry, "_patched", set())
-    monkeypatch.setattr(sglang_ext, "_serving", sglang_ext._serving)
+    monkeypatch.setattr(plugin, "_serving", plugin._serving)
     monkeypatch.setattr(surface, "_verified", set())
     monkeypatch.setattr(sglang.srt.plugins, "_plugins_loaded", True)  # as in a server process
     saved = [(*_owner(t), _raw(*_owner(t))) for t in TARGETS]
@@ -116,14 +116,14 @@ def test_the_installed_sglang_passes(applied: Any) -> None:
 def test_the_table_names_every_hook_target_once() -> None:
     hooks = [s for s in surface.SURFACE if s.kind == "hook"]
     assert sorted(s.target for s in hooks) == sorted(TARGETS)
-    flag_targets = {t for t, _ in sglang_ext.FLAG_HOOKS}
+    flag_targets = {t for t, _ in plugin.FLAG_HOOKS}
     assert {s.target for s in hooks if not s.serving} == flag_targets
     assert len({s.target for s in surface.SURFACE}) == len(surface.SURFACE)
 
 
 def test_the_table_names_every_sglang_import() -> None:
     imported = set()
-    for path in sorted((ROOT / "sglang_ext").glob("*.py")):
+    for path in sorted((ROOT / "sglang_ext").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang."):
                 imported |= {f"{node.module}.{a.name}" for a in node.names}
@@ -135,8 +135,8 @@ def test_the_table_names_every_sglang_import() -> None:
 @pytest.mark.parametrize(
     ("plugin_cls", "base_path"),
     [
-        ("sglang_ext.radix_cache.CompactionRadixCache", surface._RADIX),
-        ("sglang_ext.wrapped_backend.CompactionBackend", surface._BACKEND),
+        ("sglang_ext.adapter.radix_cache.CompactionRadixCache", surface._RADIX),
+        ("sglang_ext.adapter.wrapped_backend.CompactionBackend", surface._BACKEND),
     ],
 )
 def test_the_table_names_every_override_as_the_plugin_defines_it(
@@ -188,7 +188,7 @@ def test_an_unapplied_hook_is_named(
     problems = surface.check_hooks_applied(True)
     assert problems == [
         f"hook {target}: not applied by SGLang's HookRegistry (not in HookRegistry._patched), "
-        f"in SGLang {surface.sglang_version()} (hook: sglang_ext.{dict(HOOKS)[target].__name__})"
+        f"in SGLang {surface.sglang_version()} (hook: sglang_ext.adapter.hooks.{dict(HOOKS)[target].__name__})"
     ]
     with pytest.raises(RuntimeError, match=f"hook {target}"):
         surface.verify_process(True)
@@ -223,11 +223,11 @@ def test_serving_hooks_are_checked_only_where_compaction_is_on(
 def test_with_compaction_off_problems_are_only_logged(
     applied: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(sglang_ext, "_serving", False)  # a server without the endpoint
+    monkeypatch.setattr(plugin, "_serving", False)  # a server without the endpoint
     monkeypatch.setattr(
         HookRegistry, "_patched", HookRegistry._patched - {surface.CONFIGURE_LOGGER}
     )
-    with caplog.at_level(logging.WARNING, logger="sglang_ext.surface"):
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.adapter.surface"):
         applied._announce(None, None)  # no RuntimeError: the server runs stock
     assert f"hook {surface.CONFIGURE_LOGGER}: not applied" in caplog.text
 
@@ -253,7 +253,7 @@ def test_a_graph_gate_sglang_failed_to_apply_refuses_to_serve(
         assert gate not in HookRegistry._patched
         with pytest.raises(RuntimeError, match=f"hook {gate}: not applied"):
             ext._announce(None, None)
-        from sglang_ext.factory import _create_attention_backend, create_compaction_cache
+        from sglang_ext.adapter.factory import _create_attention_backend, create_compaction_cache
 
         for factory in (_create_attention_backend, create_compaction_cache):
             with pytest.raises(RuntimeError, match=f"hook {gate}: not applied"):
@@ -324,7 +324,7 @@ def test_a_version_out_of_range_is_refused(
     assert problems and problems[0].startswith(f"sglang {version}: outside")
     with pytest.raises(RuntimeError, match=f"sglang {version}"):
         surface.verify_process(True, hooks=False)
-    with caplog.at_level(logging.WARNING, logger="sglang_ext.surface"):
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.adapter.surface"):
         surface.verify_process(False, hooks=False)  # compaction off: stock, only a warning
     assert f"sglang {version}" in caplog.text
 
@@ -341,10 +341,10 @@ def test_the_main_process_refuses_at_argument_parsing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(surface, "_verified", set())
     args, ns = _parse(["--compaction-endpoint", "inproc://"])
     with pytest.raises(RuntimeError, match=r"sglang 0\.6\.0: outside"):
-        sglang_ext._from_cli_args(args, type(args), ns)
-    assert sglang_ext.ACTIVE_ENV not in os.environ
+        plugin._from_cli_args(args, type(args), ns)
+    assert plugin.ACTIVE_ENV not in os.environ
     args, ns = _parse([])
-    sglang_ext._from_cli_args(args, type(args), ns)  # without the endpoint: stock, no check
+    plugin._from_cli_args(args, type(args), ns)  # without the endpoint: stock, no check
 
 
 def test_flags_are_not_added_when_their_reader_is_not_applied(applied: Any) -> None:

@@ -76,10 +76,10 @@ def _rank_cache(rank: int, fp: str, compactor: Any, heads: int) -> Any:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
+    from sglang_ext.adapter.factory import attach_tp
+    from sglang_ext.adapter.radix_cache import CompactionRadixCache
     from sglang_ext.compactors import CompactionRunner, PoolShape
     from sglang_ext.config import CompactionConfig
-    from sglang_ext.factory import attach_tp
-    from sglang_ext.radix_cache import CompactionRadixCache
     from tests.unit.test_sglang_ext_radix_cache import POOL
 
     kv = MHATokenToKVPool(POOL, 1, torch.float32, heads // TP, 64, 30, "cpu", False)
@@ -119,7 +119,7 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
 
     import torch.distributed as dist
 
-    from sglang_ext.compacted_node import compaction_info
+    from sglang_ext.adapter.compacted_node import compaction_info
     from tests.unit.test_sglang_ext_radix_cache import ORIGINAL_KV
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=TP)
@@ -134,7 +134,7 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
     installed_at, first_seen = None, None
     for poll in range(POLLS):
         time.sleep(0.05)
-        seen = cache.tp.held + len(cache._pending)
+        seen = cache.tp.held + len(cache.lifecycle.pending)
         if seen and first_seen is None:
             first_seen = poll
         cache.poll_compactions()
@@ -164,7 +164,7 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
         cache2.poll_compactions()
     report["fail_stats"] = cache2.stats.as_dict()
     report["fail_nodes"] = len(cache2.compacted_nodes())
-    report["fail_pending"] = len(cache2._pending) + cache2.tp.held
+    report["fail_pending"] = len(cache2.lifecycle.pending) + cache2.tp.held
     report["fail_free"] = cache2.token_to_kv_pool_allocator.available_size()
     report["fail_recorded"] = sum(f.count for f in cache2.trigger._failures.values())
     for c in (cache, cache2):
