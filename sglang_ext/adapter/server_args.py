@@ -61,6 +61,8 @@ CHANGES_ATTR = "compaction_changes"
 # own checks of some of them against --radix-cache-backend run before the plugin sets it.
 DEFAULT_CACHE_FEATURES: tuple[tuple[str, str, str], ...] = (
     ("enable_hierarchical_cache", "--enable-hierarchical-cache", "HiCache (host/storage KV tiers)"),
+    ("hicache_storage_backend", "--hicache-storage-backend",
+     "HiCache's storage tier (the scheduler then asks the cache for storage prefetches)"),
     ("enable_lmcache", "--enable-lmcache", "the LMCache connector"),
     ("enable_flexkv", "--enable-flexkv", "FlexKV offload"),
     ("enable_unified_cache_external_linker", "--enable-unified-cache-external-linker",

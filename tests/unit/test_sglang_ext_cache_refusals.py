@@ -47,6 +47,7 @@ def _sglang_server_args(parser: Any, *argv: str) -> tuple[Any, CompactionConfig]
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
         (["--enable-hicache"], "--enable-hierarchical-cache"),  # SGLang's alias
         (["--enable-lmcache", "--lmcache-config-file", "lmc.yaml"], "--enable-lmcache"),
+        (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--enable-flexkv"], "--enable-flexkv"),
         (["--enable-unified-cache-external-linker"], "--enable-unified-cache-external-linker"),
         (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
