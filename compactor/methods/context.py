@@ -125,6 +125,25 @@ class LayerBudgetPlanner(Protocol):
         ...
 
 
+def check_planner_args(
+    keys: Sequence[torch.Tensor], queries: Sequence[torch.Tensor], budget: int
+) -> tuple[int, int]:
+    """(H_kv, T) of a :meth:`LayerBudgetPlanner.plan_layer_budgets` call, after checking it.
+
+    Raises:
+        ValueError: keys and queries not one per layer, layers of different [H_kv, T], or
+            `budget` outside [1, T].
+    """
+    if len(keys) != len(queries) or not keys:
+        raise ValueError(f"need keys and queries for every layer, got {len(keys)}/{len(queries)}")
+    H, T = int(keys[0].shape[0]), int(keys[0].shape[1])
+    if any(tuple(k.shape[:2]) != (H, T) for k in keys):
+        raise ValueError("every layer's keys must be [H_kv, T, D] with the same H_kv and T")
+    if not 1 <= budget <= T:
+        raise ValueError(f"budget {budget} must be in [1, T={T}]")
+    return H, T
+
+
 def wants_context(method: Any) -> bool:
     """True when ``method`` declares ``needs_context = True``."""
     return bool(getattr(method, "needs_context", False))

@@ -75,6 +75,7 @@ from compactor.methods.base import (
     register_method,
     resolve_sm_scale,
 )
+from compactor.methods.context import check_planner_args
 
 __all__ = ["REFIT_VALUES", "KVCompress", "kv_compress_scores", "round_layer_shares"]
 
@@ -186,15 +187,7 @@ class KVCompress(ScoreMethod):
         layer's kept count becomes its mean per head (:func:`round_layer_shares`: the
         result sums to L * t). Host-side planning: one host sync.
         """
-        if len(keys) != len(queries) or not keys:
-            raise ValueError(
-                f"need keys and queries for every layer, got {len(keys)}/{len(queries)}"
-            )
-        H, T = int(keys[0].shape[0]), int(keys[0].shape[1])
-        if any(tuple(k.shape[:2]) != (H, T) for k in keys):
-            raise ValueError("every layer's keys must be [H_kv, T, D] with the same H_kv and T")
-        if not 1 <= budget <= T:
-            raise ValueError(f"budget {budget} must be in [1, T={T}]")
+        H, T = check_planner_args(keys, queries, budget)
         L = len(keys)
         if not self.across_layers:
             return [int(budget)] * L

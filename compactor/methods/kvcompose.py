@@ -31,6 +31,7 @@ from compactor.methods._scoring import (
     group_view,
 )
 from compactor.methods.base import LayerInput, ScoreMethod, register_method, resolve_sm_scale
+from compactor.methods.context import check_planner_args
 
 __all__ = ["KVCompose", "kvcompose_scores"]
 
@@ -111,13 +112,7 @@ class KVCompose(RefitOption, ScoreMethod):
         layer (total kept = L * budget composite tokens). Host-side planning: the result is a
         list (one host sync).
         """
-        if len(keys) != len(queries) or not keys:
-            raise ValueError(
-                f"need keys and queries for every layer, got {len(keys)}/{len(queries)}"
-            )
-        T = keys[0].shape[1]
-        if not 1 <= budget <= T:
-            raise ValueError(f"budget {budget} must be in [1, T={T}]")
+        _, T = check_planner_args(keys, queries, budget)
         comp = torch.stack(
             [
                 self._scores(k, q, sm_scale).sort(-1, descending=True).values.mean(0)

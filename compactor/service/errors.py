@@ -12,15 +12,7 @@ import uuid
 
 import grpc
 
-from compactor.workers.errors import (
-    Cancelled,
-    DeadlineExceeded,
-    InvalidRequest,
-    ModelMismatch,
-    PoisonedJob,
-    QueueFull,
-    WorkerLost,
-)
+from compactor.workers import errors as job_errors
 
 __all__ = ["STATUS_TABLE", "ServerDraining", "status_for"]
 
@@ -32,14 +24,17 @@ class ServerDraining(Exception):
 
 
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-    (PoisonedJob, grpc.StatusCode.FAILED_PRECONDITION),  # not UNAVAILABLE: not to be retried
-    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (job_errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (job_errors.ModelMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (
+        job_errors.PoisonedJob,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),  # not UNAVAILABLE: not to be retried
+    (job_errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (job_errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (Cancelled, grpc.StatusCode.CANCELLED),
-    (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+    (job_errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (job_errors.WorkerLost, grpc.StatusCode.UNAVAILABLE),
     (ServerDraining, grpc.StatusCode.UNAVAILABLE),
 )
 
