@@ -16,7 +16,7 @@ attention) and random weights, directly on the device (nothing is downloaded). T
    selection / beta / values, synchronized; see ``benchmarks/compaction_speed.py``) with the
    peak GPU memory.
 2. ``--big-T`` (128k) tokens with ``--big-methods`` (am-highest) and ``--big-follow-ups``
-   follow-ups (the answer generation copies the prefix KV once per follow-up): does it
+   follow-ups (the answer generation holds the prefix KV once for all follow-ups): does it
    complete within GPU memory (peak ``torch.cuda.max_memory_allocated``)?
 3. One synthetic layer (``benchmarks/methods_speed.py``) at ``--layer-T`` (16k) tokens with
    8 KV heads, n=4096, D=128: seconds per layer per method, with ``--exact-check``.

@@ -55,11 +55,6 @@ __all__ = [
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
-# Bound on the prefix copies one batched generation holds (bytes): every row of a batch
-# decodes over its own copy of the prefix's KV cache, so prompts are generated in groups of
-# at most max(1, GENERATE_CACHE_BYTES // prefix KV bytes) rows (all at once for a short
-# prefix, one at a time for a long one).
-GENERATE_CACHE_BYTES = 1 << 30
 
 Checkpoint = Callable[[str], None]  # called with a stage name; may raise to abort
 
@@ -258,29 +253,25 @@ def _generate(
     seed: int,
     check: Callable[[], None] | None = None,
 ) -> list[list[int]]:
-    """The model's answers to `prompts` on the full prefix, decoded in batches (cut at EOS).
+    """The model's answers to `prompts` on the full prefix, decoded as one batch (cut at EOS).
 
-    A batch holds at most :func:`generate_rows` prompts (each row copies the prefix's KV
-    cache): one batch for a short prefix. Sampling (temperature > 0) draws from one
-    generator on the model's device, seeded `seed`. `check` is called before every
-    forward call (``hf.batched_generate``'s): it may raise to abort.
+    The prefix's KV cache is held once for all rows (``hf.batched_generate``). Sampling
+    (temperature > 0) draws from one generator on the model's device, seeded `seed`.
+    `check` is called before every forward call (``hf.batched_generate``'s): it may raise
+    to abort.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    rows = generate_rows(prefill)
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), rows):
-        out += hf.batched_generate(
-            model,
-            hf.PrefixState.full(prefill),
-            prompts[i : i + rows],
-            max_new_tokens,
-            eos_ids=[eos] if eos is not None else [],
-            temperature=temperature,
-            generator=gen,
-            check=check,
-        )
-    return out
+    return hf.batched_generate(
+        model,
+        hf.PrefixState.full(prefill),
+        prompts,
+        max_new_tokens,
+        eos_ids=[eos] if eos is not None else [],
+        temperature=temperature,
+        generator=gen,
+        check=check,
+    )
 
 
 def _stage(checkpoint: Checkpoint | None, stage: str) -> Callable[[], None] | None:
@@ -288,13 +279,6 @@ def _stage(checkpoint: Checkpoint | None, stage: str) -> Callable[[], None] | No
     if checkpoint is None:
         return None
     return lambda: checkpoint(stage)
-
-
-def generate_rows(prefill: hf.PrefillResult) -> int:
-    """Prompts per batched generation after `prefill`: max(1, GENERATE_CACHE_BYTES // its KV
-    bytes), the prefix copies a batch may hold."""
-    kv = sum(t.numel() * t.element_size() for t in (*prefill.keys, *prefill.values))
-    return max(1, GENERATE_CACHE_BYTES // max(1, kv))
 
 
 def _self_study(

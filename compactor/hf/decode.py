@@ -4,11 +4,18 @@ Shape legend: T prefix tokens (logical length), S cache slots per head of the pr
 a full prefix, max t_h over all layers and heads for a compacted one), L layers, B rows,
 H_q / H_kv query / KV heads, D head dim, V vocabulary.
 
-Every layer's cache starts with S slots per KV head (ragged heads padded with beta = -inf,
-layers padded to the same S), the per-slot beta enters SDPA as a float 4-D attention mask
-``[B, H_q, q_len, S + past + q_len]`` (beta on the prefix columns, 0 on earlier new tokens,
-0/-inf causal on the current ones; one mask per layer, swapped in by a pre-hook), and new
-tokens get the *logical* positions ``T, T+1, ...`` whatever S is.
+The prefix is S slots per KV head and layer (ragged heads padded with beta = -inf, layers
+padded to the same S); new tokens get the *logical* positions ``T, T+1, ...`` whatever S is.
+Two ways to append, by the shape of the tokens:
+
+- one sequence (ids [q]): the sequence's cache starts with the S prefix slots, and the
+  per-slot beta enters SDPA as a float 4-D attention mask ``[1, H_q or 1, q_len, S + past +
+  q_len]`` (beta on the prefix columns, 0 on earlier new tokens, 0/-inf causal on the
+  current ones; one mask per layer, swapped in by a pre-hook): one fused SDPA call per
+  layer, also for long appends (query collection).
+- a batch (ids [B, q], e.g. the answers to several follow-ups): the prefix is held once and
+  every row's cache holds only its own tokens (:mod:`compactor.hf.shared_prefix`: attention
+  over the shared prefix and over the row's tokens, merged by log-sum-exp).
 """
 
 from __future__ import annotations
@@ -19,14 +26,16 @@ from typing import Any
 
 import torch
 
-from compactor.hf.model import PrefillResult, _attn_modules, model_info
+from compactor.hf.model import PrefillResult, _attn_modules, model_info, use_attention
+from compactor.hf.shared_prefix import SharedPrefixRows
 from compactor.types import CompactedPrefix
 from kernels.biased_attention.reference import attention_bias, biased_attention
 
 _GQA_SDPA = "compactor_gqa_sdpa"
-# Largest attention mask one forward call of PrefixState.forward builds (bytes): a longer
-# append (a repeat-prefill continuation of a long prefix) runs in blocks of tokens whose
-# [B, H_q or 1, block, S + past + block] float mask fits. Appends under it run in one call.
+# Largest attention mask one forward call of a one-sequence PrefixState.forward builds
+# (bytes): a longer append (a repeat-prefill continuation of a long prefix) runs in blocks
+# of tokens whose [1, H_q or 1, block, S + past + block] float mask fits. Appends under it
+# run in one call.
 APPEND_MASK_BYTES = 256 << 20
 
 
@@ -53,24 +62,9 @@ def _gqa_sdpa(
 
 @contextmanager
 def _use_gqa_sdpa(model: Any) -> Iterator[None]:
-    """Run `model`'s attention through :func:`_gqa_sdpa` inside the block (restored after).
-
-    Registers the function with transformers' AttentionInterface on first use (a named
-    addition to its registry; nothing existing is replaced).
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if _GQA_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(_GQA_SDPA, _gqa_sdpa)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(_GQA_SDPA, sdpa_mask)
-    cfg = model.config
-    saved = cfg._attn_implementation
-    cfg._attn_implementation = _GQA_SDPA
-    try:
+    """Run `model`'s attention through :func:`_gqa_sdpa` inside the block (restored after)."""
+    with use_attention(model, _GQA_SDPA, _gqa_sdpa):
         yield
-    finally:
-        cfg._attn_implementation = saved
 
 
 def prefix_mask(
@@ -104,15 +98,16 @@ def heads_share_bias(bias: torch.Tensor) -> bool:
 
 
 class PrefixState:
-    """A (full or compacted) prefix to decode after; one instance = one growing sequence.
+    """A (full or compacted) prefix to decode after; one instance = one growing sequence, or
+    one growing batch of rows sharing the prefix (whichever its first append is).
 
     Attributes:
         keys / values: per layer [H_kv, S, D] (model dtype); all layers share S.
         bias: [L, H_kv, S] fp32 beta per layer and slot (0 for a full prefix, -inf on padding).
         logical_length: T; the first new token gets position T.
-    Device: keys/values are copied to the model's device when the cache is built; the masks
-    are built on the bias's device (moved to the model's if elsewhere); positions and padding
-    bookkeeping live on the host.
+    Device: keys/values are copied to the model's device when the cache is built (no copy
+    when already there); one sequence's masks are built on the bias's device (moved to the
+    model's if elsewhere); a batch keeps its bookkeeping on the model's device.
     Mutates: :meth:`forward` appends to this state's own cache (:meth:`fork` for a fresh copy).
     """
 
@@ -142,12 +137,10 @@ class PrefixState:
             raise ValueError(f"logical_length must be >= 1, got {logical_length}")
         self.keys, self.values, self.bias = keys, values, bias.float()
         self.logical_length = int(logical_length)
-        self.num_new = 0
-        self._cache: Any = None
+        self.num_new = 0  # tokens appended to the one sequence
+        self._cache: Any = None  # one sequence: prefix slots + its tokens, [1, H_kv, S + n, D]
+        self._rows: SharedPrefixRows | None = None  # a batch: the rows' own tokens only
         self._uniform: list[bool] | None = None  # per layer: heads share beta (lazy)
-        # host-side bookkeeping: [B, num_new] True = padding; [B] real tokens appended per row
-        self._pad_hist = torch.zeros(1, 0, dtype=torch.bool, device="cpu")
-        self._num_real = torch.zeros(1, dtype=torch.long, device="cpu")
 
     @classmethod
     def full(cls, pre: PrefillResult) -> PrefixState:
@@ -187,44 +180,23 @@ class PrefixState:
         """S, cache slots per head of the prefix."""
         return int(self.keys[0].shape[1])
 
-    def mask(
-        self,
-        layer: int,
-        q_len: int,
-        num_q_heads: int,
-        dtype: torch.dtype,
-        pad: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[B, H_q or 1, q_len, S + num_new + q_len] float mask: beta | 0 | causal 0/-inf.
-
-        `pad` [B, q_len] bool marks padding tokens of this append (never attended, like the
-        padding of earlier appends). The head dim is 1 (broadcast) when every KV head of
-        `layer` has the same beta. On the bias's device.
+    def mask(self, layer: int, q_len: int, num_q_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """One sequence's [1, H_q or 1, q_len, S + num_new + q_len] float mask: beta | 0 |
+        causal 0/-inf. The head dim is 1 (broadcast) when every KV head of `layer` has the
+        same beta. On the bias's device.
         """
         uniform = self._uniform_layers()[layer]  # once per state: one host sync
-        out = prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype, uniform)
-        if pad is not None:
-            s = self.slots
-            bsz = pad.shape[0]
-            out = out.expand(bsz, -1, -1, -1).clone()
-            cols = torch.cat([self._pad_hist.expand(bsz, -1), pad.cpu()], dim=1)  # [B, num_new+q]
-            cols = cols.to(out.device)
-            out[:, :, :, s:] = out[:, :, :, s:].masked_fill(cols[:, None, None, :], float("-inf"))
-        return out
+        return prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype, uniform)
 
-    def _ensure_cache(self, batch: int, device: torch.device) -> Any:
+    def _ensure_cache(self, device: torch.device) -> Any:
+        """The one sequence's cache, starting with the prefix slots [1, H_kv, S, D]."""
         if self._cache is None:
             from transformers import DynamicCache
 
             cache: Any = DynamicCache()
             for i, (k, v) in enumerate(zip(self.keys, self.values)):
-                kb = k.to(device).unsqueeze(0).expand(batch, -1, -1, -1).clone()
-                cache.update(kb, v.to(device).unsqueeze(0).expand(batch, -1, -1, -1).clone(), i)
+                cache.update(k.to(device).unsqueeze(0), v.to(device).unsqueeze(0), i)
             self._cache = cache
-            self._pad_hist = torch.zeros(batch, 0, dtype=torch.bool, device="cpu")
-            self._num_real = torch.zeros(batch, dtype=torch.long, device="cpu")
-        elif self._num_real.shape[0] != batch:
-            raise ValueError(f"this state decodes {self._num_real.shape[0]} rows, got {batch}")
         return self._cache
 
     @torch.inference_mode()
@@ -237,13 +209,15 @@ class PrefixState:
     ) -> torch.Tensor:
         """Append `token_ids` and return their logits (fp32). Mutates the cache.
 
-        `token_ids` [q] gives logits [q, V]; a batch [B, q] (rows share the prefix; `pad`
-        [B, q] bool marks padding, e.g. left padding of unequal prompts) gives [B, q, V].
-        Real tokens of a row get positions T + (real tokens the row already has), ...
+        `token_ids` [q] (one sequence) gives logits [q, V]; a batch [B, q] (rows share the
+        prefix; `pad` [B, q] bool marks padding, e.g. left padding of unequal prompts) gives
+        [B, q, V] (:class:`~compactor.hf.shared_prefix.SharedPrefixRows`: the prefix is not
+        copied per row). A state appends either one sequence or one batch of B rows, never
+        both. Real tokens of a row get positions T + (real tokens the row already has), ...
         With `last_only` only the last column's logits are computed (q = 1 in the output).
-        Each attention module gets its own layer's mask through a forward pre-hook (built
-        on the fly, so a long append never holds L masks at once). An append whose mask
-        would exceed APPEND_MASK_BYTES runs as several forward calls of
+        One sequence: each attention module gets its own layer's mask through a forward
+        pre-hook (built on the fly, so a long append never holds L masks at once); an append
+        whose mask would exceed APPEND_MASK_BYTES runs as several forward calls of
         :meth:`append_block` tokens each (``hf.record_queries`` then records one entry per
         call; the logits are the same up to float rounding).
         """
@@ -253,31 +227,39 @@ class PrefixState:
         bsz, q_len = ids.shape
         if q_len < 1:
             raise ValueError("forward: no tokens")
-        if pad is not None and pad.shape != ids.shape:
+        if pad is not None and (not batched or pad.shape != ids.shape):
             raise ValueError(f"pad must be [B, q]={tuple(ids.shape)}, got {tuple(pad.shape)}")
-        block = self.append_block(model, bsz, q_len)
+        self._check_model(model)
+        if batched:
+            if self._cache is not None:
+                raise ValueError("this state decodes one sequence, got a batch")
+            if self._rows is None:
+                t = self.logical_length
+                self._rows = SharedPrefixRows(self.keys, self.values, self.bias, t, bsz, model)
+            return self._rows.forward(model, ids, last_only, pad)
+        if self._rows is not None:
+            raise ValueError(f"this state decodes {self._rows.batch} rows, got one sequence")
+        block = self.append_block(model, q_len)
         outs = []
         for a in range(0, q_len, block):
-            e = min(a + block, q_len)
-            part = None if pad is None else pad[:, a:e]
-            outs.append(self._forward_call(model, ids[:, a:e], last_only, part))
+            outs.append(self._forward_call(model, ids[:, a : a + block], last_only))
         logits = outs[-1] if last_only or len(outs) == 1 else torch.cat(outs, dim=1)
-        return logits if batched else logits[0]
+        return logits[0]
 
-    def append_block(self, model: Any, batch: int, q_len: int) -> int:
-        """Tokens per forward call for appending `q_len` tokens to `batch` rows: all of them
-        when the call's float mask [B, H_q or 1, q_len, S + past + q_len] fits in
+    def append_block(self, model: Any, q_len: int) -> int:
+        """Tokens per forward call for appending `q_len` tokens to the one sequence: all of
+        them when the call's float mask [1, H_q or 1, q_len, S + past + q_len] fits in
         APPEND_MASK_BYTES, else the most whose mask does (at least 1).
 
         A per-head mask (heads with different beta) is counted with H_q heads whatever the
-        layer; a padded batch with B rows.
+        layer.
         """
         cols = self.slots + self.num_new + q_len
-        per_token = 4 * batch * model_info(model).num_q_heads * cols
+        per_token = 4 * model_info(model).num_q_heads * cols
         if per_token * q_len <= APPEND_MASK_BYTES:  # fits even per head: no sync needed
             return q_len
         if all(self._uniform_layers()):
-            per_token = 4 * batch * cols
+            per_token = 4 * cols
         return (
             q_len
             if per_token * q_len <= APPEND_MASK_BYTES
@@ -291,33 +273,25 @@ class PrefixState:
             self._uniform = (flat == flat[:, :1]).flatten(1).all(-1).tolist()
         return self._uniform
 
-    def _forward_call(
-        self, model: Any, ids: torch.Tensor, last_only: bool, pad: torch.Tensor | None
-    ) -> torch.Tensor:
-        """One forward call of :meth:`forward` on ids [B, q]: logits [B, q or 1, V] fp32."""
-        dev, dt = model.device, model.dtype
-        bsz, q_len = ids.shape
+    def _check_model(self, model: Any) -> None:
         info = model_info(model)
         if (info.num_layers, info.num_kv_heads) != tuple(self.bias.shape[:2]):
             raise ValueError(
                 f"prefix has {self.bias.shape[0]} layers x {self.bias.shape[1]} KV heads, model has "
                 f"{info.num_layers} x {info.num_kv_heads}"
             )
-        cache = self._ensure_cache(bsz, dev)
-        padm = (
-            pad.to("cpu", torch.bool)
-            if pad is not None
-            else torch.zeros(bsz, q_len, dtype=torch.bool, device="cpu")
-        )
-        real = (~padm).long()
-        pos = self.logical_length + self._num_real[:, None] + torch.cumsum(real, 1) - real
-        use_pad = padm if bool(padm.any() or self._pad_hist.any()) else None
+
+    def _forward_call(self, model: Any, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """One forward call of the one sequence, ids [1, q]: logits [1, q or 1, V] fp32."""
+        dev, dt = model.device, model.dtype
+        q_len = ids.shape[1]
+        hq = model_info(model).num_q_heads
+        cache = self._ensure_cache(dev)
+        pos = torch.arange(q_len, device=dev)[None] + self.logical_length + self.num_new
 
         def make_hook(li: int) -> Any:
             def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-                kwargs["attention_mask"] = self.mask(li, q_len, info.num_q_heads, dt, use_pad).to(
-                    dev
-                )
+                kwargs["attention_mask"] = self.mask(li, q_len, hq, dt).to(dev)
                 return args, kwargs
 
             return hook
@@ -327,12 +301,12 @@ class PrefixState:
             m.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)
         ]
         try:
-            first = self.mask(0, q_len, info.num_q_heads, dt, use_pad).to(dev)
+            first = self.mask(0, q_len, hq, dt).to(dev)
             with _use_gqa_sdpa(model):
                 out = model(
                     input_ids=ids,
                     attention_mask=first,
-                    position_ids=pos.to(dev),
+                    position_ids=pos,
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1 if last_only else 0,
@@ -341,8 +315,6 @@ class PrefixState:
             for h in handles:
                 h.remove()
         self.num_new += q_len
-        self._num_real = self._num_real + real.sum(1)
-        self._pad_hist = torch.cat([self._pad_hist, padm], dim=1)
         return out.logits.float()
 
 
@@ -394,10 +366,12 @@ def batched_generate(
     """:func:`greedy_generate` for several prompts at once after one shared prefix.
 
     Prompts are left-padded (padding masked out, positions counted per row), decoded for
-    `max_new_tokens` steps in one batch, and each output is cut after its first EOS.
-    The tokens stay on the model's device until the end (one host sync). Mutates `state`
-    (use ``state.fork()``). `check` is called before every forward call (the prompt's, then
-    one per generated token): it may raise to abort the generation (cancellation).
+    `max_new_tokens` steps in one batch over the prefix held once (each row's cache holds
+    only its own tokens: any number of prompts, one batch), and each output is cut after
+    its first EOS. The tokens stay on the model's device until the end (one host sync).
+    Mutates `state` (use ``state.fork()``). `check` is called before every forward call (the
+    prompt's, then one per generated token): it may raise to abort the generation
+    (cancellation).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched_generate: need non-empty prompts")

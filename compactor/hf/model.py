@@ -89,6 +89,29 @@ def _attn_modules(model: Any) -> list[Any]:
     return [layer.self_attn for layer in layers]
 
 
+@contextmanager
+def use_attention(model: Any, name: str, fn: Any) -> Iterator[None]:
+    """Run `model`'s attention through `fn` (a transformers attention function) inside the
+    block; the model's own implementation is restored after.
+
+    Registers `fn` under `name` with transformers' AttentionInterface on first use (a named
+    addition to its registry, with SDPA's mask function; nothing existing is replaced).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    cfg = model.config
+    saved = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = saved
+
+
 def post_rope_queries(
     attn: Any, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:

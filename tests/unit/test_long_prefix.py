@@ -53,10 +53,10 @@ def test_long_append_runs_in_mask_bounded_blocks(tiny, monkeypatch):
     pre = hf.prefill(tiny, ids[:20])
     state = hf.PrefixState.full(pre)
     want = state.fork().forward(tiny, ids[20:])  # [40, V], one call
-    assert state.append_block(tiny, 1, 40) == 40
+    assert state.append_block(tiny, 40) == 40
     # a mask budget of 10 rows of a uniform-beta [q, 20 + 40] mask: blocks of 10 tokens
     monkeypatch.setattr(hf_decode, "APPEND_MASK_BYTES", 4 * 60 * 10)
-    assert state.append_block(tiny, 1, 40) == 10
+    assert state.append_block(tiny, 40) == 10
     with hf.record_queries(tiny, [1]) as rec:
         got = state.fork().forward(tiny, ids[20:])
     assert len(rec[1]) == 4 and rec[1][0].shape == (4, 10, 16)  # one entry per call
@@ -76,8 +76,7 @@ def test_per_head_beta_counts_every_query_head(tiny, monkeypatch):
     bias[:, 1, 3] = -1.0  # heads differ: the mask is per query head (4 of them)
     state = hf.PrefixState(list(pre.keys), list(pre.values), bias, 20)
     monkeypatch.setattr(hf_decode, "APPEND_MASK_BYTES", 4 * 4 * 60 * 10)
-    assert state.append_block(tiny, 1, 40) == 10
-    assert state.append_block(tiny, 2, 40) == 5  # two rows: twice the mask per token
+    assert state.append_block(tiny, 40) == 10
 
 
 def test_collect_queries_joins_the_blocks(tiny, monkeypatch):
@@ -124,15 +123,13 @@ def test_service_keys_the_effective_chunk_size(tmp_path):
     assert service.effective_job(short_job) is short_job
 
 
-def test_generation_batches_are_bounded_by_prefix_copies(tiny, monkeypatch):
+def test_generation_is_one_batch_over_the_shared_prefix(tiny, monkeypatch):
+    """Every prompt decodes in one batch (the prefix is held once), answers as one by one."""
     import compactor.queries as queries
 
     ids = random_ids(40, seed=4)
     pre = hf.prefill(tiny, ids[:24])
-    kv = sum(t.numel() * 4 for t in (*pre.keys, *pre.values))
-    prompts = [ids[24:27], ids[27:35], ids[35:36]]
-    whole = queries._generate(tiny, None, pre, prompts, 4, 0.0, 0)
-    assert queries.generate_rows(pre) >= len(prompts)  # short prefix: one batch
+    prompts = [ids[24:27], ids[27:35], ids[35:36], ids[30:32], ids[25:38]]
     calls = []
     real = hf.batched_generate
     monkeypatch.setattr(
@@ -140,12 +137,10 @@ def test_generation_batches_are_bounded_by_prefix_copies(tiny, monkeypatch):
         "batched_generate",
         lambda m, s, p, *a, **k: calls.append(len(p)) or real(m, s, p, *a, **k),
     )
-    monkeypatch.setattr(queries, "GENERATE_CACHE_BYTES", 2 * kv)
-    assert queries.generate_rows(pre) == 2
-    assert queries._generate(tiny, None, pre, prompts, 4, 0.0, 0) == whole
-    assert calls == [2, 1]
-    monkeypatch.setattr(queries, "GENERATE_CACHE_BYTES", 1)
-    assert queries.generate_rows(pre) == 1
+    got = queries._generate(tiny, None, pre, prompts, 4, 0.0, 0)
+    assert calls == [len(prompts)]
+    full = hf.PrefixState.full(pre)
+    assert got == [hf.greedy_generate(tiny, full.fork(), p, 4) for p in prompts]
 
 
 def test_prefill_chunk_rule():
