@@ -194,7 +194,7 @@ class SGLangServer(ManagedProcess):
     Attributes:
         model_path: checkpoint directory.
         log_path: where the server's stdout/stderr go.
-        device: "cpu" sets SGLANG_USE_CPU_ENGINE=1 and `--device cpu`.
+        device: "cpu" sets SGLANG_USE_CPU_ENGINE=1, `--device cpu` and `--sleep-on-idle`.
         plugin: False runs SGLang stock: the compaction plugin is not loaded at all
             (`SGLANG_PLUGINS` lists every other installed plugin, see `stock_plugins`).
         max_total_tokens: KV pool size in tokens (on CPU the default pool takes ~14 GB).
@@ -227,7 +227,9 @@ class SGLangServer(ManagedProcess):
             "--max-total-tokens", str(self.max_total_tokens),
         ]  # fmt: skip
         if self.device == "cpu":
-            cmd += ["--device", "cpu"]
+            # an idle scheduler otherwise polls its sockets in a loop, a whole core per server
+            # (several servers, or a server beside the compaction service, share few cores)
+            cmd += ["--device", "cpu", "--sleep-on-idle"]
         return cmd + list(self.extra_args)
 
     def _child_env(self) -> dict[str, str]:
