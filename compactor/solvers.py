@@ -14,7 +14,7 @@ import math
 import torch
 
 from compactor._boxqp import GramOps, box, fixed_work, nnls_data, pdas, polish
-from kernels.biased_attention.reference import biased_attention
+from kernels.biased_attention.reference import biased_attention_lse
 
 __all__ = ["NNLS_SOLVERS", "attend", "lstsq_values", "nnls", "nnls_gram", "nnls_projected"]
 
@@ -325,7 +325,7 @@ def attend(
     if mask is not None:
         base = beta.float() if beta is not None else torch.zeros(mask.shape, device=mask.device)
         beta = base.masked_fill(~mask, -math.inf)
-    return biased_attention(q, k, v, beta, sm_scale=sm_scale, with_lse=True)
+    return biased_attention_lse(q, k, v, beta, sm_scale=sm_scale)
 
 
 # ---- private helpers -------------------------------------------------------------------

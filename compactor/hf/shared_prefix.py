@@ -8,7 +8,7 @@ The prefix's keys / values [H_kv, S, D] and beta [H_kv, S] of each layer are sha
 rows, never expanded or copied per row; the transformers ``DynamicCache`` of a batch holds
 only the rows' own tokens, [B, H_kv, n, D] per layer. Each attention layer computes two
 partial results with :func:`kernels.biased_attention.reference.biased_attention`
-(``with_lse``, fp32) and merges them by their log-sum-exp
+(``biased_attention_lse``, fp32) and merges them by their log-sum-exp
 (:func:`kernels.merge_state.reference.merge_state`):
 
 1. every row's queries against the prefix, beta as the logit bias (-inf on padding slots);
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from compactor.hf.model import model_info, use_attention
-from kernels.biased_attention.reference import attention_bias, biased_attention
+from kernels.biased_attention.reference import attention_bias, biased_attention_lse
 from kernels.merge_state.reference import merge_state
 
 __all__ = ["SharedPrefixRows", "shared_prefix_attention"]
@@ -71,14 +71,14 @@ def shared_prefix_attention(
     rows = query.reshape(b, hkv, g * q, d).transpose(0, 1).reshape(hkv, b * g * q, d)
     step = max(1, PREFIX_LOGITS_BYTES // (4 * hkv * max(1, s)))
     parts = [
-        biased_attention(rows[:, a : a + step], pk, pv, pb, sm_scale=scaling, with_lse=True)
+        biased_attention_lse(rows[:, a : a + step], pk, pv, pb, sm_scale=scaling)
         for a in range(0, rows.shape[1], step)
     ]
     p_out = torch.cat([p.out for p in parts], dim=1).reshape(hkv, b, g, q, d)
     p_lse = torch.cat([p.lse for p in parts], dim=1).reshape(hkv, b, g, q)
     p_out = p_out.permute(1, 3, 0, 2, 4).reshape(b * q, hq, d)  # [B*q, H_q, D]
     p_lse = p_lse.permute(1, 3, 0, 2).reshape(b * q, hq)
-    own = biased_attention(query, key, value, sm_scale=scaling, bias=attention_mask, with_lse=True)
+    own = biased_attention_lse(query, key, value, sm_scale=scaling, bias=attention_mask)
     o_out = own.out.transpose(1, 2).reshape(b * q, hq, d)
     o_lse = own.lse.transpose(1, 2).reshape(b * q, hq)
     merged = merge_state(p_out, p_lse, o_out, o_lse).out

@@ -3,10 +3,11 @@
 ``logit = q.k * sm_scale + beta`` (sm_scale defaults to 1/sqrt(D), beta natural-log, -inf
 masks), softmax over the keys a query sees, and the natural-log LSE of those logits.
 
-:func:`biased_attention` is the op on dense, batched, per-head tensors (GQA, causal tail,
-float mask, optional LSE); everything else in the project that computes biased attention in
-torch calls it: the solvers (``compactor.solvers.attend``), the plugin's CPU path
-(``sglang_ext.sdpa.biased_sdpa``), the HF decode path (``compactor.hf.decode``) and the
+:func:`biased_attention` (torch's fused SDPA, in q's dtype) and :func:`biased_attention_lse`
+(explicit fp32, with the LSE) are the op on dense, batched, per-head tensors (GQA, causal
+tail, float mask); everything else in the project that computes biased attention in torch
+calls them: the solvers (``compactor.solvers.attend``), the plugin's CPU path
+(``sglang_ext.sdpa.biased_sdpa``), the HF decode paths (``compactor.hf``) and the
 ragged/paged loops below, which the Triton kernels are tested against.
 :func:`attention_bias` builds the additive float mask (beta expanded to the query heads,
 causal tail) that the HF path also hands to transformers.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal, overload
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -40,39 +40,12 @@ from kernels.biased_attention._common import (
 __all__ = [
     "attention_bias",
     "biased_attention",
+    "biased_attention_lse",
     "decode",
     "extend",
     "paged_decode",
     "paged_extend",
 ]
-
-
-@overload
-def biased_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor | None = ...,
-    *,
-    sm_scale: float | None = ...,
-    causal_offset: int | None = ...,
-    bias: torch.Tensor | None = ...,
-    with_lse: Literal[False] = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def biased_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor | None = ...,
-    *,
-    sm_scale: float | None = ...,
-    causal_offset: int | None = ...,
-    bias: torch.Tensor | None = ...,
-    with_lse: Literal[True],
-) -> AttentionOutput: ...
 
 
 def biased_attention(
@@ -84,8 +57,7 @@ def biased_attention(
     sm_scale: float | None = None,
     causal_offset: int | None = None,
     bias: torch.Tensor | None = None,
-    with_lse: bool = False,
-) -> torch.Tensor | AttentionOutput:
+) -> torch.Tensor:
     """``softmax(q k^T * sm_scale + beta [+ bias]) v`` over dense per-head tensors.
 
     Args:
@@ -98,26 +70,42 @@ def biased_attention(
             ``j <= causal_offset + i`` only (None: every key).
         bias: extra float mask broadcastable to the logits ``[..., H_q, m, t]``, added as
             is (e.g. transformers' 4-D attention mask); -inf masks.
-        with_lse: also return the log attention mass.
 
     Returns:
-        ``with_lse=False``: ``out [..., H_q, m, D]`` in q's dtype, from torch's fused SDPA
-        in that dtype (the decoding paths: no fp32 logits are materialised; a row with
-        every key masked gets whatever the SDPA backend gives, NaN on some).
-        ``with_lse=True``: ``AttentionOutput(out [..., H_q, m, D], lse [..., H_q, m])``,
-        both fp32 and computed explicitly in fp32 (the truth the solvers and kernels are
-        checked against); a row that sees no finite logit gets out = 0, lse = -inf.
+        ``out [..., H_q, m, D]`` in q's dtype, from torch's fused SDPA in that dtype (the
+        decoding paths: no fp32 logits are materialised; a row with every key masked gets
+        whatever the SDPA backend gives, NaN on some). :func:`biased_attention_lse` is the
+        same op in fp32 with the log attention mass.
     """
     group = _gqa_group(q, k)
     if sm_scale is not None:
         default_sm_scale(q.shape[-1], sm_scale)  # validates
-    if not with_lse:
-        mask = bias
-        if beta is not None or causal_offset is not None:
-            mask = _key_bias(q, k, beta, group, causal_offset, q.dtype, bias)
-        return scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=group > 1
-        )
+    mask = bias
+    if beta is not None or causal_offset is not None:
+        mask = _key_bias(q, k, beta, group, causal_offset, q.dtype, bias)
+    return scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=group > 1
+    )
+
+
+def biased_attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    causal_offset: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> AttentionOutput:
+    """:func:`biased_attention` (same arguments) computed explicitly in fp32, with the
+    natural-log attention mass: the truth the solvers and kernels are checked against.
+
+    Returns:
+        ``AttentionOutput(out [..., H_q, m, D], lse [..., H_q, m])``, both fp32; a row that
+        sees no finite logit gets out = 0, lse = -inf.
+    """
+    group = _gqa_group(q, k)
     mask = None
     if beta is not None or causal_offset is not None:
         mask = _key_bias(q, k, beta, group, causal_offset, torch.float32, None)
@@ -318,9 +306,7 @@ def _per_segment(
         for h in range(num_kv_heads):
             r, heads = rows(b, h), slice(h * group, (h + 1) * group)
             qs = q[qo[b] : qo[b + 1], heads].reshape(-1, dim)  # [n_b * G, D]
-            res = biased_attention(
-                qs, k_pool[r, h], v_pool[r, h], b_pool[r, h], sm_scale=scale, with_lse=True
-            )
+            res = biased_attention_lse(qs, k_pool[r, h], v_pool[r, h], b_pool[r, h], sm_scale=scale)
             out[qo[b] : qo[b + 1], heads] = res.out.view(-1, group, dim)
             lse[qo[b] : qo[b + 1], heads] = res.lse.view(-1, group)
     return AttentionOutput(out, lse)

@@ -12,7 +12,11 @@ import math
 import pytest
 import torch
 
-from kernels.biased_attention.reference import attention_bias, biased_attention
+from kernels.biased_attention.reference import (
+    attention_bias,
+    biased_attention,
+    biased_attention_lse,
+)
 
 H_KV, G, M, T, D = 3, 2, 5, 13, 24
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -34,19 +38,19 @@ def test_fused_and_explicit_paths_agree(causal_offset):
     bias = torch.randn(2, 1, M, T, generator=torch.Generator().manual_seed(1))
     kw = dict(sm_scale=0.3, causal_offset=causal_offset, bias=bias)
     fused = biased_attention(q, k, v, beta, **kw)
-    exact = biased_attention(q, k, v, beta, with_lse=True, **kw)
+    exact = biased_attention_lse(q, k, v, beta, **kw)
     assert fused.dtype == torch.float32 and exact.lse.shape == (2, H_KV * G, M)
     torch.testing.assert_close(fused, exact.out, **TOL)
 
 
 def test_gqa_equals_repeated_kv_heads_and_causal_equals_slicing():
     q, k, v, beta = _inputs(2)
-    got = biased_attention(q, k, v, beta, causal_offset=T - M, with_lse=True)
+    got = biased_attention_lse(q, k, v, beta, causal_offset=T - M)
     rep = [x.repeat_interleave(G, dim=1) for x in (k, v, beta)]
     for i in range(M):
         n = T - M + i + 1  # keys query i sees
-        want = biased_attention(
-            q[:, :, i : i + 1], rep[0][:, :, :n], rep[1][:, :, :n], rep[2][:, :, :n], with_lse=True
+        want = biased_attention_lse(
+            q[:, :, i : i + 1], rep[0][:, :, :n], rep[1][:, :, :n], rep[2][:, :, :n]
         )
         torch.testing.assert_close(got.out[:, :, i], want.out[:, :, 0], **TOL)
         torch.testing.assert_close(got.lse[:, :, i], want.lse[:, :, 0], **TOL)
@@ -54,7 +58,7 @@ def test_gqa_equals_repeated_kv_heads_and_causal_equals_slicing():
 
 def test_explicit_path_matches_logsumexp_and_softmax():
     q, k, v, beta = _inputs(3)
-    got = biased_attention(q[0, :H_KV], k[0], v[0], beta[0], with_lse=True)
+    got = biased_attention_lse(q[0, :H_KV], k[0], v[0], beta[0])
     logits = q[0, :H_KV] @ k[0].transpose(-1, -2) / math.sqrt(D) + beta[0][:, None, :]
     torch.testing.assert_close(got.lse, torch.logsumexp(logits, -1), **TOL)
     torch.testing.assert_close(got.out, torch.softmax(logits, -1) @ v[0], **TOL)
@@ -63,10 +67,10 @@ def test_explicit_path_matches_logsumexp_and_softmax():
 def test_fully_masked_and_empty_rows_give_zero_and_minus_inf():
     q, k, v, beta = _inputs(4)
     beta[:, 2] = -math.inf  # KV head 2 fully masked -> q heads 4, 5
-    got = biased_attention(q, k, v, beta, with_lse=True)
+    got = biased_attention_lse(q, k, v, beta)
     assert torch.all(got.out[:, 2 * G :] == 0) and torch.all(got.lse[:, 2 * G :] == -math.inf)
     assert torch.isfinite(got.lse[:, : 2 * G]).all()
-    empty = biased_attention(q[0, 0], k[0, 0, :0], v[0, 0, :0], beta[0, 0, :0], with_lse=True)
+    empty = biased_attention_lse(q[0, 0], k[0, 0, :0], v[0, 0, :0], beta[0, 0, :0])
     assert torch.all(empty.out == 0) and torch.all(empty.lse == -math.inf)
 
 

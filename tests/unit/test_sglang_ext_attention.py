@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.biased_attention.reference import biased_attention
+from kernels.biased_attention.reference import biased_attention_lse
 from sglang_ext.adapter.compacted_node import beta_store_of
 from sglang_ext.attention import attend_rows, biased_sdpa, physical_entries
 from sglang_ext.kv_store import ALIAS_SLOT
@@ -25,7 +25,7 @@ def _reference(q, k, v, beta, q_offset, scale):  # type: ignore[no-untyped-def]
         for h in range(h_q):
             kh = h // group
             qi, bi = q[h, i : i + 1], beta[:n, kh]
-            res = biased_attention(qi, k[kh, :n], v[kh, :n], bi, sm_scale=scale, with_lse=True)
+            res = biased_attention_lse(qi, k[kh, :n], v[kh, :n], bi, sm_scale=scale)
             out[h, i] = res.out[0]
     return out
 
