@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def register_backends() -> None:
-    """Make `compaction` a radix-cache backend and an attention backend (idempotent)."""
+def register_backends(verify: Callable[[], None]) -> None:
+    """Make `compaction` a radix-cache backend and an attention backend (idempotent).
+
+    `verify` runs before either factory builds (the plugin's start-up check of SGLang's
+    surface and hooks, `hooks.verify_serving`; passed in, so this module does not import the
+    hooks that import it).
+    """
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
         register_attention_backend,
@@ -46,18 +53,21 @@ def register_backends() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
-        register_radix_cache_backend(RADIX_CACHE_BACKEND, create_compaction_cache)
+        register_radix_cache_backend(
+            RADIX_CACHE_BACKEND, partial(create_compaction_cache, verify=verify)
+        )
     if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+        register_attention_backend(ATTENTION_BACKEND)(
+            partial(_create_attention_backend, verify=verify)
+        )
     if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([ATTENTION_BACKEND])
 
 
-def _create_attention_backend(runner: Any) -> Any:
-    from sglang_ext.adapter.surface import verify_process
+def _create_attention_backend(runner: Any, *, verify: Callable[[], None]) -> Any:
     from sglang_ext.adapter.wrapped_backend import CompactionBackend
 
-    verify_process(True)  # done at configure_logger already, unless that hook is missing
+    verify()  # done at configure_logger already, unless that hook is missing
     name = inner_attention_backend(runner)
     backend = CompactionBackend(runner, name)
     logger.info("sglang_ext: attention backend %r wraps %r", ATTENTION_BACKEND, name)
@@ -79,22 +89,22 @@ def inner_attention_backend(runner: Any) -> str:
     return str(get_default_attn_backend(server_args, runner.use_mla_backend, runner.model_config))
 
 
-def create_compaction_cache(ctx: Any) -> Any:
-    """`RadixCacheFactory`: build the compaction radix cache from a TreeCacheBuildContext.
+def create_compaction_cache(ctx: Any, *, verify: Callable[[], None]) -> Any:
+    """`RadixCacheFactory`: build the compaction radix cache from a TreeCacheBuildContext,
+    after `verify()` (see `register_backends`).
 
     Raises:
-        RuntimeError: SGLang's surface is not what the plugin needs (`surface.verify_process`).
+        RuntimeError: SGLang's surface is not what the plugin needs (from `verify`).
         ValueError: the backend was selected without `--compaction-endpoint`, or with a
             model/cache layout the plugin does not serve (hybrid SWA/SSM, paging), or the
             checkpoint cannot be found or fingerprinted (see `resolve_model_dir`).
     """
     from compactor.models import fingerprint
     from sglang_ext.adapter.radix_cache import CompactionRadixCache
-    from sglang_ext.adapter.surface import verify_process
     from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
     from sglang_ext.metrics import PrometheusExporter
 
-    verify_process(True)  # done at configure_logger already, unless that hook is missing
+    verify()  # done at configure_logger already, unless that hook is missing
     cfg = get_config(ctx.server_args)
     if cfg is None:
         raise ValueError(

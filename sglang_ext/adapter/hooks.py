@@ -11,7 +11,7 @@ have run. In every process:
 - AFTER `configure_logger`: announce the plugin in each process's log (with whether
   compaction is on); the first call (the main process, before it starts the others) also
   logs what the plugin changed in SGLang's config (`sglang_ext.adapter.server_args.log_changes`).
-  Then check SGLang's surface and this process's hooks (`sglang_ext.adapter.surface.verify_process`;
+  Then check SGLang's surface and this process's hooks (`verify_process`;
   SGLang applied the hooks just before): a serving process refuses to start (RuntimeError
   naming each problem), one with compaction off logs them. The attention-backend and
   radix-cache factories repeat the check (once per process) in case this hook is missing.
@@ -81,7 +81,7 @@ def register() -> None:
     if _serving:
         from sglang_ext.adapter.factory import register_backends
 
-        register_backends()
+        register_backends(verify_serving)
         hooks += SERVING_HOOKS
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
@@ -99,6 +99,44 @@ def installed_hooks() -> list[str]:
         for target, hooks in HookRegistry._hooks.items()
         if any(hook in ours for _, hook, _ in hooks)
     )
+
+
+def check_hooks_applied(serving: bool) -> list[str]:
+    """`surface.hook_problems` for this process's hooks: `FLAG_HOOKS`, and `SERVING_HOOKS`
+    with `serving`."""
+    return surface.hook_problems([*FLAG_HOOKS, *(SERVING_HOOKS if serving else ())])
+
+
+_verified: set[tuple[bool, bool]] = set()
+
+
+def verify_process(serving: bool, *, hooks: bool | None = None) -> None:
+    """Check this process once: `surface.check_surface(serving)` and, with `hooks` (default:
+    where SGLang applied hooks, `surface.plugins_loaded()`), `check_hooks_applied(serving)`.
+
+    Raises:
+        RuntimeError: `serving` (compaction is on here) and any problem, each named; a
+            process with compaction off only logs them once as a warning.
+    """
+    hooks = surface.plugins_loaded() if hooks is None else hooks
+    key = (serving, hooks)
+    if key in _verified:
+        return
+    problems = surface.check_surface(serving) + (check_hooks_applied(serving) if hooks else [])
+    if problems and serving:
+        raise RuntimeError(
+            "sglang_ext refuses to serve compacted prefixes on this SGLang: " + "; ".join(problems)
+        )
+    _verified.add(key)
+    for problem in problems:
+        logger.warning(
+            "sglang_ext: %s (a server with --compaction-endpoint refuses to start)", problem
+        )
+
+
+def verify_serving() -> None:
+    """`verify_process(True)`: what the scheduler's backend and cache factories run first."""
+    verify_process(True)
 
 
 def active() -> bool:
@@ -119,7 +157,7 @@ def _announce(result: Any, *args: Any, **kwargs: Any) -> None:
         log_changes(server_args)
     # SGLang applied the hooks before this call (load_plugins): a serving process (the
     # scheduler) on a broken surface stops here, before it builds its model and cache
-    surface.verify_process(_serving)
+    verify_process(_serving)
 
 
 def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
@@ -145,8 +183,8 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     if cfg is not None:
         from sglang_ext.adapter.factory import check_model, register_backends
 
-        surface.verify_process(True, hooks=False)  # this process's hooks: flags only, applied
-        register_backends()
+        verify_process(True, hooks=False)  # this process's hooks: flags only, applied
+        register_backends(verify_serving)
         apply_to_server_args(server_args, cfg)
         check_model(server_args)  # a missing or weightless checkpoint fails before loading
         os.environ[ACTIVE_ENV] = "1"  # the scheduler and detokenizer processes inherit it

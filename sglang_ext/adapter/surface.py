@@ -9,15 +9,14 @@ the SGLang versions it was checked against:
 - `check_surface(active)`: the version is in range, every name resolves, overrides and private
   methods keep the parameters the plugin uses, private counters are still set by SGLang's code;
   serving-only symbols (`Symbol.serving`) only with `active`;
-- `check_hooks_applied(serving)`: each target of this process's hooks is in
-  `HookRegistry._patched` and holds a `HookRegistry` wrapper around the plugin's hook;
-- `verify_process(serving)`: both, once per process (hooks only where `load_plugins()` ran):
-  RuntimeError naming each problem where compaction is on, a warning where it is off.
+- `hook_problems(pairs)`: each (target, hook) pair is in `HookRegistry._patched` and its
+  target holds a `HookRegistry` wrapper around the hook.
 
-They run (`sglang_ext.adapter.hooks`) in the main process when it parses `--compaction-endpoint`
-(surface only), in every process's `configure_logger` hook (after `load_plugins()`, before
-the scheduler builds its model), and again in the backend and cache factories (a no-op once
-done; catches a missing `configure_logger` hook).
+`sglang_ext.adapter.hooks.verify_process` runs both for the plugin's own hooks, once per process:
+in the main process when it parses `--compaction-endpoint` (surface only), in every process's
+`configure_logger` hook (after `load_plugins()`, before the scheduler builds its model), and
+again in the backend and cache factories (a no-op once done; catches a missing
+`configure_logger` hook). This module imports nothing of the plugin.
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ __all__ = [
     "SUPPORTED",
     "SURFACE",
     "Symbol",
-    "check_hooks_applied",
     "check_surface",
     "hook_problems",
     "plugins_loaded",
     "sglang_version",
-    "verify_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -317,20 +314,11 @@ def _uses(code: types.CodeType, name: str, ops: tuple[str, ...]) -> bool:
     return any(isinstance(c, types.CodeType) and _uses(c, name, ops) for c in code.co_consts)
 
 
-def check_hooks_applied(serving: bool) -> list[str]:
-    """Problems with the plugin's hooks in this process, after SGLang applied them: each
-    target of `FLAG_HOOKS` (and `SERVING_HOOKS` with `serving`) must be in
-    `HookRegistry._patched`, and its attribute must be a `HookRegistry` wrapper (a function
-    built by `hook_registry._wrap_fn`) around the plugin's hook. One line per problem, naming
-    the target and the installed SGLang version."""
-    from sglang_ext.adapter import hooks as plugin
-
-    hooks = [*plugin.FLAG_HOOKS, *(plugin.SERVING_HOOKS if serving else ())]
-    return hook_problems(hooks)
-
-
 def hook_problems(hooks: Iterable[tuple[str, Any]]) -> list[str]:
-    """`check_hooks_applied` for the given (target, hook) pairs."""
+    """Problems with the given (target, hook) pairs after SGLang applied the hooks: each
+    target must be in `HookRegistry._patched`, and its attribute must be a `HookRegistry`
+    wrapper (a function built by `hook_registry._wrap_fn`) around the hook. One line per
+    problem, naming the target and the installed SGLang version."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     version, problems = sglang_version(), []
@@ -376,9 +364,6 @@ def _wrapped_hooks(fn: Any) -> Iterator[Any]:
             return
 
 
-_verified: set[tuple[bool, bool]] = set()
-
-
 def plugins_loaded() -> bool:
     """Whether SGLang's `load_plugins()` ran in this process, which applies the hooks (a
     server's processes: yes; a unit test calling the plugin's functions: no)."""
@@ -386,27 +371,3 @@ def plugins_loaded() -> bool:
         return bool(pkgutil.resolve_name(PLUGINS_LOADED))
     except (ImportError, AttributeError):  # renamed: check_surface names it
         return False
-
-
-def verify_process(serving: bool, *, hooks: bool | None = None) -> None:
-    """Check this process once: `check_surface(serving)` and, with `hooks` (default: where
-    SGLang applied hooks, `plugins_loaded()`), `check_hooks_applied(serving)`.
-
-    Raises:
-        RuntimeError: `serving` (compaction is on here) and any problem, each named; a
-            process with compaction off only logs them once as a warning.
-    """
-    hooks = plugins_loaded() if hooks is None else hooks
-    key = (serving, hooks)
-    if key in _verified:
-        return
-    problems = check_surface(serving) + (check_hooks_applied(serving) if hooks else [])
-    if problems and serving:
-        raise RuntimeError(
-            "sglang_ext refuses to serve compacted prefixes on this SGLang: " + "; ".join(problems)
-        )
-    _verified.add(key)
-    for problem in problems:
-        logger.warning(
-            "sglang_ext: %s (a server with --compaction-endpoint refuses to start)", problem
-        )

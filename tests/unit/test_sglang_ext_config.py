@@ -138,9 +138,10 @@ def test_register_backends_adds_the_attention_backend() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
     from sglang_ext.adapter.factory import register_backends
+    from sglang_ext.adapter.hooks import verify_serving
 
-    register_backends()
-    register_backends()  # idempotent
+    register_backends(verify_serving)
+    register_backends(verify_serving)  # idempotent
     assert ATTENTION_BACKEND in ATTENTION_BACKENDS
     assert ATTENTION_BACKEND_CHOICES.count(ATTENTION_BACKEND) == 1
     assert "compaction-triton" not in ATTENTION_BACKENDS  # the wrapper serves CUDA too

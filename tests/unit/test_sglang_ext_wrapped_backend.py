@@ -15,6 +15,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_ext.adapter.compacted_node import beta_store_of
 from sglang_ext.adapter.factory import _create_attention_backend, inner_attention_backend
+from sglang_ext.adapter.hooks import verify_serving
 from sglang_ext.adapter.server_args import INNER_ATTR
 from sglang_ext.adapter.wrapped_backend import (
     CompactionBackend,
@@ -43,7 +44,7 @@ SPIED = ("init_forward_metadata", "init_forward_metadata_out_graph", "forward",
 
 def wrapped(runner: Any) -> CompactionBackend:
     runner.server_args = SimpleNamespace(**{INNER_ATTR: "torch_native"})
-    be = _create_attention_backend(runner)
+    be = _create_attention_backend(runner, verify=verify_serving)
     assert isinstance(be, CompactionBackend) and type(be.inner) is TorchNativeAttnBackend
     return be
 
@@ -153,7 +154,7 @@ def test_inner_backend_name_comes_from_the_flag_or_sglang_default() -> None:
     assert inner_attention_backend(runner) == "flashinfer"
     runner.server_args = SimpleNamespace()  # unset: SGLang's default for the device
     assert inner_attention_backend(runner) == "torch_native"
-    be = _create_attention_backend(runner)
+    be = _create_attention_backend(runner, verify=verify_serving)
     assert type(be.inner) is TorchNativeAttnBackend and be.inner_name == "torch_native"
 
 

@@ -72,7 +72,7 @@ def applying(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.setattr(plugin, "_serving", plugin._serving)
-    monkeypatch.setattr(surface, "_verified", set())
+    monkeypatch.setattr(plugin, "_verified", set())
     monkeypatch.setattr(sglang.srt.plugins, "_plugins_loaded", True)  # as in a server process
     saved = [(*_owner(t), _raw(*_owner(t))) for t in TARGETS]
     ext = serving_registration(monkeypatch)
@@ -108,8 +108,8 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def test_the_installed_sglang_passes(applied: Any) -> None:
     assert surface.in_supported(surface.sglang_version())
     assert surface.check_surface(True) == [] and surface.check_surface(False) == []
-    assert surface.check_hooks_applied(True) == [] and surface.check_hooks_applied(False) == []
-    surface.verify_process(True)  # no RuntimeError
+    assert plugin.check_hooks_applied(True) == [] and plugin.check_hooks_applied(False) == []
+    plugin.verify_process(True)  # no RuntimeError
     applied._announce(None, None)  # the scheduler's check at configure_logger passes
 
 
@@ -172,9 +172,9 @@ def test_an_unresolvable_hook_target_is_named(
     with pytest.MonkeyPatch.context() as mp:
         _delete(mp, target)
         problems = surface.check_surface(True)
-        hook_problems = surface.check_hooks_applied(True)
+        hook_problems = plugin.check_hooks_applied(True)
         with pytest.raises(RuntimeError, match=f"hook {target}"):
-            surface.verify_process(True)
+            plugin.verify_process(True)
     assert len(problems) == 1 and problems[0].startswith(f"hook {target}: cannot be resolved")
     assert f"in SGLang {surface.sglang_version()}" in problems[0]
     assert [p.split(":", 1)[0] for p in hook_problems] == [f"hook {target}"]
@@ -185,13 +185,13 @@ def test_an_unapplied_hook_is_named(
     target: str, applied: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched - {target})
-    problems = surface.check_hooks_applied(True)
+    problems = plugin.check_hooks_applied(True)
     assert problems == [
         f"hook {target}: not applied by SGLang's HookRegistry (not in HookRegistry._patched), "
         f"in SGLang {surface.sglang_version()} (hook: sglang_ext.adapter.hooks.{dict(HOOKS)[target].__name__})"
     ]
     with pytest.raises(RuntimeError, match=f"hook {target}"):
-        surface.verify_process(True)
+        plugin.verify_process(True)
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=_short)
@@ -203,9 +203,9 @@ def test_a_hook_replaced_by_the_original_is_named(
     original = getattr(raw, "__func__", raw).__wrapped__
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(owner, name, type(raw)(original) if isinstance(raw, classmethod) else original)
-        problems = surface.check_hooks_applied(True)
+        problems = plugin.check_hooks_applied(True)
         with pytest.raises(RuntimeError, match=f"hook {target}"):
-            surface.verify_process(True)
+            plugin.verify_process(True)
     assert len(problems) == 1 and problems[0].startswith(f"hook {target}: is not a HookRegistry")
 
 
@@ -216,8 +216,8 @@ def test_serving_hooks_are_checked_only_where_compaction_is_on(
     monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched - {gate})
     with pytest.MonkeyPatch.context() as mp:
         _delete(mp, gate)
-        assert surface.check_hooks_applied(False) == [] and surface.check_surface(False) == []
-        assert surface.check_hooks_applied(True) and surface.check_surface(True)
+        assert plugin.check_hooks_applied(False) == [] and surface.check_surface(False) == []
+        assert plugin.check_hooks_applied(True) and surface.check_surface(True)
 
 
 def test_with_compaction_off_problems_are_only_logged(
@@ -257,7 +257,7 @@ def test_a_graph_gate_sglang_failed_to_apply_refuses_to_serve(
 
         for factory in (_create_attention_backend, create_compaction_cache):
             with pytest.raises(RuntimeError, match=f"hook {gate}: not applied"):
-                factory(None)
+                factory(None, verify=ext.verify_serving)
 
 
 # ---- overrides, private methods and counters ----------------------------------------------
@@ -319,13 +319,13 @@ def test_a_version_out_of_range_is_refused(
     version: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(surface, "sglang_version", lambda: version)
-    monkeypatch.setattr(surface, "_verified", set())
+    monkeypatch.setattr(plugin, "_verified", set())
     problems = surface.check_surface(False)
     assert problems and problems[0].startswith(f"sglang {version}: outside")
     with pytest.raises(RuntimeError, match=f"sglang {version}"):
-        surface.verify_process(True, hooks=False)
+        plugin.verify_process(True, hooks=False)
     with caplog.at_level(logging.WARNING, logger="sglang_ext.adapter.surface"):
-        surface.verify_process(False, hooks=False)  # compaction off: stock, only a warning
+        plugin.verify_process(False, hooks=False)  # compaction off: stock, only a warning
     assert f"sglang {version}" in caplog.text
 
 
@@ -338,7 +338,7 @@ def test_the_main_process_refuses_at_argument_parsing(monkeypatch: pytest.Monkey
     from tests.unit.test_plugin_off import _parse
 
     monkeypatch.setattr(surface, "sglang_version", lambda: "0.6.0")
-    monkeypatch.setattr(surface, "_verified", set())
+    monkeypatch.setattr(plugin, "_verified", set())
     args, ns = _parse(["--compaction-endpoint", "inproc://"])
     with pytest.raises(RuntimeError, match=r"sglang 0\.6\.0: outside"):
         plugin._from_cli_args(args, type(args), ns)
