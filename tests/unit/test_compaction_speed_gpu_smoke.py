@@ -43,3 +43,16 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
         assert 0 < fit <= stages["compaction"] + 1e-6
         assert rec["total_s"] >= stages["prefill"] + stages["queries"]
         assert 0 < rec["kept_per_head_mean"] <= rec["budget_per_head"]
+    assert out["meta"]["warmup_s"] > 0 and out["meta"]["warmup_T"] == 128  # untimed, first
+
+
+def test_gpu_benchmark_starts_no_step_past_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = _load_benchmark()
+    argv = ["compaction_speed_gpu.py", "--smoke", "--skip", "big", "--budget-s", "0"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+    assert bench.main() == 1  # an incomplete run says so
+    out = json.loads((tmp_path / "compaction_speed_gpu_smoke.json").read_text())
+    assert [r["skipped"] for r in out["doc"]] == ["not started: over --budget-s 0"] * 2
+    assert out["layer"]["skipped"] and out["big"] == []
