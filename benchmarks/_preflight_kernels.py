@@ -14,6 +14,8 @@
    is off a bf16 Llama's path; packages the GPU machine has but this venv lacks (FlashInfer,
    CuPy, pynvml) cannot be followed here and are notes (-v).
 
+Both subprocesses run benchmarks/_preflight_probe.py (stdlib-only at module level).
+
     python -m benchmarks._preflight_kernels [-v]    # exit 1 if any problem
 """
 
@@ -24,17 +26,15 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
-import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
-import traceback
 from collections.abc import Iterable, Sequence
 from importlib.util import resolve_name
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from benchmarks._preflight_probe import Finding, Statement, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN_DIR = ROOT / "scripts" / "gpu_standin"
@@ -131,27 +131,6 @@ class KernelImport(NamedTuple):
         return f"{self.module}.{self.name}" if self.name else self.module
 
 
-class Statement(NamedTuple):
-    """A function-level import statement on the Llama layer path."""
-
-    file: str
-    line: int
-    module: str  # the module the statement runs in
-    target: str  # the module it imports
-    code: str
-
-
-class Finding(NamedTuple):
-    """An import the probe saw fail (kind: missing | unchecked | error)."""
-
-    kind: str
-    file: str
-    line: int
-    target: str
-    detail: str  # the absent package, or the error
-    at: str  # where the failing import ran
-
-
 def _is_kernel(module: str | None) -> bool:
     return (module or "").partition(".")[0] == "sgl_kernel"
 
@@ -175,52 +154,6 @@ def sgl_kernel_imports(sglang_root: Path) -> list[KernelImport]:
     return sorted(out, key=lambda k: (k.file, k.line, k.module, k.name or ""))
 
 
-def _run_probe(fn: str, request: dict[str, Any], tmp: Path, *, isolated: bool) -> dict[str, Any]:
-    """Run this file's `fn(request)` in a fresh interpreter (`-S`: no site-packages when
-    isolated) in `tmp`; its JSON answer, or {"error": ...}."""
-    req, res = tmp / "request.json", tmp / "result.json"
-    req.write_text(json.dumps(request))
-    boot = ("import importlib.util as u, json, sys; s = u.spec_from_file_location('_preflight', "
-            "sys.argv[1]); m = u.module_from_spec(s); sys.modules[s.name] = m; "
-            "s.loader.exec_module(m); r = getattr(m, sys.argv[2])(json.load(open(sys.argv[3]))); "
-            "json.dump(r, open(sys.argv[4], 'w'))")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
-    env.update(SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")  # fmt: skip
-    cmd = [sys.executable, *(["-S"] if isolated else []), "-c", boot, __file__, fn, str(req)]
-    proc = subprocess.run([*cmd, str(res)], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=1200)  # fmt: skip
-    if not res.exists():
-        return {"error": f"probe exited {proc.returncode}: {proc.stderr[-2000:]}"}
-    answer: dict[str, Any] = json.loads(res.read_text())
-    return answer
-
-
-def _resolve_main(request: dict[str, Any]) -> dict[str, Any]:
-    """(subprocess) Which of request["targets"] ([module, name|None]) the stand-in lacks."""
-    sys.path.insert(0, request["standin"])
-    try:
-        sk = importlib.import_module("sgl_kernel")
-    except Exception as e:
-        return {"error": f"the stand-in does not import: {e!r}"}
-    if not Path(sk.__file__ or "").resolve().is_relative_to(Path(request["standin"]).resolve()):
-        return {"error": f"sgl_kernel came from {sk.__file__}, not {request['standin']}"}
-    out: list[str | None] = []
-    for module, name in request["targets"]:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            out.append(f"no module {module} ({e})")
-            continue
-        try:  # as `from m import n` does: an attribute, else a submodule
-            if name is not None and not hasattr(mod, name):
-                importlib.import_module(f"{module}.{name}")
-            out.append(None)
-        except Exception as e:
-            out.append(f"{module} has no {name} ({type(e).__name__})")
-    return {"unresolved": out}
-
-
 def unresolved_kernel_imports(imports: Iterable[KernelImport], standin_dir: Path) -> list[str]:
     """One line per sgl_kernel import the stand-in does not resolve, with its first importer."""
     first: dict[str, KernelImport] = {}
@@ -230,7 +163,7 @@ def unresolved_kernel_imports(imports: Iterable[KernelImport], standin_dir: Path
     request = {"standin": str(standin_dir), "targets": [[first[t].module, first[t].name]
                                                          for t in targets]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
-        answer = _run_probe("_resolve_main", request, Path(tmp), isolated=False)
+        answer = run_probe("resolve_main", request, Path(tmp), isolated=False)
     if "error" in answer:
         return [f"sgl_kernel stand-in {standin_dir}: {answer['error']}"]
     return [f"sgl_kernel: {t} does not resolve in the GPU stand-in ({why}); first imported at "
@@ -310,69 +243,6 @@ def function_level_imports(sglang_root: Path, files: Sequence[str]) -> list[Stat
     return out
 
 
-def _fake_h100() -> None:
-    """(subprocess) SGLang's import-time view of one H100 (as the smoke test fakes it)."""
-    for name in ("sglang.srt.utils.common", "sglang.srt.utils"):
-        for attr in ("is_cuda", "is_cuda_alike"):
-            setattr(importlib.import_module(name), attr, lambda: True)
-    torch = importlib.import_module("torch")
-    fakes = {"is_available": lambda: True, "device_count": lambda: 1,
-             "get_device_capability": lambda *a, **k: (9, 0),
-             "get_device_name": lambda *a, **k: "NVIDIA H100 80GB HBM3"}  # fmt: skip
-    for attr, fake in fakes.items():
-        setattr(torch.cuda, attr, fake)
-    torch.version.cuda = "13.0"
-
-
-def _classify(e: BaseException, names: set[str], view: str) -> tuple[str, str, str | None]:
-    """(kind, detail, where the failing import ran) of an import's exception."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith("<") and f.filename != __file__]  # fmt: skip
-    at = None
-    if frames:
-        at = f"{frames[-1].filename.removeprefix(view + os.sep)}:{frames[-1].lineno}"
-    if isinstance(e, ModuleNotFoundError) and e.name:
-        top = e.name.split(".")[0]
-        if top not in names:
-            return "missing", top, at
-        if importlib.util.find_spec(top) is None:
-            return "unchecked", top, at
-    return "error", f"{type(e).__name__}: {e}", at
-
-
-def _unavailable_main(request: dict[str, Any]) -> dict[str, Any]:
-    """(subprocess, `-S`) Import the closure and the layer modules, then run the statements
-    of the modules that imported; the failures as Findings."""
-    view, names = request["view"], set(request["names"])
-    sys.path[:0] = [request["standin"], view]
-    if (Path(request["standin"]) / "_gpu_shims").is_dir():
-        importlib.import_module("_gpu_shims").install()
-    _fake_h100()
-    found: list[Finding] = []
-    statements = list(map(Statement._make, request["statements"]))
-    broken = set()
-    for module in dict.fromkeys([*request["closure"], *(st.module for st in statements)]):
-        try:
-            importlib.import_module(module)
-        except Exception as e:
-            broken.add(module)
-            kind, detail, at = _classify(e, names, view)
-            file, _, line = (at or f"{module}:0").rpartition(":")
-            target = getattr(e, "name", None) or module
-            found.append(Finding(kind, file, int(line), target, detail, f"importing {module}"))
-    for st in statements:
-        if st.module in broken:
-            continue
-        package = st.module if st.file.endswith("__init__.py") else st.module.rpartition(".")[0]
-        try:
-            exec(compile(st.code, "<preflight>", "exec"), {"__name__": st.module,
-                                                           "__package__": package})  # fmt: skip
-        except Exception as e:
-            kind, detail, at = _classify(e, names, view)
-            found.append(Finding(kind, st.file, st.line, st.target, detail, at or "the statement"))
-    return {"findings": found, "broken": sorted(broken)}
-
-
 def unavailable_imports(
     sglang_root: Path,
     standin_dir: Path,
@@ -396,7 +266,7 @@ def unavailable_imports(
     with tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         request["view"] = str(Path(tmp) / "site")
         _site_view(site, names, dists, Path(tmp) / "site")
-        answer = _run_probe("_unavailable_main", request, Path(tmp), isolated=True)
+        answer = run_probe("unavailable_main", request, Path(tmp), isolated=True)
     if "error" in answer:
         return [f"unavailable-imports probe failed: {answer['error']}"]
     problems, used = [], set()

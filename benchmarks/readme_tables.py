@@ -16,20 +16,26 @@ below a marker naming its renderer and its files:
 document (bold `**` ignored), checks that every renderer has a table, that markers appear only
 in `DOCUMENTS`, and that each result file records its provenance (command, commit, machine,
 date). Rounding: the renderers', to the digits the documents print.
+
+Renderers register with `@table` (benchmarks/_tables_lib.py, re-exported here): the serving and
+speed tables below, the compaction-quality ones in benchmarks/_tables_quality.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = "benchmarks/results"
+sys.path.insert(0, str(ROOT))
+
+# the quality family registers its renderers on import
+from benchmarks import _tables_quality  # noqa: E402, F401
+from benchmarks._tables_lib import TABLES, rec, sig, table  # noqa: E402
+
 # Every document that shows results (tables under a marker, or result files it names), relative
 # to the repository root.
 DOCUMENTS = (
@@ -40,43 +46,6 @@ DOCUMENTS = (
     "sglang_ext/README.md",
 )
 MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
-
-Renderer = Callable[[list[dict[str, Any]]], list[list[str]]]
-TABLES: dict[str, tuple[tuple[str, ...], Renderer]] = {}
-
-
-def table(name: str, *files: str) -> Callable[[Renderer], Renderer]:
-    """Register a renderer: its result files (under benchmarks/results) -> header + rows."""
-
-    def deco(fn: Renderer) -> Renderer:
-        TABLES[name] = (tuple(f"{RESULTS}/{f}" for f in files), fn)
-        return fn
-
-    return deco
-
-
-def _f(v: float, digits: int = 3) -> str:
-    return "0" if v == 0 else f"{v:.{digits}f}"
-
-
-def _short(v: float) -> str:
-    """.297 below 1, 1.06 above (the all-methods table's compact style)."""
-    return f"{v:.3f}"[1:] if abs(v) < 1 else f"{v:.2f}"
-
-
-def _sig(v: float) -> str:
-    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 10 else f"{v:.1f}"
-
-
-def _frac(p: float, n: int) -> str:
-    return f"{round(p * n)}/{n}"
-
-
-def _rec(records: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
-    for r in records:
-        if all(r.get(k) == v for k, v in match.items()):
-            return r
-    raise KeyError(f"no record with {match}")
 
 
 @table("demo", "demo.json")
@@ -129,91 +98,6 @@ def _serving(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-@table("quality", "quality.json")
-def _quality(data: list[dict[str, Any]]) -> list[list[str]]:
-    rows = [["method", "ratio", "output err", "mass err", "logppl gap", "agreement", "needles"]]
-    for r in data[0]["records"]:
-        rows.append(
-            [r["method"], str(r["ratio"]), _f(r["output_rel_err"]), _f(r["mass_rel_err"]),
-             _f(r["logppl_gap"]), f"{r['agreement']:.2f}", f"{r['niah_accuracy']:.2f}"]
-        )  # fmt: skip
-    return rows
-
-
-@table("onpolicy", "quality_onpolicy.json", "quality.json")
-def _onpolicy(data: list[dict[str, Any]]) -> list[list[str]]:
-    on, off = data[0]["records"], data[1]["records"]
-    rows = [["method", "ratio", "output err", "mass err", "logppl gap (off-policy)", "agreement"]]
-    for r in on:
-        if r["method"] == "full":
-            continue
-        o = _rec(off, method=r["method"], ratio=r["ratio"])
-        rows.append(
-            [r["method"], str(r["ratio"]), _f(r["output_rel_err"]), _f(r["mass_rel_err"]),
-             f"{_f(r['logppl_gap'])} ({_f(o['logppl_gap'])})", f"{r['agreement']:.2f}"]
-        )  # fmt: skip
-    return rows
-
-
-@table("seeds", "quality_onpolicy.json", "quality_onpolicy_seed2.json")
-def _seeds(data: list[dict[str, Any]]) -> list[list[str]]:
-    ratios = (0.2, 0.1, 0.05)
-
-    def gap(recs: list[dict[str, Any]], method: str, ratio: float) -> float:
-        return float(_rec(recs, method=method, ratio=ratio)["logppl_gap"])
-
-    sets = [("seeds 0-1 (table above)", [data[0]["records"]]),
-            ("seeds 2-3", [data[1]["records"]]),
-            ("mean of the four", [data[0]["records"], data[1]["records"]])]  # fmt: skip
-    rows = [["documents", *map(str, ratios)]]
-    for label, recs in sets:
-        cells = []
-        for x in ratios:
-            am = statistics.mean(gap(rs, "am-omp", x) for rs in recs)
-            keep = statistics.mean(gap(rs, "keep-only", x) for rs in recs)
-            cells.append(f"{am:.3f} vs {keep:.3f}")
-        rows.append([label, *cells])
-    return rows
-
-
-_METHOD_LABELS = {
-    "keep-only": "keep-only (AM's keys, β=0)",
-    "snapkv:refit=am": "snapkv + AM refit",
-    "h2o:refit=am": "h2o + AM refit",
-    "streamingllm:n_sink=0": "streamingllm",
-    "streamingllm:n_sink=0:refit=am": "streamingllm + AM refit",
-    "kvcompose:group_size=3": "kvcompose",
-    "compresskv:refit=am": "compresskv + AM refit",
-}
-
-
-@table("methods", "methods.json")
-def _methods(data: list[dict[str, Any]]) -> list[list[str]]:
-    recs = data[0]["records"]
-    ratios = (0.2, 0.1, 0.05, 0.02)
-    full = _rec(recs, method="full")["kept_tokens"]
-    rows = [["method", *map(str, ratios)]]
-    methods = list(dict.fromkeys(r["method"] for r in recs if r["method"] != "full"))
-    methods.sort(key=lambda m: m == "gvote")  # no fixed budget: last
-    for m in methods:
-
-        def cell(r: dict[str, Any]) -> str:
-            return " / ".join(
-                [_short(r["output_rel_err"]), _short(r["mass_rel_err"]),
-                 _short(r["logppl_gap"]), str(round(r["niah_accuracy"]))]
-            )  # fmt: skip
-
-        if m == "gvote":  # chooses its own budget: one result whatever the ratio
-            r = _rec(recs, method=m, ratio=ratios[0])
-            label = f"gvote (chooses its own budget: kept {r['kept_tokens'] / full:.0%} here)"
-            rows.append([label, cell(r), "", "", ""])
-            continue
-        rows.append(
-            [_METHOD_LABELS.get(m, m), *(cell(_rec(recs, method=m, ratio=x)) for x in ratios)]
-        )
-    return rows
-
-
 @table("compaction_speed", "compaction_speed.json")
 def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     """Wall seconds per stage (and the process CPU seconds of the whole run) per T."""
@@ -224,7 +108,7 @@ def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
          "CPU s"]
     ]  # fmt: skip
     for T in sorted({r["T"] for r in recs}):
-        x, y = _rec(recs, T=T, method=a), _rec(recs, T=T, method=b)
+        x, y = rec(recs, T=T, method=a), rec(recs, T=T, method=b)
 
         def pair(k: str, d: int = 1, x: dict[str, Any] = x, y: dict[str, Any] = y) -> str:
             return f"{x['wall_s'][k]:.{d}f} / {y['wall_s'][k]:.{d}f}"
@@ -241,60 +125,6 @@ def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def _stock_needles(examples: list[dict[str, Any]]) -> float:
-    """Needle accuracy of the uncompacted answers stored beside the compacted ones."""
-    sys.path.insert(0, str(ROOT))
-    from harness.workload import needle_correct
-
-    first = examples[0]["config"]
-    graded = [
-        needle_correct(e["question"], e["stock"], e["doc"])
-        for e in examples
-        if e["config"] == first
-    ]
-    marks = [g for g in graded if g is not None]
-    return sum(marks) / len(marks)
-
-
-@table("agreement", "agreement.json")
-def _agreement(data: list[dict[str, Any]]) -> list[list[str]]:
-    meta, recs = data[0]["meta"], data[0]["records"]
-    n_fit = meta["docs"] * (6 - meta["held_out"])
-    n_held = meta["docs"] * meta["held_out"]
-    stock = _stock_needles(data[0]["examples"])
-    rows = [["method", "policy", "follow-up answers", "agree, fitted questions",
-             "agree, held-out", f"needles (stock {stock:.2f})"]]  # fmt: skip
-    for r in recs:
-        rows.append(
-            [r["method"], "on" if r["on_policy"] else "off", str(r["follow_up_answer_tokens"]),
-             _frac(r["agree_fitted"], n_fit), _frac(r["agree_held_out"], n_held),
-             f"{r['needle_accuracy']:.2f}"]
-        )  # fmt: skip
-    return rows
-
-
-@table("next_question", "next_question.json")
-def _next_question(data: list[dict[str, Any]]) -> list[list[str]]:
-    # result files since issue #21 also have kind (needle/prose), unseen_attn_error and
-    # target_met_share: those columns appear only then
-    rows_in = data[0]["rows"]
-    new = any("kind" in r for r in rows_in)
-    extra = ["kind"] if new else []
-    tail = ["unseen attn error", "targets met"] if new else []
-    rows = [["config", *extra, "ratio", "questions fitted (k)", "unseen logppl gap",
-             "unseen agree16", "seen agree16", *tail, "s per compaction"]]  # fmt: skip
-    for r in rows_in:
-        kind = [r["kind"]] if new else []
-        met = r.get("target_met_share")
-        more = [_f(r["unseen_attn_error"]), "-" if met is None else f"{met:.2f}"] if new else []
-        rows.append(
-            [r["config"], *kind, f"{r['ratio']:.3g}", str(r["k"]), _f(r["unseen_logppl_gap"]),
-             f"{r['unseen_agree16']:.2f}", f"{r['seen_agree16']:.2f}", *more,
-             f"{r['seconds']:.0f}"]
-        )  # fmt: skip
-    return rows
-
-
 @table("kernels", "kernels.json")
 def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     res = data[0]["results"]
@@ -307,8 +137,8 @@ def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     for b, n in shapes:
         cells = []
         for k in kernels:
-            r = _rec(res, kernel=k, batch=b, length=n)
-            cells.append(f"{_sig(r['ms'])} ms ({r['frac_of_copy_bw']:.2f})")
+            r = rec(res, kernel=k, batch=b, length=n)
+            cells.append(f"{sig(r['ms'])} ms ({r['frac_of_copy_bw']:.2f})")
         rows.append([f"{b} x {n // 1024}k", *cells])
     return rows
 
@@ -328,14 +158,14 @@ def _methods_speed(data: list[dict[str, Any]]) -> list[list[str]]:
         cells = []
         for m in methods:
             try:
-                cell = _sig(_rec(d["results"], method=m)["sec_per_layer"])
+                cell = sig(rec(d["results"], method=m)["sec_per_layer"])
             except KeyError:
                 cells.append("not run")
                 continue
             if d["config"]["T"] == cpu["config"]["T"] and any(
                 r["method"] == m for r in cpu["results"]
             ):
-                c = _sig(_rec(cpu["results"], method=m)["sec_per_layer"])
+                c = sig(rec(cpu["results"], method=m)["sec_per_layer"])
                 cell += f" (CPU, 1 thread: {c})" if m == methods[0] else f" (CPU: {c})"
             cells.append(cell)
         rows.append([str(d["config"]["T"]), *cells])
