@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = prepare_model("smollm2-135m")
     a.logs.mkdir(parents=True, exist_ok=True)
-    common = ["--enable-metrics", "--sleep-on-idle", "--decode-log-interval", "1",
+    common = ["--enable-metrics", "--decode-log-interval", "1",
               "--max-running-requests", str(a.batch)]  # fmt: skip
     # idle: a service address nothing listens on, and a trigger no burst reaches
     idle = compaction_args(f"127.0.0.1:{free_port()}", 0.1, min_hits=10_000)

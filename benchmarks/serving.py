@@ -101,7 +101,7 @@ def server_for(
     from harness.launch import SGLangServer
     from harness.workload import compaction_args
 
-    extra = ["--enable-metrics", "--sleep-on-idle", "--decode-log-interval", "1"]
+    extra = ["--enable-metrics", "--decode-log-interval", "1"]
     if ratio is not None:
         assert endpoint is not None
         extra += compaction_args(

@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  compactor serve on {svc.endpoint} (pid {svc.pid})", flush=True)
         servers = []
         for name, ratio in configs:
-            # idle servers must not spin; pool gauges published on every decode step
-            extra = ["--enable-metrics", "--sleep-on-idle", "--decode-log-interval", "1"]
+            # pool gauges published on every decode step (SGLangServer: no spinning when idle)
+            extra = ["--enable-metrics", "--decode-log-interval", "1"]
             if ratio is not None:
                 extra += compaction_args(
                     svc.endpoint,
