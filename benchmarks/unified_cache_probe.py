@@ -155,6 +155,15 @@ class _Probe:
             "protected": int(self.cache.protected_size()),
         }
 
+    def insert_and_lock(self, value: torch.Tensor) -> tuple[dict[str, int], dict[str, int]]:
+        """Insert `value` for the probe's ids; the sizes unlocked, then under a lock (released)."""
+        res = self.insert(_ids(), value)
+        unlocked = self.sizes()
+        lock = self.cache.lock(res.last_device_node)
+        locked = self.sizes()
+        self.cache.unlock(lock)
+        return unlocked, locked
+
 
 def _error(e: BaseException) -> dict[str, Any]:
     return {"status": "error", "error": f"{type(e).__name__}: {e}"}
@@ -214,11 +223,7 @@ def probe_core(core: str) -> dict[str, Any]:
         """(d) evictable, then protected under a lock: t slots, not L tokens."""
         p = _Probe(core)
         _, value = p.compacted_value()
-        res = p.insert(_ids(), value)
-        unlocked = p.sizes()
-        lock = p.cache.lock(res.last_device_node)
-        locked = p.sizes()
-        p.cache.unlock(lock)
+        unlocked, locked = p.insert_and_lock(value)
         return _verdict(
             unlocked["evictable"] == T and locked["protected"] == T,
             unlocked=unlocked,
@@ -332,11 +337,7 @@ def probe_core(core: str) -> dict[str, Any]:
 
         p = _Probe(core, custom_full=True)
         phys, value = p.compacted_value()
-        res = p.insert(_ids(), value)
-        unlocked = p.sizes()
-        lock = p.cache.lock(res.last_device_node)
-        locked = p.sizes()
-        p.cache.unlock(lock)
+        unlocked, locked = p.insert_and_lock(value)
         p.freed.clear()
         ev = p.cache.evict(EvictParams(num_tokens=L))
         good = (
