@@ -105,8 +105,8 @@ def write_layers(
     longest head of any layer, `head_counts(prefix).max()`) of `kvcache` and
     `store` (mutates both; marks `slots` compacted and records the prefix, `mark_prefix`).
 
-    `check(i, k, v, beta)` sees each layer cast to the pool's dtype (k, v [H_kv, t_max, D],
-    beta [H_kv, t_max]) before it is written; what it raises stops the write there.
+    `check(i, k, v, beta)` sees each layer cast to the pool's dtype and on its device (k, v
+    [H_kv, t_max, D], beta [H_kv, t_max]) before it is written; what it raises stops the write there.
 
     Raises:
         ValueError: a head keeps more entries than `slots`, or the prefix does not fit the
@@ -128,7 +128,9 @@ def write_layers(
                 f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
             )
         k, v, beta = prefix.layers[i].padded(t_max, k_buf.dtype)  # [H_kv, t_max, D], [H_kv, t_max]
-        k, v = k.to(k_buf.device), v.to(v_buf.device, v_buf.dtype)
+        # a result arrives on the host: all three move to the pool's device before `check`
+        dev = k_buf.device
+        k, v, beta = k.to(dev), v.to(dev, v_buf.dtype), beta.to(dev)
         if check is not None:
             check(i, k, v, beta)
         k_buf[dev_slots] = k.transpose(0, 1)

@@ -309,3 +309,34 @@ def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
         assert torch.allclose(cache.kvcache.get_value_buffer(i)[slots], v, atol=1e-6)
         assert (cache.beta_store.beta[i, slots] == 0).all()
     check_accounting(cache)
+
+
+def test_each_layer_reaches_its_check_and_the_pool_on_the_pools_device(compacted: Any) -> None:
+    """A result arrives on the host and the pool lives on the accelerator. Here the pool is on
+    the meta device (a device other than the result's, as CUDA is on a GPU machine): `check`
+    must see K, V and beta there, or its one `torch.stack` raises, as it did on an H100 when
+    beta stayed on the host (benchmarks/results/gpu_runs/2026-11-26-h100-2/)."""
+    from sglang_ext.kv_store import BetaStore, write_layers
+
+    _, prefix, _ = compacted
+    L, H, D = prefix.num_layers, prefix.num_kv_heads, prefix.head_dim
+    t_max, S = int(head_counts(prefix).max()), 4 * T
+    bufs = [
+        (torch.empty(S, H, D, device="meta"), torch.empty(S, H, D, device="meta")) for _ in range(L)
+    ]
+    pool = SimpleNamespace(
+        start_layer=0,
+        layer_num=L,
+        get_key_buffer=lambda i: bufs[i][0],
+        get_value_buffer=lambda i: bufs[i][1],
+    )
+    store = BetaStore(L, S, H, "meta")
+    seen: list[tuple[int, set[str]]] = []
+
+    def check(i: int, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> None:
+        seen.append((i, {t.device.type for t in (k, v, beta)}))
+        torch.stack([k.abs().amax().float(), v.abs().amax().float(), beta.amax().float()])
+
+    write_layers(pool, store, prefix, torch.arange(1, 1 + t_max), check=check)
+    assert seen == [(i, {"meta"}) for i in range(L)]
+    assert store.prefix_of(1) == (t_max, prefix.logical_length)
