@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from compactor import CompactedPrefix, CompactionSpec
@@ -58,7 +58,7 @@ class Compactor(Protocol):
 class JobResult:
     """One finished compaction: exactly one of `prefix` and `error` is set; `epoch` is the
     runner's epoch when it was submitted; `job_id` what `submit` returned; `fit_round` 0 for a
-    prefix's first fit, n for its n-th refit."""
+    prefix's first fit, n for its n-th refit; `done_at` when it finished (`time.perf_counter`)."""
 
     token_ids: tuple[int, ...]
     prefix: CompactedPrefix | None
@@ -67,6 +67,7 @@ class JobResult:
     epoch: int = 0
     job_id: int = 0
     fit_round: int = 0
+    done_at: float = field(default_factory=time.perf_counter)
 
 
 class InProcessCompactor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic
 
 import torch
@@ -97,7 +98,7 @@ class InstallLifecycle(Generic[N]):
         """Take finished compactions, write pending installs (at most `install_chunk_mb` per
         call), free retired nodes, read pool gauges; returns the installs completed. With
         `tp`, every rank must call it at the same scheduler iteration (a collective)."""
-        done = 0
+        done, before = 0, replace(self.stats)
         if self.runner is not None:
             jobs = self.runner.drain()
             if self.tp is not None:
@@ -109,10 +110,9 @@ class InstallLifecycle(Generic[N]):
         self._reap()
         tree, free, size = self.tree.slot_counts()
         tree -= sum(int(p.slots.numel()) for p in self.pending)
-        mismatches = self.beta_store.mark_mismatches
-        changed = mismatches != self.stats.host_mark_mismatches
-        self.stats.host_mark_mismatches = mismatches
-        if self.stats.read_pool(free, tree, size) or changed:
+        self.stats.host_mark_mismatches = self.beta_store.mark_mismatches
+        self.stats.read_pool(free, tree, size)
+        if self.stats != before:  # an install failing in the poll that began it counts too
             self.export()
         return done
 
@@ -371,6 +371,11 @@ class InstallLifecycle(Generic[N]):
     def _take(self, job: Any) -> None:
         """One finished job from the runner: start its install or count why not."""
         self.stats.last_latency_s = job.latency_s
+        logger.info(
+            "sglang_ext: result for T=%d arrived: %.1f s after the request, %.1f s waiting "
+            "for the scheduler", len(job.token_ids), job.latency_s,
+            time.perf_counter() - job.done_at,
+        )  # fmt: skip
         if self.runner is not None and job.epoch != self.runner.epoch:
             self.stats.stale += 1
             logger.info("sglang_ext: dropped a compaction started before a weight update")

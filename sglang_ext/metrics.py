@@ -64,8 +64,8 @@ class CompactionStats:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def read_pool(self, free: int, tree_total: int, pool: int) -> bool:
-        """Set the pool gauges from SGLang's counts; True when one of them changed.
+    def read_pool(self, free: int, tree_total: int, pool: int) -> None:
+        """Set the pool gauges from SGLang's counts.
 
         Args:
             free: the allocator's `available_size()`.
@@ -74,10 +74,8 @@ class CompactionStats:
             pool: the allocator's size.
         Mutates `tree_slots`, `free_slots` and `pool_slots`.
         """
-        new = (int(tree_total) - self.physical_tokens, int(free), int(pool))
-        old = (self.tree_slots, self.free_slots, self.pool_slots)
-        self.tree_slots, self.free_slots, self.pool_slots = new
-        return new != old
+        self.tree_slots = int(tree_total) - self.physical_tokens
+        self.free_slots, self.pool_slots = int(free), int(pool)
 
     def read_prefixes(
         self, lengths: list[tuple[int, int]], slot_bytes: int, beta_slots: int

@@ -5,6 +5,8 @@ back to the pool, the original prefix keeps serving, the error is counted, and a
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang_ext.compactors import JobResult
 from sglang_ext.guard import BREAKER_AFTER, HookGuard
 from sglang_ext.installer import PendingInstall
+from sglang_ext.metrics import CompactionStats
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     POOL,
     FakeRunner,
@@ -43,10 +46,16 @@ def test_an_oom_inside_an_install_is_contained(
     cache = make_cache(fp, runner=runner)
     insert_fresh(cache, ids)
     monkeypatch.setattr(PendingInstall, "step", _oom)
+    exported: list[CompactionStats] = []
+    cache.lifecycle.exporter = SimpleNamespace(update=lambda s, _: exported.append(replace(s)))
+    cache.poll_compactions()  # the pool gauges are current
     runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
     assert cache.poll_compactions() == 0  # raised nothing into the scheduler
     s = cache.stats
     assert (s.install_errors, s.failures, s.fallbacks, s.installed) == (1, 1, 1, 0)
+    # the failure reaches /metrics in the poll that began and aborted the install (the
+    # slots it took are back, so the pool gauges alone show no change)
+    assert exported and exported[-1] == s
     assert not cache.compacted_nodes() and not cache.lifecycle.pending
     assert cache.token_to_kv_pool_allocator.available_size() == POOL - T  # slots returned
     assert cache.match_prefix(MatchPrefixParams(key=key(ids))).device_prefix_len == T
