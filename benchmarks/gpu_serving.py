@@ -335,19 +335,24 @@ def run(a: argparse.Namespace) -> int:
             bad += 1
             continue
         print(f"=== {phase} ({time.monotonic() - t0:.0f} s into the run)", flush=True)
+        stopped: SystemExit | None = None
         try:
             if phase == "identity":
                 rec = identity(a, paths["small"])
             else:
                 rec = eight_b(a, paths["big"], plugin=phase == "plugin8b")
-        except Exception as exc:  # one phase failing must not lose the others' records
+        except (Exception, SystemExit) as exc:  # a failed phase keeps the others' records
             bad += 1
             rec = {"phase": phase, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
+            if isinstance(exc, SystemExit):  # SIGTERM (the outer timeout): record, then stop
+                stopped, rec["error"] = exc, "stopped by SIGTERM (the outer timeout)"
             print(f"  [{phase}] failed: {rec['error'][-1500:]}", flush=True)
         rec["seconds"] = time.monotonic() - t0
         (a.state / f"{phase}.json").write_text(json.dumps(rec, indent=1))
         res = report(a)
         print(f"  [{phase}] done at {rec['seconds']:.0f} s; checks so far {res.checks()}")
+        if stopped is not None:
+            raise stopped
     return bad
 
 

@@ -280,3 +280,24 @@ def test_compactor_serve_device_flag() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--device", "tpu"])
     assert PoolConfig(model_dir="m").device == "cpu"
+
+
+def test_a_phase_stopped_by_sigterm_leaves_its_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outer `timeout` stops a phase with SIGTERM (SystemExit here): its record says so
+    and the merged report is written before the run stops (a GPU run once lost both)."""
+    from benchmarks import gpu_serving as gs
+
+    def stopped(*args: Any) -> Any:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(gs, "models", lambda a: {"small": tmp_path, "big": tmp_path})
+    monkeypatch.setattr(gs, "identity", stopped)
+    monkeypatch.setattr(gs.signal, "signal", lambda *args: None)
+    state, out = tmp_path / "state", tmp_path / "out"
+    with pytest.raises(SystemExit):
+        gs.main(["run", "--cpu-smoke", "--state", str(state), "--out", str(out)])
+    assert "SIGTERM" in json.loads((state / "identity.json").read_text())["error"]
+    assert not (state / "stock8b.json").exists()  # nothing ran after the stop
+    assert json.loads((out / "gpu_serving.json").read_text())
