@@ -12,12 +12,15 @@ crash or a full disk leaves no half-written checkpoint behind.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -138,27 +141,42 @@ def prepare_model(name: str, dtype: str = "float32", *, verify: bool = True) -> 
             "an unknown file"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk(target.parent, gguf, dtype)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is shared with servers
-    try:
-        _convert(gguf, tmp, dtype)
-        answer = _verify(spec, tmp) if verify else ""
-        record = PreparedModel(
-            name=name,
-            path=str(target),
-            dtype=dtype,
-            source_sha256=source_sha,
-            fingerprint=fingerprint(tmp),
-            verify_answer=answer,
-        )
-        (tmp / _MARKER).write_text(json.dumps(asdict(record), indent=2) + "\n")
-        if target.exists():  # a stale, unmarked leftover of an interrupted run
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if read_prepared(name, dtype) is not None:  # another process prepared it meanwhile
+            return target
+        _check_disk(target.parent, gguf, dtype)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is shared with servers
+        try:
+            _convert(gguf, tmp, dtype)
+            answer = _verify(spec, tmp) if verify else ""
+            record = PreparedModel(
+                name=name,
+                path=str(target),
+                dtype=dtype,
+                source_sha256=source_sha,
+                fingerprint=fingerprint(tmp),
+                verify_answer=answer,
+            )
+            (tmp / _MARKER).write_text(json.dumps(asdict(record), indent=2) + "\n")
+            if target.exists():  # a stale, unmarked leftover of an interrupted run
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) for the block: one process
+    converts a model at a time, and the others then find it prepared."""
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _check_dtype(dtype: str) -> None:

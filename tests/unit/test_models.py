@@ -94,3 +94,36 @@ def test_cli_list_and_prepare(prepared_model: Path, capsys: pytest.CaptureFixtur
     listing = json.loads(capsys.readouterr().out)
     row = next(m for m in listing["models"] if m["dtype"] == "float32")
     assert row["prepared"] is True and row["path"] == str(prepared_model)
+
+
+def test_concurrent_prepares_convert_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two processes (here threads) preparing at once: one converts, the other waits on the
+    lock and then finds the model prepared (test workers share one model cache)."""
+    import threading
+    import time
+
+    from compactor.models.registry import get_spec
+
+    monkeypatch.setenv("COMPACTOR_HOME", str(tmp_path))
+    monkeypatch.setattr(prepare_mod, "_sha256", lambda p: get_spec("smollm2-135m").sha256)
+    converted: list[Path] = []
+
+    def convert(gguf: Path, out: Path, dtype: str) -> None:
+        converted.append(out)
+        time.sleep(0.3)  # long enough for the other caller to reach the lock
+        (out / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(prepare_mod, "_convert", convert)
+    monkeypatch.setattr(prepare_mod, "_verify", lambda spec, path: "ok")
+    monkeypatch.setattr(prepare_mod, "fingerprint", lambda path: "f" * 32)
+    paths: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: paths.append(prepare_model("smollm2-135m")))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(converted) == 1 and paths == [prepared_path("smollm2-135m")] * 2
+    assert read_prepared("smollm2-135m") is not None
