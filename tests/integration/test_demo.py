@@ -7,8 +7,10 @@ KV figure asserted on is read from the servers.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,20 +19,28 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _our_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    marks = ("sglang.launch_server", "compactor serve", "raylet", "gcs_server", "ray::")
-    return [line for line in out.splitlines() if any(m in line for m in marks)]
+def _processes_with(mark: str) -> list[int]:
+    """Pids of live processes whose environment holds `mark` (the demo's descendants inherit
+    it; processes of tests running beside this one do not)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
 
 
 def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_path: Path) -> None:
-    before_procs = set(_our_processes())
+    run_id = uuid.uuid4().hex  # in the environment of the demo and everything it starts
     proc = subprocess.run(
         [
             sys.executable, "-m", "harness.demo", "--docs", "1", "--sentences", "40",
             "--ratios", "0.1", "--max-new-tokens", "12", "--out", str(tmp_path),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "COMPACTION_DEMO_TEST": run_id},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "KV held" in proc.stdout and "ratio 0.1" in proc.stdout
@@ -71,4 +81,4 @@ def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_p
     prov = data["provenance"]
     assert prov["command"].startswith("python -m harness.demo") and prov["commit"]
     assert (tmp_path / "demo.png").stat().st_size > 0
-    assert set(_our_processes()) <= before_procs, "the demo left processes behind"
+    assert not _processes_with(f"COMPACTION_DEMO_TEST={run_id}"), "the demo left processes behind"
