@@ -49,7 +49,7 @@ def test_short_documents_write_rows_in_range(prepared_model: Path, tmp_path: Pat
     out, png = tmp_path / "nq.json", tmp_path / "nq.png"
     argv = ["--model", str(prepared_model), "--docs", "1", "--prose-docs", "1"]
     argv += ["--sentences", "20", "--configs", "baseline,target-0.2,gvote"]
-    argv += ["--refit-steps", "1,3", "--seen-questions", "8", "--answer-tokens", "8"]
+    argv += ["--refit-steps", "1,3", "--seen-questions", "4", "--answer-tokens", "4"]
     assert bench.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
     assert {"command", "commit", "machine", "date"} <= set(data["provenance"])
@@ -61,7 +61,7 @@ def test_short_documents_write_rows_in_range(prepared_model: Path, tmp_path: Pat
         (c, k, kind, 1) for kind in ("needle", "prose") for c, k in keys
     ]
     assert [(s["config"], s["k"]) for s in meta["skipped"]] == [("target-0.2", 1)]
-    assert meta["seen_questions"] == 8 and meta["prose_docs"] == 1
+    assert meta["seen_questions"] == 4 and meta["prose_docs"] == 1
     for r in rows:
         # a share of the k fitted questions
         assert r["seen_agree16"] * r["k"] == pytest.approx(round(r["seen_agree16"] * r["k"]))
