@@ -89,7 +89,8 @@ def new_compacted_node(root: TreeNode, ids: list[int], info: CompactionInfo) -> 
     node = CompactedTreeNode(info)
     node.parent = root
     node.key = RadixKey(array("q", ids), None)
-    node.value = torch.cat([slots, torch.full((T - info.t_max,), ALIAS_SLOT, dtype=torch.int64)])
+    alias = torch.full((T - info.t_max,), ALIAS_SLOT, dtype=slots.dtype, device=slots.device)
+    node.value = torch.cat([slots, alias])  # on the pool's device, as SGLang's own values
     root.children[child_key(info.prefix_hash, info.fit_round)] = node
     return node
 

@@ -340,3 +340,17 @@ def test_each_layer_reaches_its_check_and_the_pool_on_the_pools_device(compacted
     write_layers(pool, store, prefix, torch.arange(1, 1 + t_max), check=check)
     assert seen == [(i, {"meta"}) for i in range(L)]
     assert store.prefix_of(1) == (t_max, prefix.logical_length)
+
+
+def test_a_compacted_node_holds_its_slots_on_the_pools_device() -> None:
+    """SGLang's allocator hands out slots on the pool's device and concatenates node values
+    along a path: the alias slots of a compacted node must be there too (on a GPU they were
+    made on the host, and `torch.cat` raised at the end of every install)."""
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+
+    from sglang_ext.adapter.compacted_node import new_compacted_node
+    from sglang_ext.prefix_tree import CompactionInfo
+
+    slots = torch.arange(1, 5, device="meta")
+    node = new_compacted_node(TreeNode(), list(range(16)), CompactionInfo(slots, 16, "h", "m", 0))
+    assert node.value.device.type == "meta" and node.value.shape == (16,)
