@@ -26,18 +26,12 @@ kvpress-venv:
 protos: setup
 	$(PY) scripts/gen_protos.py
 
-# Tests run in TEST_WORKERS processes (pytest-xdist): most of a server test's time is one
-# server or service process busy on one core, so two workers keep both cores of a small
-# machine busy. TEST_WORKERS=0 runs them in pytest's own process.
-TEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
-
 # Any non-zero pytest exit fails the target, 5 (no test collected or run) included.
 test: setup kvpress-venv
-	$(PYTEST)
+	$(PY) -m pytest -q
 
 test-fast: setup kvpress-venv
-	$(PYTEST) -m "not sglang"
+	$(PY) -m pytest -q -m "not sglang"
 
 lint: setup
 	$(VENV)/bin/ruff check .
