@@ -23,7 +23,8 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -113,6 +114,8 @@ class _Base(Generic[R]):
     an awaitable of one).
     """
 
+    stub: pb_grpc.CompactorStub  # each client's own, on its blocking or asyncio channel
+
     def __init__(
         self,
         endpoint: str,
@@ -179,9 +182,22 @@ class _Base(Generic[R]):
         """:meth:`compact_request` (each client's own: blocking or asyncio)."""
         raise NotImplementedError
 
-    def _result(
-        self, asm: Assembler, req: pb.CompactRequest, t0: float, attempts: int
-    ) -> CompactResult:
+    @contextmanager
+    def _attempt(
+        self, req: pb.CompactRequest, tries: _Tries, cap: int | None
+    ) -> Iterator[tuple[Assembler, Any]]:
+        """One attempt of `tries`: a fresh Assembler (at most `cap` bytes) and the Compact
+        stream, its deadline the time left; the stream is cancelled when the block raises
+        ChecksumError (a corrupt or too large result: nothing more of it is wanted)."""
+        asm = Assembler(cap)
+        call = self.stub.Compact(req, timeout=tries.left(), metadata=self.metadata)
+        try:
+            yield asm, call
+        except ChecksumError:
+            call.cancel()
+            raise
+
+    def _result(self, asm: Assembler, req: pb.CompactRequest, tries: _Tries) -> CompactResult:
         prefix = asm.result(expected_fingerprint=req.model_fingerprint, key=self._key)
         want = req.kv_dtype or "float32"
         if dtype_name(prefix.dtype) != want:
@@ -192,11 +208,11 @@ class _Base(Generic[R]):
             prefix=prefix,
             cache_hit=tr.cache_hit,
             shared=tr.shared,
-            seconds=time.perf_counter() - t0,
+            seconds=time.perf_counter() - tries.t0,
             server_seconds=tr.server_seconds,
             compute_seconds=tr.compute_seconds,
             worker=tr.worker,
-            attempts=attempts,
+            attempts=tries.attempt + 1,
             stage_seconds=dict(tr.stage_seconds),
         )
 
@@ -237,16 +253,11 @@ class CompactorClient(_Base[CompactResult]):
     ) -> CompactResult:
         tries = _Tries(self.retry, timeout)
         while True:
-            asm = Assembler(cap)
             try:
-                call = self.stub.Compact(req, timeout=tries.left(), metadata=self.metadata)
-                try:
+                with self._attempt(req, tries, cap) as (asm, call):
                     for msg in call:
                         asm.add(msg)
-                except ChecksumError:
-                    call.cancel()  # stop receiving: nothing more of this stream is wanted
-                    raise
-                return self._result(asm, req, tries.t0, tries.attempt + 1)
+                return self._result(asm, req, tries)
             except grpc.RpcError as err:
                 time.sleep(tries.backoff(err))
 
@@ -287,16 +298,11 @@ class AsyncCompactorClient(_Base[Awaitable[CompactResult]]):
     ) -> CompactResult:
         tries = _Tries(self.retry, timeout)
         while True:
-            asm = Assembler(cap)
             try:
-                call = self.stub.Compact(req, timeout=tries.left(), metadata=self.metadata)
-                try:
+                with self._attempt(req, tries, cap) as (asm, call):
                     async for msg in call:
                         asm.add(msg)
-                except ChecksumError:
-                    call.cancel()  # stop receiving: nothing more of this stream is wanted
-                    raise
-                return await asyncio.to_thread(self._result, asm, req, tries.t0, tries.attempt + 1)
+                return await asyncio.to_thread(self._result, asm, req, tries)
             except grpc.RpcError as err:
                 await asyncio.sleep(tries.backoff(err))
 
