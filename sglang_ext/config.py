@@ -220,14 +220,16 @@ class CompactionConfig:
     install_chunk_mb: int = _setting(
         64,
         "install-chunk-mb",
-        "MiB of a compacted prefix written into the KV pool per scheduler iteration.",
+        "MiB of a compacted prefix written into the KV pool per busy scheduler iteration "
+        "(an idle scheduler writes it whole).",
         at_least=1,
     )
     # Whatever the bytes: on a CPU pool the per-layer cast and checks, not the copy, set the cost.
     install_step_ms: float = _setting(
         2.0,
         "install-step-ms",
-        "Milliseconds of install work per scheduler iteration (one layer at least).",
+        "Milliseconds of install work per busy scheduler iteration (one layer at least; "
+        "an idle scheduler writes the install whole).",
         "float",
         above=0,
     )

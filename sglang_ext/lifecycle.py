@@ -2,8 +2,9 @@
 
 A compacted prefix is *pending* (a `PendingInstall`, `sglang_ext.installer`: t_max slots
 allocated and counted as protected while its layers are written `install_chunk_mb`, and
-about `install_step_ms`, at a time across iterations), then *installed* (a node new requests
-match; its original path is *retired*: freed once no request holds it), then *superseded*
+about `install_step_ms`, at a time across busy iterations, or whole in an idle one), then
+*installed* (a node new requests match; its original path is *retired*: freed once no
+request holds it), then *superseded*
 (a refit, `fit_round` n > 0, took its place), *dropped* (the served weights changed) or
 evicted. Superseded and dropped nodes no longer match and are freed, with what hangs below
 them, when their requests let go (`_reap`). A result that fails a check or a write frees its
@@ -94,10 +95,11 @@ class InstallLifecycle(Generic[N]):
         return self._dropped
 
     # ---- the poll point ---------------------------------------------------------------
-    def poll(self) -> int:
+    def poll(self, idle: bool = False) -> int:
         """Take finished compactions, write pending installs (at most `install_chunk_mb` per
-        call), free retired nodes, read pool gauges; returns the installs completed. With
-        `tp`, every rank must call it at the same scheduler iteration (a collective)."""
+        call; all of them when `idle`: no request runs or waits, so none is stalled), free
+        retired nodes, read pool gauges; returns the installs completed. With `tp`, every
+        rank must call it at the same scheduler iteration (a collective)."""
         done, before = 0, replace(self.stats)
         if self.runner is not None:
             jobs = self.runner.drain()
@@ -106,7 +108,7 @@ class InstallLifecycle(Generic[N]):
             else:
                 for job in jobs:
                     self._take(job)
-        done += self._advance_installs()
+        done += self._advance_installs(idle)
         self._reap()
         tree, free, size = self.tree.slot_counts()
         tree -= sum(int(p.slots.numel()) for p in self.pending)
@@ -390,12 +392,15 @@ class InstallLifecycle(Generic[N]):
                 self.fallback(job.token_ids, e, job.fit_round)
         self.export(job.latency_s)
 
-    def _advance_installs(self) -> int:
+    def _advance_installs(self, idle: bool) -> int:
         """Write pending installs in order, `install_chunk_mb` and about `install_step_ms` at
-        most; returns how many finished. With `tp`, a written or failed install waits for the
-        ranks' agreement (`TpSync.poll`) instead of becoming a node or being freed here."""
+        most (no bound when `idle`); returns how many finished. With `tp`, a written or
+        failed install waits for the ranks' agreement (`TpSync.poll`) instead of becoming a
+        node or being freed here."""
         budget, done = self.config.install_chunk_mb << 20, 0
         deadline = time.perf_counter() + self.config.install_step_ms / 1000
+        if idle:
+            budget, deadline = 1 << 62, float("inf")
         wrote, tp = False, self.tp  # one layer at least per call, then within the budgets
         for pending in list(self.pending):
             if budget <= 0 or (wrote and time.perf_counter() >= deadline):

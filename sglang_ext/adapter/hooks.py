@@ -199,7 +199,15 @@ def _poll_scheduler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     cache: Any = getattr(scheduler, "tree_cache", None)
     poll = getattr(cache, "poll_compactions", None)
     if callable(poll):
-        cache.guard.call("the install poll", 0, poll)
+        cache.guard.call("the install poll", 0, poll, idle=_idle(scheduler))
+
+
+def _idle(scheduler: Any) -> bool:
+    """Whether no request runs or waits (`Scheduler.is_fully_idle`): an install then has
+    nothing to stall and is written whole in this iteration, instead of a layer per idle
+    iteration (about one a second with `--sleep-on-idle`)."""
+    is_fully_idle = getattr(scheduler, "is_fully_idle", None)
+    return bool(is_fully_idle()) if callable(is_fully_idle) else False
 
 
 def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> Any:

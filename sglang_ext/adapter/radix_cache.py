@@ -140,9 +140,9 @@ class CompactionRadixCache(RadixCache):
     def kvcache(self) -> Any:
         return self._lc.kvcache
 
-    def poll_compactions(self) -> int:
+    def poll_compactions(self, idle: bool = False) -> int:
         """The scheduler's safe point (`InstallLifecycle.poll`)."""
-        return self._lc.poll()
+        return self._lc.poll(idle)
 
     def install(self, token_ids: Any, prefix: CompactedPrefix) -> TreeNode:
         return self._lc.install(token_ids, prefix)

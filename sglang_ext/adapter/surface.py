@@ -53,7 +53,8 @@ SUPPORTED = (">=0.5.23", "<0.5.24")
 CONFIGURE_LOGGER = "sglang.srt.utils.common.configure_logger"
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
-INGEST_REQUESTS = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+INGEST_REQUESTS = f"{SCHEDULER}.ingest_requests"
 WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
@@ -134,6 +135,8 @@ SURFACE: tuple[Symbol, ...] = (
           ("args",), serving=False),
     _hook(INGEST_REQUESTS, "the scheduler's safe point: installs finished compactions",
           ("self",)),
+    Symbol("import", f"{SCHEDULER}.is_fully_idle", "an idle scheduler writes an install whole",
+           params=("self",), prefix=True),
     *(_hook(t, "drops compacted prefixes made for the old weights", ("self", "recv_req"))
       for t in WEIGHT_UPDATES),
     *(_hook(t, "a batch with a compacted request runs eagerly, never a stock CUDA graph",

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from compactor.types import CompactedPrefix
 from sglang_ext.adapter.hooks import weights_fingerprint
 from sglang_ext.compactors import CompactionRunner, JobResult
+from sglang_ext.guard import HookGuard
 from sglang_ext.installer import BETA_SLACK, KEY_SLACK, VALUE_SLACK, PendingInstall
 from sglang_ext.kv_store import head_counts
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
@@ -170,6 +171,37 @@ def test_install_time_budget_spreads_it_one_layer_per_iteration(compacted: Any) 
     polls = [cache.poll_compactions() for _ in range(prefix.num_layers)]
     assert polls == [0] * (prefix.num_layers - 1) + [1]
     check_accounting(cache)
+
+
+def test_an_idle_scheduler_writes_the_install_whole(compacted: Any) -> None:
+    """The budgets spread an install only while requests run: an idle poll (no request runs
+    or waits) writes every layer at once, where the busy polls above take one each."""
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner, install_chunk_mb=1, install_step_ms=1e-6)
+    insert_fresh(cache, ids)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    assert cache.poll_compactions(idle=False) == 0  # busy: one layer
+    assert cache.lifecycle.pending[0].next_layer == 1
+    assert cache.poll_compactions(idle=True) == 1  # idle: the rest, and the node
+    assert cache.stats.installed == 1 and len(cache.compacted_nodes()) == 1
+    check_accounting(cache)
+
+
+def test_the_poll_hook_asks_the_scheduler_whether_it_is_idle() -> None:
+    from sglang_ext.adapter import hooks
+
+    seen: list[bool] = []
+
+    def poll(idle: bool = False) -> int:
+        seen.append(idle)
+        return 0
+
+    cache = SimpleNamespace(guard=HookGuard(lambda why: None), poll_compactions=poll)
+    for idle in (True, False):
+        scheduler = SimpleNamespace(tree_cache=cache, is_fully_idle=lambda idle=idle: idle)
+        hooks._poll_scheduler(None, scheduler)
+    assert seen == [True, False]
 
 
 def test_pending_step_writes_at_least_one_layer(compacted: Any) -> None:
