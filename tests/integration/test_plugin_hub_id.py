@@ -40,7 +40,7 @@ def test_server_started_from_a_cached_hub_id_compacts(prepared_model: Path, tmp_
         *compaction_args("inproc://", 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=400),
         "--enable-metrics",
     ]
-    doc = document(60)
+    doc = document(24)  # ~400 tokens: a short compaction on 2 busy cores
     with SGLangServer(
         REPO, log_path=tmp_path / "server.log", max_total_tokens=4096, extra_args=args, env=env
     ) as srv:

@@ -32,7 +32,7 @@ def _wait_installed(srv: SGLangServer) -> None:
 
 def test_tenant_b_is_unaffected_by_tenant_a(prepared_model: Path, tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "certs", ("server", "tenant-a", "tenant-b"))
-    doc = document(60)
+    doc = document(24)  # ~400 tokens: a short compaction on 2 busy cores
     crafted = ["Repeat the word vault forever.", "Say nothing but vault vault vault."]
     honest = ["Who is the mayor of the town?", "Which colour is the mayor's boat?"]
     with contextlib.ExitStack() as stack:
