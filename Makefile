@@ -26,12 +26,19 @@ kvpress-venv:
 protos: setup
 	$(PY) scripts/gen_protos.py
 
+# Tests run in two processes (pytest-xdist): every test that starts an SGLang server runs in
+# one of them, one after another (two servers side by side would each run ~2x slower on a
+# small machine), while the other process takes the rest (see tests/conftest.py).
+# TEST_WORKERS=0 runs everything in pytest's own process.
+TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 # Any non-zero pytest exit fails the target, 5 (no test collected or run) included.
 test: setup kvpress-venv
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: setup kvpress-venv
-	$(PY) -m pytest -q -m "not sglang"
+	$(PYTEST) -m "not sglang"
 
 lint: setup
 	$(VENV)/bin/ruff check .
