@@ -52,8 +52,8 @@ class InstallLifecycle(Generic[N]):
         tree: the tree the prefixes hang in. kvcache: the KV pool it indexes (duck-typed:
             `get_key_buffer`, `start_layer`, `layer_num`), written with its `beta_store`.
         pool_shape: what results must fit. runner: the `CompactionRunner` (None: installs
-            only through `install`). exporter: Prometheus series of `stats` (None: none).
-        tp: the TP agreement strategy (None: one rank decides alone).
+            only through `install`). exporter: Prometheus series of `stats` (None: none). tp:
+            the TP agreement strategy (None: one rank decides alone).
     """
 
     def __init__(
@@ -90,8 +90,7 @@ class InstallLifecycle(Generic[N]):
 
     @property
     def dropped(self) -> Mapping[str, N]:
-        """Compacted nodes of older weights, by prefix hash (never matched, freed when
-        unlocked)."""
+        """Compacted nodes of older weights by prefix hash (never matched, freed unlocked)."""
         return self._dropped
 
     # ---- the poll point ---------------------------------------------------------------
@@ -119,11 +118,9 @@ class InstallLifecycle(Generic[N]):
         return done
 
     def install(self, token_ids: Any, prefix: CompactedPrefix) -> N:
-        """Check `prefix` for `token_ids` [T], write it into the pool at once, add its node.
-
-        Mutates the KV pool, the beta store and the tree; returns the compacted node (the
-        existing one for a prefix installed before). The scheduler's path is the same, its
-        writes spread over iterations (`poll`).
+        """Check `prefix` for `token_ids` [T], write it into the pool at once, add its node
+        (returned; the existing one for a prefix installed before). The scheduler's path
+        (`poll`) is the same, its writes spread over iterations. Mutates pool, store, tree.
         Raises:
             ValueError: the prefix is for another model, tokens or pool shape, or out of range.
             RuntimeError: the pool cannot give t_max slots even after eviction.
@@ -212,8 +209,7 @@ class InstallLifecycle(Generic[N]):
 
     def reset(self) -> None:
         """The tree is flushed (the caller frees its nodes): forget every compacted prefix,
-        pending install and retired node, give their slots' beta back, and drop results in
-        flight (they were asked of the flushed tree). Mutates the beta store."""
+        pending install and retired node, give their beta back, drop results in flight."""
         store = self.beta_store
         for node in [*self._compacted.values(), *self._dropped.values(), *self._superseded]:
             info = self.tree.info(node)
@@ -231,15 +227,13 @@ class InstallLifecycle(Generic[N]):
             self.tp.clear()
 
     def install_error(self, error: BaseException) -> None:
-        """An install raised something other than a failed check: count it (its install is
-        aborted by the caller) and tell the hook guard, whose breaker stops compaction after
-        repeated errors."""
+        """An install raised something other than a failed check: count it (aborted by the
+        caller) and tell the guard, whose breaker stops compaction after repeated errors."""
         self.stats.install_errors += 1
         self.guard.failed("an install", error)
 
     def trip(self, reason: str) -> None:
-        """The circuit breaker opened: no further compaction in this process (results in
-        flight are dropped, new ones refused); installed prefixes keep serving."""
+        """The breaker opened: no more compaction here; installed prefixes keep serving."""
         if self.runner is not None:
             self.runner.new_epoch()
         self.fingerprint = None
@@ -249,8 +243,8 @@ class InstallLifecycle(Generic[N]):
 
     # ---- events from the tree ---------------------------------------------------------
     def freeing(self, node: N, info: CompactionInfo) -> None:
-        """The tree frees compacted `node` (evicted, or a superseded or dropped one let go):
-        its slots' beta goes back to 0; an evicted prefix may be compacted again."""
+        """The tree frees compacted `node` (evicted, or a replaced or dropped one let go): its
+        beta goes back to 0; an evicted prefix may be compacted again."""
         self.beta_store.clear(info.slots)
         if node not in self._superseded:  # (a replaced fit is freed, not evicted)
             self.stats.evicted += 1
@@ -318,7 +312,11 @@ class InstallLifecycle(Generic[N]):
         prefix, ids, slots = pending.prefix, pending.token_ids, pending.slots
         old = self._compacted.get(pending.phash)
         info = CompactionInfo(slots, len(ids), pending.phash, prefix.method, pending.fit_round)
-        node = self.tree.add_node(ids, info)
+        try:
+            node = self.tree.add_node(ids, info)
+        except Exception:
+            self.abort(pending)  # written but never reachable: the slots go back
+            raise
         self._compacted[pending.phash] = node
         if old is None:
             self._retired.update(self.tree.original_path(ids))
@@ -341,17 +339,16 @@ class InstallLifecycle(Generic[N]):
         return node
 
     def abort(self, pending: PendingInstall) -> None:
-        """Free a pending install's slots (nothing of it was reachable by a request)."""
+        """Free a pending install's slots (never reachable by a request)."""
         self.tree.hold(-int(pending.slots.numel()))
         self.beta_store.clear(pending.slots)
         self.tree.free(pending.slots)
         self.refresh_gauges()
 
     def fallback(self, token_ids: Any, error: BaseException | None, fit_round: int = 0) -> None:
-        """Count a result that will not be installed: `invalid` for a ValueError (it failed a
-        check: checksum, shape, echo, magnitude), `failures` otherwise. A failed refit
-        (`fit_round` > 0) leaves the installed fit serving; a failed first fit the original
-        prefix."""
+        """Count a result that will not be installed: `invalid` for a ValueError (a failed
+        check), `failures` otherwise. A failed refit (`fit_round` > 0) leaves the installed
+        fit serving; a failed first fit the original prefix."""
         invalid = isinstance(error, ValueError)
         self.stats.invalid += invalid
         self.stats.failures += not invalid
@@ -386,8 +383,9 @@ class InstallLifecycle(Generic[N]):
         else:
             try:
                 self.begin(job.token_ids, job.prefix, fit_round=job.fit_round)
-            except Exception as e:  # a failed check, no slots, or a device error
-                if not isinstance(e, (ValueError, RuntimeError)) or _device_error(e):
+            except Exception as e:  # a failed check, no slots, or a device error (OOM, CUDA)
+                device = isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e)
+                if device or not isinstance(e, (ValueError, RuntimeError)):
                     self.install_error(e)
                 self.fallback(job.token_ids, e, job.fit_round)
         self.export(job.latency_s)
@@ -395,8 +393,7 @@ class InstallLifecycle(Generic[N]):
     def _advance_installs(self, idle: bool) -> int:
         """Write pending installs in order, `install_chunk_mb` and about `install_step_ms` at
         most (no bound when `idle`); returns how many finished. With `tp`, a written or
-        failed install waits for the ranks' agreement (`TpSync.poll`) instead of becoming a
-        node or being freed here."""
+        failed install waits for the ranks' agreement (`TpSync.poll`)."""
         budget, done = self.config.install_chunk_mb << 20, 0
         deadline = time.perf_counter() + self.config.install_step_ms / 1000
         if idle:
@@ -422,7 +419,12 @@ class InstallLifecycle(Generic[N]):
                 continue
             if pending.done and tp is None:
                 self.pending.remove(pending)
-                self.finish(pending)
+                try:
+                    self.finish(pending)
+                except Exception as e:  # no node was made (`finish` freed the slots)
+                    self.install_error(e)
+                    self.fallback(pending.token_ids, e)
+                    continue
                 done += 1
         return done
 
@@ -443,8 +445,3 @@ class InstallLifecycle(Generic[N]):
                     self.stats.retired_tokens_freed += tree.free_node(node)
                     self._retired.discard(node)
                     progress = True
-
-
-def _device_error(exc: BaseException) -> bool:
-    """A torch device error (OOM, CUDA error) rather than a refusal of the result."""
-    return isinstance(exc, torch.OutOfMemoryError) or "CUDA" in str(exc)

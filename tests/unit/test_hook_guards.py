@@ -63,6 +63,26 @@ def test_an_oom_inside_an_install_is_contained(
     check_accounting(cache)
 
 
+def test_a_node_that_cannot_be_made_gives_its_written_slots_back(
+    compacted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layer written, then making the tree node raises: the slots go back to the pool
+    (none was reachable), the error is counted, the original prefix keeps serving."""
+    ids, prefix, fp = compacted
+    runner = FakeRunner()
+    cache = make_cache(fp, runner=runner)
+    insert_fresh(cache, ids)
+    monkeypatch.setattr(cache.lifecycle.tree, "add_node", _oom)
+    runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
+    assert cache.poll_compactions(idle=True) == 0  # written whole, then the node failed
+    s = cache.stats
+    assert (s.install_errors, s.failures, s.fallbacks, s.installed) == (1, 1, 1, 0)
+    assert not cache.compacted_nodes() and not cache.lifecycle.pending
+    assert cache.token_to_kv_pool_allocator.available_size() == POOL - T  # slots returned
+    assert cache.match_prefix(MatchPrefixParams(key=key(ids))).device_prefix_len == T
+    check_accounting(cache)
+
+
 def test_repeated_errors_open_the_breaker_and_compaction_stops(
     compacted: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
