@@ -10,35 +10,35 @@ compute in fp32 (or fp64 if given fp64) on the device of their inputs and mutate
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
 from compactor._boxqp import GramOps, box, fixed_work, nnls_data, pdas, polish
 from kernels.biased_attention.reference import biased_attention_lse
 
-__all__ = ["NNLS_SOLVERS", "attend", "lstsq_values", "nnls", "nnls_gram", "nnls_projected"]
+__all__ = [
+    "NNLS_SOLVERS",
+    "NNLSOptions",
+    "attend",
+    "lstsq_values",
+    "nnls",
+    "nnls_gram",
+    "nnls_projected",
+]
 
 # Box-NNLS solvers by name (see compactor.methods.refit.NNLS_SOLVER): the fixed-round
 # active set (:func:`nnls`) and the reference clamped least squares + projected gradient.
 NNLS_SOLVERS = ("active-set", "projected")
 
 
-def nnls(
-    A: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    lower: float | torch.Tensor = 0.0,
-    upper: float | torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    ridge: float = 0.0,
-    rounds: int | None = None,
-    polish_rounds: int | None = None,
-) -> torch.Tensor:
-    """Box-bounded non-negative least squares: argmin_w ||A w - b||^2, lower <= w <= upper.
+@dataclass(frozen=True)
+class NNLSOptions:
+    """The box, padding and solver settings of one box-NNLS solve (every solver takes one).
 
-    Args:
-        A: [m, k] or [B, m, k].
-        b: [m] or [B, m].
+    Shape legend as in the module: B problems, k unknowns; w [k] or [B, k].
+
+    Attributes:
         lower / upper: bounds, scalars or tensors broadcastable to w ([k] / [B, k]);
             ``upper=None`` means +inf. Default: plain NNLS (w >= 0).
         mask: optional [k] / [B, k] bool; False entries are padding and are returned as 0.
@@ -47,43 +47,44 @@ def nnls(
             per round. With fewer rows than unknowns (m < k) the fixed-work path solves in
             fp64 through the [m, m] kernel matrices (lam I + A_F A_F'), never forming A'A.
         polish_rounds: cap on the exact path's active-set rounds (default 2k + 18).
+    :func:`nnls_projected` reads the box, mask and ridge only (it has ``iters`` instead).
+    """
+
+    lower: float | torch.Tensor = 0.0
+    upper: float | torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    ridge: float = 0.0
+    rounds: int | None = None
+    polish_rounds: int | None = None
+
+
+def nnls(A: torch.Tensor, b: torch.Tensor, opts: NNLSOptions | None = None) -> torch.Tensor:
+    """Box-bounded non-negative least squares: argmin_w ||A w - b||^2, lower <= w <= upper.
+
+    Args:
+        A: [m, k] or [B, m, k].
+        b: [m] or [B, m].
+        opts: bounds, padding mask, ridge and rounds (:class:`NNLSOptions`; None: plain
+            exact NNLS, w >= 0).
 
     Returns:
         w: [k] or [B, k], dtype of A promoted to at least fp32.
     """
-    A, b, mask, batched = _as_batch(A, b, mask)
+    o = opts or NNLSOptions()
+    A, b, mask, batched = _as_batch(A, b, o.mask)
     dt = torch.promote_types(A.dtype, torch.float32)
     A, b = A.to(dt), b.to(dt)
-    if rounds is not None and A.shape[1] < A.shape[2]:
+    if o.rounds is not None and A.shape[1] < A.shape[2]:
         # fewer rows than unknowns: solve in the rows' space, in fp64 (see _DataOps)
-        w = nnls_data(A, b, lower, upper, mask, ridge, rounds).to(dt)
+        w = nnls_data(A, b, o.lower, o.upper, mask, o.ridge, o.rounds).to(dt)
         return w if batched else w.squeeze(0)
     G = A.transpose(1, 2) @ A
     c = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
-    w = nnls_gram(
-        G,
-        c,
-        lower=lower,
-        upper=upper,
-        mask=mask,
-        ridge=ridge,
-        rounds=rounds,
-        polish_rounds=polish_rounds,
-    )
+    w = nnls_gram(G, c, replace(o, mask=mask))
     return w if batched else w.squeeze(0)
 
 
-def nnls_gram(
-    G: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    lower: float | torch.Tensor = 0.0,
-    upper: float | torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    ridge: float = 0.0,
-    rounds: int | None = None,
-    polish_rounds: int | None = None,
-) -> torch.Tensor:
+def nnls_gram(G: torch.Tensor, c: torch.Tensor, opts: NNLSOptions | None = None) -> torch.Tensor:
     """Box-bounded QP min 0.5 w'Gw - c'w on the normal equations (G = A'A, c = A'b).
 
     Both paths start from the least-squares solution and run primal-dual active-set
@@ -102,42 +103,37 @@ def nnls_gram(
       ones (fewer queries than keys, where PDAS may cycle) end near it. :func:`nnls`
       solves those through the [m, m] kernel system instead of the [k, k] Gram matrix.
 
-    Args: G [B, k, k] symmetric PSD, c [B, k]; the rest as in :func:`nnls`.
+    Args: G [B, k, k] symmetric PSD, c [B, k]; opts as in :func:`nnls` (mask [B, k]).
     Returns: w [B, k]; padded (mask False) entries are 0.
     """
+    o = opts or NNLSOptions()
+    rounds = o.rounds
     B, k, _ = G.shape
     dt = G.dtype
     if k == 0:
         return G.new_zeros(B, 0)
     if rounds is not None and (isinstance(rounds, bool) or rounds < 0):
         raise ValueError(f"nnls: rounds must be None or an int >= 0, got {rounds!r}")
-    lo, hi = box(lower, upper, B, k, G, check_tensors=rounds is None)
-    if mask is not None:
-        m = mask.to(torch.bool)
+    lo, hi = box(o.lower, o.upper, B, k, G, check_tensors=rounds is None)
+    if o.mask is not None:
+        m = o.mask.to(torch.bool)
         zero = G.new_zeros(())
         G = _mask_gram(G, m) + torch.diag_embed((~m).to(dt))
         c = torch.where(m, c, zero)
         lo = torch.where(m, lo, zero)
         hi = torch.where(m, hi, zero)
-    if ridge > 0:
+    if o.ridge > 0:
         diag_mean = torch.diagonal(G, dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # [B]
-        G = G + torch.diag_embed((ridge * diag_mean)[:, None].expand(B, k))
+        G = G + torch.diag_embed((o.ridge * diag_mean)[:, None].expand(B, k))
     ops = GramOps(G, c)
     if rounds is not None:
         return fixed_work(ops, lo, hi, rounds)
     w = pdas(ops, lo, hi, 8)
-    return polish(ops, w, lo, hi, polish_rounds if polish_rounds is not None else 2 * k + 18)
+    return polish(ops, w, lo, hi, o.polish_rounds if o.polish_rounds is not None else 2 * k + 18)
 
 
 def nnls_projected(
-    A: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    lower: float | torch.Tensor = 0.0,
-    upper: float | torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    ridge: float = 0.0,
-    iters: int = 2,
+    A: torch.Tensor, b: torch.Tensor, opts: NNLSOptions | None = None, *, iters: int = 2
 ) -> torch.Tensor:
     """Box-bounded NNLS as the Attention Matching reference solves it: ridge least squares,
     clamped into the box, then ``iters`` projected-gradient steps
@@ -146,8 +142,9 @@ def nnls_projected(
 
     Shape legend: B problems (usually H_kv), m rows (n reference queries), k unknowns
     (t kept keys). Same arguments and result as :func:`nnls` (``iters`` replaces
-    ``rounds``): A [m, k] / [B, m, k], b [m] / [B, m], lower / upper / mask broadcastable
-    to [B, k]; returns w [k] / [B, k], padded entries 0. One batched Cholesky, no active
+    ``opts.rounds`` / ``opts.polish_rounds``, which are not read): A [m, k] / [B, m, k],
+    b [m] / [B, m], opts' lower / upper / mask broadcastable to [B, k]; returns w [k] /
+    [B, k], padded entries 0. One batched Cholesky, no active
     set and no host sync at all (a failed factorization leaves that problem at the
     clamped zero start). Exact when the least-squares solution lies inside the box;
     otherwise approximate (projected gradient converges slowly on ill-conditioned A).
@@ -155,7 +152,8 @@ def nnls_projected(
     counted as 1, as in :func:`nnls`. With m < k the least squares and the steps go
     through the data (fp64 [m, m] kernel system), never forming A'A.
     """
-    A, b, mask, batched = _as_batch(A, b, mask)
+    o = opts or NNLSOptions()
+    A, b, mask, batched = _as_batch(A, b, o.mask)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"nnls_projected: iters must be an int >= 0, got {iters!r}")
     dt = torch.promote_types(A.dtype, torch.float32)
@@ -166,7 +164,7 @@ def nnls_projected(
     kernel = m < k
     wdt = torch.float64 if kernel else dt
     A, b = A.to(wdt), b.to(wdt)
-    lo, hi = box(lower, upper, B, k, A, check_tensors=False)
+    lo, hi = box(o.lower, o.upper, B, k, A, check_tensors=False)
     colsq = A.square().sum(1)  # diag of A'A: [B, k]
     if mask is not None:
         msk = mask.to(torch.bool)
@@ -174,7 +172,7 @@ def nnls_projected(
         A = A * msk.unsqueeze(1)
         lo, hi = torch.where(msk, lo, zero), torch.where(msk, hi, zero)
         colsq = torch.where(msk, colsq, torch.ones((), dtype=wdt, device=A.device))
-    lam = max(ridge, 1e-9) * colsq.mean(-1).clamp_min(1e-30)  # [B]
+    lam = max(o.ridge, 1e-9) * colsq.mean(-1).clamp_min(1e-30)  # [B]
     At = A.transpose(1, 2)
     if kernel:  # w = A'(AA' + lam I)^-1 b; ||A'A + lam I||_F from the [m, m] kernel
         K = torch.bmm(A, At)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from compactor.methods.selection import Selection, pack_layer
-from compactor.solvers import NNLS_SOLVERS, lstsq_values, nnls, nnls_projected
+from compactor.solvers import NNLS_SOLVERS, NNLSOptions, lstsq_values, nnls, nnls_projected
 from compactor.types import CompactedLayer
 
 __all__ = [
@@ -369,19 +369,11 @@ def fit_beta_nnls(
     name = NNLS_SOLVER if solver is None else solver
     if name not in NNLS_SOLVERS:
         raise ValueError(f"unknown NNLS solver {name!r}; expected one of {NNLS_SOLVERS}")
+    opts = NNLSOptions(lo, hi, mask=mask, ridge=ridge, rounds=rounds, polish_rounds=polish_rounds)
     if name == "projected":
-        w = nnls_projected(A, mass, lower=lo, upper=hi, mask=mask, ridge=ridge, iters=PG_ITERS)
+        w = nnls_projected(A, mass, opts, iters=PG_ITERS)
     else:
-        w = nnls(
-            A,
-            mass,
-            lower=lo,
-            upper=hi,
-            mask=mask,
-            ridge=ridge,
-            rounds=rounds,
-            polish_rounds=polish_rounds,
-        )
+        w = nnls(A, mass, opts)
     beta = torch.log(w.float())
     return torch.where(mask, beta, beta.new_zeros(()))
 

@@ -26,7 +26,7 @@ from compactor.budgets import sensitivity_curve
 from compactor.methods import CompactionMethod, LayerInput, get_method, list_methods
 from compactor.methods.compresskv import layer_budgets
 from compactor.methods.context import LayerContext
-from compactor.solvers import attend, lstsq_values, nnls, nnls_gram
+from compactor.solvers import NNLSOptions, attend, lstsq_values, nnls, nnls_gram
 from compactor.types import CompactedLayer
 from tests.unit._tiny import tiny_llama
 
@@ -193,9 +193,9 @@ def test_solvers_and_budget_helpers_allocate_nothing_on_the_default_device() -> 
         G_ = A.transpose(1, 2) @ A
         c = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
         return [
-            nnls(A, b, lower=lower, upper=3.0, mask=mask, ridge=1e-6),
+            nnls(A, b, NNLSOptions(lower, 3.0, mask=mask, ridge=1e-6)),
             nnls(A[0], b[0]),
-            nnls_gram(G_, c, mask=mask, lower=0.0, upper=None),
+            nnls_gram(G_, c, NNLSOptions(0.0, None, mask=mask)),
             lstsq_values(A, Y, ridge=1e-3, prior=prior, mask=mask),
             lstsq_values(A[1], Y[1], ridge=0.0),
             *attend(lay["q_fit"], lay["keys"], lay["values"], beta=None),

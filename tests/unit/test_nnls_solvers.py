@@ -10,7 +10,7 @@ import scipy.optimize as so
 import torch
 
 from compactor.methods.refit import fit_beta_nnls
-from compactor.solvers import nnls, nnls_projected
+from compactor.solvers import NNLSOptions, nnls, nnls_projected
 
 
 def _objective(A: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -52,12 +52,12 @@ def test_projected_box_mask_and_fewer_rows_than_unknowns():
         b = A[:, :, :4].sum(-1) * 2.0
         mask = torch.ones(3, k, dtype=torch.bool)
         mask[1, k - 3 :] = False
-        w = nnls_projected(A, b, lower=lo, upper=hi, mask=mask, ridge=1e-6, iters=5)
+        w = nnls_projected(A, b, NNLSOptions(lo, hi, mask=mask, ridge=1e-6), iters=5)
         assert w.dtype == torch.float32 and w.shape == (3, k)
         assert (w[~mask] == 0).all()
         assert (w[mask] >= lo - 1e-6).all() and (w[mask] <= hi * (1 + 1e-6)).all()
         # every projected step lowers the objective: never worse than the clamped start
-        w0 = nnls_projected(A, b, lower=lo, upper=hi, mask=mask, ridge=1e-6, iters=0)
+        w0 = nnls_projected(A, b, NNLSOptions(lo, hi, mask=mask, ridge=1e-6), iters=0)
         A0 = A * mask.unsqueeze(1)
         assert (_objective(A0, b, w) <= _objective(A0, b, w0) * (1 + 1e-5) + 1e-6).all()
 

@@ -9,7 +9,7 @@ import pytest
 import scipy.optimize as so
 import torch
 
-from compactor.solvers import attend, lstsq_values, nnls, nnls_gram
+from compactor.solvers import NNLSOptions, attend, lstsq_values, nnls, nnls_gram
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -29,7 +29,7 @@ def test_nnls_batched_and_masked_match_per_problem():
     mask = torch.ones(3, 9, dtype=torch.bool)
     mask[1, 6:] = False
     mask[2, 3:] = False
-    w = nnls(A, b, mask=mask)
+    w = nnls(A, b, NNLSOptions(mask=mask))
     for h in range(3):
         m = mask[h].numpy()
         ref, _ = so.nnls(A[h].numpy()[:, m], b[h].numpy())
@@ -42,7 +42,7 @@ def test_nnls_box_bounds_match_lsq_linear():
     A = torch.rand(2, 300, 20, generator=g, dtype=torch.float64)
     b = A[:, :, :8].sum(-1) * 1.5 + 0.05 * torch.rand(2, 300, generator=g, dtype=torch.float64)
     lo, hi = math.exp(-3), math.exp(3)
-    w = nnls(A, b, lower=lo, upper=hi)
+    w = nnls(A, b, NNLSOptions(lo, hi))
     for h in range(2):
         ref = so.lsq_linear(A[h].numpy(), b[h].numpy(), bounds=(lo, hi), tol=1e-14).x
         np.testing.assert_allclose(w[h].numpy(), ref, atol=1e-6)
@@ -80,9 +80,9 @@ def test_nnls_fixed_rounds_reach_the_exact_box_solution(m, k):
     of well-posed box problems within its rounds, and is always feasible."""
     A, b = _box_problem(3, m, k, seed=m)
     lo, hi = math.exp(-3), math.exp(3)
-    exact = nnls(A, b, lower=lo, upper=hi, ridge=1e-3)
+    exact = nnls(A, b, NNLSOptions(lo, hi, ridge=1e-3))
     for rounds in (16, 2):
-        w = nnls(A, b, lower=lo, upper=hi, ridge=1e-3, rounds=rounds)
+        w = nnls(A, b, NNLSOptions(lo, hi, ridge=1e-3, rounds=rounds))
         assert w.dtype == torch.float64 and w.shape == (3, k)
         assert (w >= lo).all() and (w <= hi).all()
         f, f_ex = _objective(A, b, w, 1e-3), _objective(A, b, exact, 1e-3)
@@ -92,8 +92,8 @@ def test_nnls_fixed_rounds_reach_the_exact_box_solution(m, k):
     # fp32 input, mask: padded entries are 0, the rest matches the fp64 answer closely
     mask = torch.ones(3, k, dtype=torch.bool)
     mask[1, k // 2 :] = False
-    w32 = nnls(A.float(), b.float(), lower=lo, upper=hi, ridge=1e-3, mask=mask, rounds=16)
-    ref = nnls(A, b, lower=lo, upper=hi, ridge=1e-3, mask=mask)
+    w32 = nnls(A.float(), b.float(), NNLSOptions(lo, hi, mask, ridge=1e-3, rounds=16))
+    ref = nnls(A, b, NNLSOptions(lo, hi, mask, ridge=1e-3))
     assert w32.dtype == torch.float32 and (w32[~mask] == 0).all()
     rel = (_objective(A, b, w32.double(), 1e-3) - _objective(A, b, ref, 1e-3)) / _objective(
         A, b, ref, 1e-3
@@ -107,19 +107,19 @@ def test_nnls_gram_fixed_rounds_never_worse_than_the_clamped_start():
     c = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
     lo, hi = 0.5, 2.0
     start = torch.linalg.solve(G, c).clamp(lo, hi)
-    w0 = nnls_gram(G, c, lower=lo, upper=hi, rounds=0)
+    w0 = nnls_gram(G, c, NNLSOptions(lo, hi, rounds=0))
     torch.testing.assert_close(w0, start, atol=1e-9, rtol=1e-9)  # 0 rounds: clamped LS
-    w = nnls_gram(G, c, lower=lo, upper=hi, rounds=3)
+    w = nnls_gram(G, c, NNLSOptions(lo, hi, rounds=3))
     assert (_objective(A, b, w, 0.0) <= _objective(A, b, start, 0.0) + 1e-12).all()
     with pytest.raises(ValueError, match="rounds"):
-        nnls_gram(G, c, rounds=-1)
+        nnls_gram(G, c, NNLSOptions(rounds=-1))
 
 
 def test_nnls_shape_errors():
     with pytest.raises(ValueError):
         nnls(torch.zeros(4, 3), torch.zeros(5))
     with pytest.raises(ValueError, match="lower"):
-        nnls(torch.zeros(4, 3), torch.zeros(4), lower=2.0, upper=1.0)
+        nnls(torch.zeros(4, 3), torch.zeros(4), NNLSOptions(2.0, 1.0))
 
 
 def test_lstsq_values_closed_form():
