@@ -22,8 +22,9 @@ context to their keys' device with :meth:`LayerContext.to` (a no-op when it is t
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, final
 
 import torch
 
@@ -32,6 +33,7 @@ from compactor.types import tensors_to
 __all__ = [
     "LayerBudgetPlanner",
     "LayerContext",
+    "PlannerInput",
     "apply_rope",
     "build_layer_contexts",
     "rope_cos_sin",
@@ -109,10 +111,58 @@ class LayerContext:
         return apply_rope(q, cos, sin)
 
 
-@runtime_checkable
-class LayerBudgetPlanner(Protocol):
-    """A method that sets per-layer budgets from all layers at once (e.g. KVCompose)."""
+@dataclasses.dataclass(frozen=True)
+class PlannerInput:
+    """The arguments of one :meth:`LayerBudgetPlanner.plan_layer_budgets` call, checked.
 
+    Shape legend: L layers (one entry each), H_kv KV heads, T tokens, n queries, D head dim.
+
+    Attributes:
+        keys: keys[l] [H_kv, T, D], every layer with the same H_kv and T.
+        queries: queries[l] [H_kv, n, D].
+        budget: t, the mean kept per KV head and layer, in [1, T].
+        sm_scale: logit scale (None: 1/sqrt(D)).
+
+    Raises:
+        ValueError: keys and queries not one per layer, layers of different [H_kv, T], or
+            `budget` outside [1, T].
+    """
+
+    keys: Sequence[torch.Tensor]
+    queries: Sequence[torch.Tensor]
+    budget: int
+    sm_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        keys, queries = self.keys, self.queries
+        if len(keys) != len(queries) or not keys:
+            raise ValueError(
+                f"need keys and queries for every layer, got {len(keys)}/{len(queries)}"
+            )
+        H, T = self.H, self.T
+        if any(tuple(k.shape[:2]) != (H, T) for k in keys):
+            raise ValueError("every layer's keys must be [H_kv, T, D] with the same H_kv and T")
+        if not 1 <= self.budget <= T:
+            raise ValueError(f"budget {self.budget} must be in [1, T={T}]")
+
+    @property
+    def L(self) -> int:
+        return len(self.keys)
+
+    @property
+    def H(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def T(self) -> int:
+        return int(self.keys[0].shape[1])
+
+
+class LayerBudgetPlanner(ABC):
+    """A method that sets per-layer budgets from all layers at once (e.g. KVCompose): it
+    implements :meth:`plan_layers`; the pipeline calls :meth:`plan_layer_budgets`."""
+
+    @final
     def plan_layer_budgets(
         self,
         keys: Sequence[torch.Tensor],
@@ -121,27 +171,13 @@ class LayerBudgetPlanner(Protocol):
         sm_scale: float | None = None,
     ) -> list[int]:
         """Per-layer budget per KV head from keys[l] [H_kv, T, D] and queries[l] [H_kv, n, D];
-        the mean over layers equals ``budget`` (up to rounding and per-layer floors)."""
-        ...
+        the mean over layers equals ``budget`` (up to rounding and per-layer floors).
+        ValueError when the arguments do not fit (see :class:`PlannerInput`)."""
+        return self.plan_layers(PlannerInput(keys, queries, budget, sm_scale))
 
-
-def check_planner_args(
-    keys: Sequence[torch.Tensor], queries: Sequence[torch.Tensor], budget: int
-) -> tuple[int, int]:
-    """(H_kv, T) of a :meth:`LayerBudgetPlanner.plan_layer_budgets` call, after checking it.
-
-    Raises:
-        ValueError: keys and queries not one per layer, layers of different [H_kv, T], or
-            `budget` outside [1, T].
-    """
-    if len(keys) != len(queries) or not keys:
-        raise ValueError(f"need keys and queries for every layer, got {len(keys)}/{len(queries)}")
-    H, T = int(keys[0].shape[0]), int(keys[0].shape[1])
-    if any(tuple(k.shape[:2]) != (H, T) for k in keys):
-        raise ValueError("every layer's keys must be [H_kv, T, D] with the same H_kv and T")
-    if not 1 <= budget <= T:
-        raise ValueError(f"budget {budget} must be in [1, T={T}]")
-    return H, T
+    @abstractmethod
+    def plan_layers(self, x: PlannerInput) -> list[int]:
+        """:meth:`plan_layer_budgets` on its checked arguments: [L] budgets per KV head."""
 
 
 def wants_context(method: Any) -> bool:

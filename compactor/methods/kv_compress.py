@@ -75,7 +75,7 @@ from compactor.methods.base import (
     register_method,
     resolve_sm_scale,
 )
-from compactor.methods.context import check_planner_args
+from compactor.methods.context import LayerBudgetPlanner, PlannerInput
 
 __all__ = ["REFIT_VALUES", "KVCompress", "kv_compress_scores", "round_layer_shares"]
 
@@ -114,7 +114,7 @@ def round_layer_shares(counts: Sequence[int], num_heads: int, total: int) -> lis
 
 @register_method("kv-compress")
 @dataclasses.dataclass
-class KVCompress(ScoreMethod):
+class KVCompress(ScoreMethod, LayerBudgetPlanner):
     """KV-Compress (arXiv 2410.00161): squared attention summed over the observed queries and
     the query heads of each KV group; the lowest entries of all layers and heads are evicted
     under one total budget, so budgets vary per layer and head.
@@ -172,27 +172,21 @@ class KVCompress(ScoreMethod):
             b = global_topk_budgets(scores, sum(b), self.min_per_head(sum(b) / x.H))
         return Picked(topk_selection(scores, b), {"budgets": list(b)})
 
-    def plan_layer_budgets(
-        self,
-        keys: Sequence[torch.Tensor],
-        queries: Sequence[torch.Tensor],
-        budget: int,
-        sm_scale: float | None = None,
-    ) -> list[int]:
+    def plan_layers(self, x: PlannerInput) -> list[int]:
         """Per-layer budget per KV head from the global ranking of every layer's metric.
 
-        keys[l] [H_kv, T, D], queries[l] [H_kv, n, D] (n = G*w with a window); budget: t,
-        the mean kept per head and layer. The lowest-metric (layer, head, position) entries
-        are evicted until L * H_kv * t are kept (each (layer, head) keeps >= min_per_head(t)); each
-        layer's kept count becomes its mean per head (:func:`round_layer_shares`: the
-        result sums to L * t). Host-side planning: one host sync.
+        x.queries[l] [H_kv, n, D] has n = G*w with a window; x.budget: t, the mean kept per
+        head and layer. The lowest-metric (layer, head, position) entries are evicted until
+        L * H_kv * t are kept (each (layer, head) keeps >= min_per_head(t)); each layer's
+        kept count becomes its mean per head (:func:`round_layer_shares`: the result sums to
+        L * t). Host-side planning: one host sync.
         """
-        H, T = check_planner_args(keys, queries, budget)
-        L = len(keys)
+        keys, queries, budget = x.keys, x.queries, x.budget
+        H, T, L = x.H, x.T, x.L
         if not self.across_layers:
             return [int(budget)] * L
         self._check_window(T)
-        scale = resolve_sm_scale(sm_scale, int(keys[0].shape[-1]))
+        scale = resolve_sm_scale(x.sm_scale, int(keys[0].shape[-1]))
         scores = torch.stack(
             [kv_compress_scores(k, q, scale, self.window) for k, q in zip(keys, queries)]
         )  # [L, H_kv, T]

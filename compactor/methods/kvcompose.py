@@ -20,7 +20,6 @@ is given.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +30,7 @@ from compactor.methods._scoring import (
     group_view,
 )
 from compactor.methods.base import LayerInput, ScoreMethod, register_method, resolve_sm_scale
-from compactor.methods.context import check_planner_args
+from compactor.methods.context import LayerBudgetPlanner, PlannerInput
 
 __all__ = ["KVCompose", "kvcompose_scores"]
 
@@ -59,7 +58,7 @@ def kvcompose_scores(
 
 @register_method("kvcompose")
 @dataclasses.dataclass
-class KVCompose(RefitOption, ScoreMethod):
+class KVCompose(RefitOption, ScoreMethod, LayerBudgetPlanner):
     """Structured KVCompose: per-head top tokens, the same count per head of a layer.
 
     group_size: G query heads per KV head in the pooled queries (1 treats the pooled
@@ -99,28 +98,20 @@ class KVCompose(RefitOption, ScoreMethod):
             add_mean_across_heads=self.add_mean_across_heads,
         )
 
-    def plan_layer_budgets(
-        self,
-        keys: Sequence[torch.Tensor],
-        queries: Sequence[torch.Tensor],
-        budget: int,
-        sm_scale: float | None = None,
-    ) -> list[int]:
+    def plan_layers(self, x: PlannerInput) -> list[int]:
         """Per-layer budget per KV head from the global top-k of composite scores.
 
-        keys[l] [H_kv, T, D], queries[l] [H_kv, n, D]; budget: mean kept per head and
-        layer (total kept = L * budget composite tokens). Host-side planning: the result is a
-        list (one host sync).
+        x.budget: mean kept per head and layer (total kept = L * budget composite tokens).
+        Host-side planning: the result is a list (one host sync).
         """
-        _, T = check_planner_args(keys, queries, budget)
+        T, budget = x.T, x.budget
         comp = torch.stack(
             [
-                self._scores(k, q, sm_scale).sort(-1, descending=True).values.mean(0)
-                for k, q in zip(keys, queries)
+                self._scores(k, q, x.sm_scale).sort(-1, descending=True).values.mean(0)
+                for k, q in zip(x.keys, x.queries)
             ]
         )  # [L, T]
         comp[0] = comp.max(0).values
-        L = comp.shape[0]
-        kept = comp.flatten().topk(L * budget).indices // T
-        out = torch.bincount(kept, minlength=L).clamp(min=self.min_per_layer, max=T)
-        return [int(x) for x in out.tolist()]  # one host sync
+        kept = comp.flatten().topk(x.L * budget).indices // T
+        out = torch.bincount(kept, minlength=x.L).clamp(min=self.min_per_layer, max=T)
+        return [int(n) for n in out.tolist()]  # one host sync
