@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"compactor.commands.{name}").add_parser(subparsers)
+        module = importlib.import_module(f"compactor.commands.{name}")
+        _, _, body = (module.__doc__ or "").partition("\n\n")  # after the summary paragraph
+        p = subparsers.add_parser(name, help=module.HELP, description=body.strip() or None)
+        module.add_arguments(p)
     return parser
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+HELP = "offline per-model calibration of methods that need it"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "calibrate", help="offline per-model calibration of methods that need it"
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="calibrate_command", required=True)
     p = sub.add_parser(
         "compresskv",

@@ -16,11 +16,10 @@ from compactor.commands._common import (
 )
 from compactor.spec_args import add_spec_args, spec_from_args
 
+HELP = "compact a text prefix into a .safetensors CompactedPrefix"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "compact", help="compact a text prefix into a .safetensors CompactedPrefix"
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--input", required=True, help="text file holding the prefix")
     p.add_argument(

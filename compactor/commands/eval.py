@@ -25,8 +25,10 @@ DEFAULT_QUESTIONS = (
 )
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("eval", help="evaluate compaction methods on held-out future queries")
+HELP = "evaluate compaction methods on held-out future queries"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="text file holding the prefix")

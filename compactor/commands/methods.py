@@ -1,5 +1,10 @@
 """`compactor methods [NAME ...] [--json]`: the registered compaction methods and their
-parameters (types, defaults, one line of doc), read from the method dataclasses."""
+parameters (types, defaults, one line of doc), read from the method dataclasses.
+
+List every registered compaction method (or the NAMEs given): one line of doc and each
+parameter with its type and default. Set a parameter with `compactor compact --method NAME
+--param KEY=JSON` or `compactor eval --methods NAME:KEY=VALUE`.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,10 @@ import argparse
 import json
 from typing import Any
 
+HELP = "list the compaction methods with their parameters and defaults"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "methods",
-        help="list the compaction methods with their parameters and defaults",
-        description=(
-            "List every registered compaction method (or the NAMEs given): one line of doc "
-            "and each parameter with its type and default. Set a parameter with "
-            "`compactor compact --method NAME --param KEY=JSON` or "
-            "`compactor eval --methods NAME:KEY=VALUE`."
-        ),
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME", help="only these methods")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=_run)

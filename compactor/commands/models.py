@@ -14,11 +14,10 @@ from compactor.models import (
     read_prepared,
 )
 
+HELP = "list and prepare the models that ship with the project"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "models", help="list and prepare the models that ship with the project"
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", required=True)
 
     p_list = sub.add_parser("list", help="show known models and whether they are prepared")

@@ -1,4 +1,10 @@
-"""`compactor request`: send one prefix to a compaction server and summarize the result."""
+"""`compactor request`: send one prefix to a compaction server and summarize the result.
+
+INPUT is a JSON list of token ids (or {'token_ids': [...]}) or a text file tokenized with
+the model's tokenizer. --model is a known model name or a checkpoint directory (its
+fingerprint identifies the model), or the 32-hex fingerprint itself (then INPUT must be
+token ids).
+"""
 
 from __future__ import annotations
 
@@ -16,17 +22,10 @@ from compactor.spec_args import add_spec_args, spec_from_args, usage_error
 REQUEST_SPEC = CompactionSpec(queries=QueryConfig(sources=("repeat-prefill",)))
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "request",
-        help="compact one prefix on a running `compactor serve`",
-        description=(
-            "INPUT is a JSON list of token ids (or {'token_ids': [...]}) or a text file "
-            "tokenized with the model's tokenizer. --model is a known model name or a "
-            "checkpoint directory (its fingerprint identifies the model), or the 32-hex "
-            "fingerprint itself (then INPUT must be token ids)."
-        ),
-    )
+HELP = "compact one prefix on a running `compactor serve`"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", required=True, help="HOST:PORT")
     p.add_argument("--model", required=True)
     p.add_argument("--input", required=True, type=Path)

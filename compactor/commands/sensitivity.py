@@ -1,4 +1,11 @@
-"""`compactor sensitivity --model M`: per-(layer, KV head) sensitivity curves for head budgets."""
+"""`compactor sensitivity --model M`: per-(layer, KV head) sensitivity curves for head budgets.
+
+Prefill one needle document of about --tokens tokens cut from the shipped filler, compact
+every layer at each kept fraction with fit queries (repeat-prefill) and score each KV head
+on held-out future queries (the eval harness's greedy answers to the document's questions).
+Writes sensitivity.<method>.json into the model directory (or --out), read by `compactor
+compact --head-budgets auto`.
+"""
 
 from __future__ import annotations
 
@@ -17,18 +24,10 @@ SENSITIVITY_SPEC = CompactionSpec(
 )
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "sensitivity",
-        help="measure sensitivity curves for non-uniform head budgets (--head-budgets auto)",
-        description=(
-            "Prefill one needle document of about --tokens tokens cut from the shipped filler, "
-            "compact every layer at each kept fraction with fit queries (repeat-prefill) and "
-            "score each KV head on held-out future queries (the eval harness's greedy answers "
-            "to the document's questions). Writes sensitivity.<method>.json into the model "
-            "directory (or --out), read by `compactor compact --head-budgets auto`."
-        ),
-    )
+HELP = "measure sensitivity curves for non-uniform head budgets (--head-budgets auto)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_spec_args(
         p,

@@ -1,4 +1,9 @@
-"""`compactor serve`: run the gRPC compaction service (Ray workers by default)."""
+"""`compactor serve`: run the gRPC compaction service (Ray workers by default).
+
+Serve compactions over gRPC (health + reflection included). Binds 127.0.0.1 unless --host
+says otherwise. Workers are Ray actors (local `ray.init()` unless --ray-address), or threads
+in this process with --in-process.
+"""
 
 from __future__ import annotations
 
@@ -23,16 +28,10 @@ def chunk_tokens_arg(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "serve",
-        help="run the gRPC compaction service",
-        description=(
-            "Serve compactions over gRPC (health + reflection included). Binds 127.0.0.1 "
-            "unless --host says otherwise. Workers are Ray actors (local `ray.init()` unless "
-            "--ray-address), or threads in this process with --in-process."
-        ),
-    )
+HELP = "run the gRPC compaction service"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default="127.0.0.1",
