@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 __all__ = ["Lap", "StageTimes", "Stopwatch"]
 
@@ -29,16 +29,8 @@ class StageTimes:
     cpu_total: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "prefill": self.prefill,
-            "queries": self.queries,
-            "compaction": self.compaction,
-            "total": self.total,
-            "cpu_prefill": self.cpu_prefill,
-            "cpu_queries": self.cpu_queries,
-            "cpu_compaction": self.cpu_compaction,
-            "cpu_total": self.cpu_total,
-        }
+        """Seconds by stage: every field but `per_layer`, in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_layer"}
 
 
 @dataclass
