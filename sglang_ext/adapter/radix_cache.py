@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -70,6 +70,28 @@ from sglang_ext.trigger import CompactionTrigger
 __all__ = ["CompactionInfo", "CompactionRadixCache"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _FromLifecycle(Generic[T]):
+    """A read-only attribute of a :class:`CompactionRadixCache`: its lifecycle's attribute of
+    the same name (RuntimeError while the cache is being built, AttributeError on a set)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, cache: None, owner: type) -> _FromLifecycle[T]: ...
+    @overload
+    def __get__(self, cache: CompactionRadixCache, owner: type) -> T: ...
+    def __get__(self, cache: CompactionRadixCache | None, owner: type) -> T | _FromLifecycle[T]:
+        if cache is None:
+            return self
+        value: T = getattr(cache._lc, self.name)
+        return value
+
+    def __set__(self, cache: CompactionRadixCache, value: T) -> None:
+        raise AttributeError(f"{self.name} is the lifecycle's, read-only here")
 
 
 class CompactionRadixCache(RadixCache):
@@ -104,41 +126,15 @@ class CompactionRadixCache(RadixCache):
             raise RuntimeError("CompactionRadixCache is still being built")
         return lc
 
-    @property
-    def stats(self) -> CompactionStats:
-        return self._lc.stats
-
-    @property
-    def trigger(self) -> CompactionTrigger:
-        return self._lc.trigger
-
-    @property
-    def guard(self) -> HookGuard:
-        return self._lc.guard
-
-    @property
-    def runner(self) -> Any:
-        return self._lc.runner
-
-    @property
-    def config(self) -> CompactionConfig:
-        return self._lc.config
-
-    @property
-    def fingerprint(self) -> str | None:
-        return self._lc.fingerprint
-
-    @property
-    def tp(self) -> Any:
-        return self._lc.tp
-
-    @property
-    def beta_store(self) -> BetaStore:
-        return self._lc.beta_store
-
-    @property
-    def kvcache(self) -> Any:
-        return self._lc.kvcache
+    stats = _FromLifecycle[CompactionStats]()
+    trigger = _FromLifecycle[CompactionTrigger]()
+    guard = _FromLifecycle[HookGuard]()
+    runner = _FromLifecycle[Any]()
+    config = _FromLifecycle[CompactionConfig]()
+    fingerprint = _FromLifecycle[str | None]()
+    tp = _FromLifecycle[Any]()
+    beta_store = _FromLifecycle[BetaStore]()
+    kvcache = _FromLifecycle[Any]()
 
     def poll_compactions(self, idle: bool = False) -> int:
         """The scheduler's safe point (`InstallLifecycle.poll`)."""
@@ -231,32 +227,30 @@ class CompactionRadixCache(RadixCache):
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:
             return IncLockRefResult(delta=0)
-        delta = 0
-        while node != self.root_node:
-            if node.lock_ref == 0:
-                n = physical_size(node)
-                self.evictable_size_ -= n
-                self.protected_size_ += n
-                delta -= n
-            node.lock_ref += 1
-            self._update_leaf_status(node)
-            node = node.parent
-        return IncLockRefResult(delta=delta)
+        return IncLockRefResult(delta=self._lock_path(node, 1))
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
         if self.disable:
             return DecLockRefResult(delta=0)
+        return DecLockRefResult(delta=self._lock_path(node, -1))
+
+    def _lock_path(self, node: Any, step: int) -> int:
+        """Add `step` (1: lock, -1: unlock) to the lock count of `node` and its ancestors up
+        to the root. A node that becomes locked moves its physical size from the evictable
+        to the protected size, one that becomes unlocked moves it back. Returns the change
+        of the evictable size."""
         delta = 0
+        first = 0 if step > 0 else 1  # the count at which this step (un)locks the node
         while node != self.root_node:
-            if node.lock_ref == 1:
-                n = physical_size(node)
-                self.evictable_size_ += n
-                self.protected_size_ -= n
-                delta += n
-            node.lock_ref -= 1
+            if node.lock_ref == first:
+                n = physical_size(node) * step
+                self.evictable_size_ -= n
+                self.protected_size_ += n
+                delta -= n
+            node.lock_ref += step
             self._update_leaf_status(node)
             node = node.parent
-        return DecLockRefResult(delta=delta)
+        return delta
 
     def total_size(self) -> int:
         total, stack = 0, [self.root_node]
