@@ -7,6 +7,11 @@ Backends, imported on demand (this package does not import triton):
 Shape legend and layouts: :mod:`kernels.biased_attention._common`.
 """
 
-from kernels.biased_attention._common import AttentionOutput, ragged_to_paged
+from kernels.biased_attention._common import (
+    AttentionOutput,
+    PagedKV,
+    RaggedKV,
+    ragged_to_paged,
+)
 
-__all__ = ["AttentionOutput", "ragged_to_paged"]
+__all__ = ["AttentionOutput", "PagedKV", "RaggedKV", "ragged_to_paged"]

@@ -44,6 +44,8 @@ import torch
 
 __all__ = [
     "AttentionOutput",
+    "PagedKV",
+    "RaggedKV",
     "check_indptr",
     "check_paged_call",
     "check_pool",
@@ -58,6 +60,27 @@ __all__ = [
     "ragged_pool",
     "ragged_to_paged",
 ]
+
+
+class RaggedKV(NamedTuple):
+    """A batched ragged (compacted) KV set (module legend): ``keys/values [N, D]``, ``beta
+    [N]`` fp32, ``indptr [B*H_kv + 1]`` int32 (segment ``b*H_kv + h``: request b, KV head h)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    beta: torch.Tensor
+    indptr: torch.Tensor
+
+
+class PagedKV(NamedTuple):
+    """A paged KV pool and its slot table (module legend): ``k_cache/v_cache [S, H_kv, D]``,
+    ``beta_cache [S, H_kv]`` fp32, ``kv_indptr [B+1]`` and ``kv_indices [nnz]`` int32."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    beta_cache: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
 
 
 class AttentionOutput(NamedTuple):
@@ -174,17 +197,13 @@ def decode_qo_indptr(q: torch.Tensor) -> torch.Tensor:
 
 
 def check_ragged_call(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    indptr: torch.Tensor,
-    qo_indptr: torch.Tensor | None,
+    q: torch.Tensor, kv: RaggedKV, qo_indptr: torch.Tensor | None
 ) -> tuple[torch.Tensor, int]:
     """Validate a ragged extend call; return ``(qo_indptr [B+1], H_kv)``.
 
     ``qo_indptr`` None means one request owning all n query rows.
     """
+    keys, values, beta, indptr = kv
     check_ragged(keys, values, beta, indptr)
     if qo_indptr is None:
         qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
@@ -197,17 +216,10 @@ def check_ragged_call(
     return qo_indptr, num_kv_heads
 
 
-def check_paged_call(
-    q: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-) -> None:
+def check_paged_call(q: torch.Tensor, qo_indptr: torch.Tensor, kv: PagedKV) -> None:
     """Validate a paged extend call: the pool, its slot table (ids in ``[0, S)``),
     ``qo_indptr [B+1]`` and the queries (see module legend)."""
+    k_cache, v_cache, beta_cache, kv_indptr, kv_indices = kv
     check_pool(k_cache, v_cache, beta_cache)
     check_slot_table(kv_indptr, kv_indices)
     if kv_indices.numel():
@@ -240,14 +252,14 @@ def ragged_to_paged(
     beta: torch.Tensor,
     indptr: torch.Tensor,
     num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> PagedKV:
     """Pad a batched ragged KV set into the paged layout (a new pool; inputs unchanged).
 
     Request b gets L_b = max_h t_{b,h} consecutive slots; row j of head h holds that head's
     j-th entry, and slots past a head's count get zeros with beta = -inf (masked).
 
-    Returns ``(k_cache [S, H_kv, D], v_cache, beta_cache [S, H_kv], kv_indptr [B+1],
-    kv_indices [S])`` with S = sum_b L_b, all on ``keys.device``.
+    Returns the :class:`PagedKV` ``(k_cache [S, H_kv, D], v_cache, beta_cache [S, H_kv],
+    kv_indptr [B+1], kv_indices [S])`` with S = sum_b L_b, all on ``keys.device``.
     """
     check_ragged(keys, values, beta, indptr, num_kv_heads)
     host = indptr.cpu().long()
@@ -269,7 +281,7 @@ def ragged_to_paged(
             beta_cache[base : base + c, h] = beta[s : s + c]
         base += int(lengths[b])
     kv_indices = torch.arange(num_slots, dtype=torch.int32, device=dev)
-    return k_cache, v_cache, beta_cache, kv_indptr.to(dev), kv_indices
+    return PagedKV(k_cache, v_cache, beta_cache, kv_indptr.to(dev), kv_indices)
 
 
 def check_triton_device(*tensors: torch.Tensor) -> None:

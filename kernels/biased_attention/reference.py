@@ -29,6 +29,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from kernels.biased_attention._common import (
     AttentionOutput,
+    PagedKV,
+    RaggedKV,
     check_paged_call,
     check_queries,
     check_ragged_call,
@@ -151,10 +153,7 @@ def attention_bias(
 
 def extend(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    indptr: torch.Tensor,
+    kv: RaggedKV,
     qo_indptr: torch.Tensor | None = None,
     *,
     sm_scale: float | None = None,
@@ -163,85 +162,57 @@ def extend(
 
     Args:
         q: ``[n, H_q, D]``; request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``.
-        keys, values: ``[N, D]``; beta: ``[N]`` fp32.
-        indptr: ``[B*H_kv + 1]`` int32, segment ``b*H_kv + h`` = request b, KV head h.
+        kv: ``keys, values [N, D]``, ``beta [N]`` fp32 and ``indptr [B*H_kv + 1]`` int32,
+            segment ``b*H_kv + h`` = request b, KV head h.
         qo_indptr: ``[B+1]`` int32; None means one request (B = 1) owning all n rows.
         sm_scale: logit scale, default 1/sqrt(D).
 
     Returns:
         ``out [n, H_q, D]`` fp32, ``lse [n, H_q]`` fp32 (natural log).
     """
-    qo_indptr, num_kv_heads = check_ragged_call(q, keys, values, beta, indptr, qo_indptr)
-    seg = indptr.cpu().tolist()
+    qo_indptr, num_kv_heads = check_ragged_call(q, kv, qo_indptr)
+    seg = kv.indptr.cpu().tolist()
 
     def rows(b: int, h: int) -> slice:
         return slice(seg[b * num_kv_heads + h], seg[b * num_kv_heads + h + 1])
 
-    pool = ragged_pool(keys, values, beta, num_kv_heads)
+    pool = ragged_pool(kv.keys, kv.values, kv.beta, num_kv_heads)
     return _per_segment(q, qo_indptr, pool, rows, sm_scale)
 
 
-def decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    indptr: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-) -> AttentionOutput:
-    """One query token per request: ``q [B, H_q, D]`` over ragged ``indptr [B*H_kv+1]``.
+def decode(q: torch.Tensor, kv: RaggedKV, *, sm_scale: float | None = None) -> AttentionOutput:
+    """One query token per request: ``q [B, H_q, D]`` over ragged ``kv.indptr [B*H_kv+1]``.
 
     Returns ``out [B, H_q, D]`` fp32 and ``lse [B, H_q]`` fp32.
     """
-    return extend(q, keys, values, beta, indptr, decode_qo_indptr(q), sm_scale=sm_scale)
+    return extend(q, kv, decode_qo_indptr(q), sm_scale=sm_scale)
 
 
 def paged_extend(
-    q: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
+    q: torch.Tensor, qo_indptr: torch.Tensor, kv: PagedKV, *, sm_scale: float | None = None
 ) -> AttentionOutput:
     """Paged layout: ``q [n, H_q, D]`` rows of request b attend its slots, non-causally.
 
     Args:
         q: ``[n, H_q, D]``; qo_indptr ``[B+1]`` int32.
-        k_cache, v_cache: ``[S, H_kv, D]``; beta_cache ``[S, H_kv]`` fp32.
-        kv_indptr: ``[B+1]`` int32; kv_indices ``[nnz]`` int32 slot ids.
+        kv: the pool ``k_cache, v_cache [S, H_kv, D]``, ``beta_cache [S, H_kv]`` fp32 and
+            its slot table ``kv_indptr [B+1]``, ``kv_indices [nnz]`` int32 slot ids.
 
     Returns:
         ``out [n, H_q, D]`` fp32, ``lse [n, H_q]`` fp32.
     """
-    check_paged_call(q, qo_indptr, k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
-    kv = kv_indptr.cpu().tolist()
+    check_paged_call(q, qo_indptr, kv)
+    slots, table = kv.kv_indices, kv.kv_indptr.cpu().tolist()
 
     def rows(b: int, h: int) -> torch.Tensor:
-        return kv_indices[kv[b] : kv[b + 1]].long()
+        return slots[table[b] : table[b + 1]].long()
 
-    return _per_segment(q, qo_indptr, (k_cache, v_cache, beta_cache), rows, sm_scale)
+    return _per_segment(q, qo_indptr, (kv.k_cache, kv.v_cache, kv.beta_cache), rows, sm_scale)
 
 
-def paged_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-) -> AttentionOutput:
+def paged_decode(q: torch.Tensor, kv: PagedKV, *, sm_scale: float | None = None) -> AttentionOutput:
     """Paged decode: ``q [B, H_q, D]``, one token per request. Returns fp32 out and lse."""
-    return paged_extend(
-        q, decode_qo_indptr(q), k_cache, v_cache, beta_cache, kv_indptr, kv_indices,
-        sm_scale=sm_scale,
-    )  # fmt: skip
+    return paged_extend(q, decode_qo_indptr(q), kv, sm_scale=sm_scale)
 
 
 # ---- private helpers -------------------------------------------------------------------

@@ -32,6 +32,8 @@ import triton
 
 from kernels.biased_attention._common import (
     AttentionOutput,
+    PagedKV,
+    RaggedKV,
     check_paged_call,
     check_pool,
     check_queries,
@@ -145,63 +147,36 @@ class BiasedPagedAttention:
 
 def extend(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    indptr: torch.Tensor,
+    kv: RaggedKV,
     qo_indptr: torch.Tensor | None = None,
     **options: Unpack[RunOptions],
 ) -> AttentionOutput:
     """One-shot plan+run, ragged extend; same contract as ``reference.extend``
     (qo_indptr None: one request owning all n query rows)."""
-    qo_indptr, num_kv = check_ragged_call(q, keys, values, beta, indptr, qo_indptr)
-    kv = (keys, values, beta)
-    return _one_shot(q, kv, num_kv, indptr, None, qo_indptr.to(indptr.device), **options)
+    qo_indptr, num_kv = check_ragged_call(q, kv, qo_indptr)
+    qo = qo_indptr.to(kv.indptr.device)
+    return _one_shot(q, kv[:3], num_kv, kv.indptr, None, qo, **options)
 
 
-def decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    beta: torch.Tensor,
-    indptr: torch.Tensor,
-    **options: Unpack[RunOptions],
-) -> AttentionOutput:
+def decode(q: torch.Tensor, kv: RaggedKV, **options: Unpack[RunOptions]) -> AttentionOutput:
     """One-shot ragged decode, ``q [B, H_q, D]``; same contract as ``reference.decode``."""
-    _, num_kv = check_ragged_call(q, keys, values, beta, indptr, decode_qo_indptr(q))
-    return _one_shot(q, (keys, values, beta), num_kv, indptr, None, None, **options)
+    _, num_kv = check_ragged_call(q, kv, decode_qo_indptr(q))
+    return _one_shot(q, kv[:3], num_kv, kv.indptr, None, None, **options)
 
 
 def paged_extend(
-    q: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    **options: Unpack[RunOptions],
+    q: torch.Tensor, qo_indptr: torch.Tensor, kv: PagedKV, **options: Unpack[RunOptions]
 ) -> AttentionOutput:
     """One-shot paged extend; same contract as ``reference.paged_extend``."""
-    check_paged_call(q, qo_indptr, k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
-    kv, qo = (k_cache, v_cache, beta_cache), qo_indptr.to(kv_indptr.device)
-    return _one_shot(q, kv, k_cache.shape[1], kv_indptr, kv_indices, qo, **options)
+    check_paged_call(q, qo_indptr, kv)
+    qo = qo_indptr.to(kv.kv_indptr.device)
+    return _one_shot(q, kv[:3], kv.k_cache.shape[1], kv.kv_indptr, kv.kv_indices, qo, **options)
 
 
-def paged_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    beta_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    **options: Unpack[RunOptions],
-) -> AttentionOutput:
+def paged_decode(q: torch.Tensor, kv: PagedKV, **options: Unpack[RunOptions]) -> AttentionOutput:
     """One-shot paged decode, ``q [B, H_q, D]``; same contract as ``reference.paged_decode``."""
-    qo = decode_qo_indptr(q)
-    check_paged_call(q, qo, k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
-    kv = (k_cache, v_cache, beta_cache)
-    return _one_shot(q, kv, k_cache.shape[1], kv_indptr, kv_indices, None, **options)
+    check_paged_call(q, decode_qo_indptr(q), kv)
+    return _one_shot(q, kv[:3], kv.k_cache.shape[1], kv.kv_indptr, kv.kv_indices, None, **options)
 
 
 # ---- private helpers -------------------------------------------------------------------

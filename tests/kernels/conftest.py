@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from kernels import biased_attention
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -26,6 +28,11 @@ class RaggedKV(NamedTuple):
     beta: torch.Tensor
     indptr: torch.Tensor
     num_kv_heads: int
+
+    @property
+    def ragged(self) -> biased_attention.RaggedKV:
+        """The set as the kernels take it (no head count)."""
+        return biased_attention.RaggedKV(self.keys, self.values, self.beta, self.indptr)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from kernels.biased_attention import ragged_to_paged
+from kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
 from kernels.biased_attention import reference as ref
 from kernels.merge_state import reference as merge_ref
 
@@ -45,7 +45,7 @@ def test_beta_zero_equals_plain_attention(make_ragged, sdpa):
     kv = make_ragged([37] * H_KV, H_KV, D)
     beta = torch.zeros_like(kv.beta)
     q = torch.randn(5, H_Q, D, generator=torch.Generator().manual_seed(1))
-    got = ref.extend(q, kv.keys, kv.values, beta, kv.indptr)
+    got = ref.extend(q, RaggedKV(kv.keys, kv.values, beta, kv.indptr))
     for h in range(H_KV):
         k = kv.keys[37 * h : 37 * (h + 1)]
         v = kv.values[37 * h : 37 * (h + 1)]
@@ -66,8 +66,8 @@ def test_beta_minus_inf_equals_removing_entries(make_ragged):
     indptr = torch.zeros(H_KV + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(counts, 0)
     q = torch.randn(1, H_Q, D, generator=torch.Generator().manual_seed(2))
-    got = ref.decode(q, kv.keys, kv.values, beta, kv.indptr)
-    want = ref.decode(q, kv.keys[keep], kv.values[keep], kv.beta[keep], indptr)
+    got = ref.decode(q, RaggedKV(kv.keys, kv.values, beta, kv.indptr))
+    want = ref.decode(q, RaggedKV(kv.keys[keep], kv.values[keep], kv.beta[keep], indptr))
     torch.testing.assert_close(got.out, want.out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got.lse, want.lse, atol=1e-6, rtol=1e-6)
 
@@ -76,7 +76,7 @@ def test_ragged_equals_per_head_loop(make_ragged, per_head_check):
     counts = [5, 0, 12, 37, 1, 7]  # B=2: request 1 head 1 has no entries
     kv = make_ragged(counts, H_KV, D)
     q = torch.randn(2, H_Q, D, generator=torch.Generator().manual_seed(3))
-    got = ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr)
+    got = ref.decode(q, kv.ragged)
     per_head_check(got, q, kv, atol=1e-5, rtol=1e-5)
 
 
@@ -84,10 +84,10 @@ def test_ragged_equals_per_head_loop(make_ragged, per_head_check):
 def test_lse_merge_of_halves_equals_whole(make_ragged, counts):
     kv = make_ragged(counts, H_KV, D)
     q = torch.randn(5, H_Q, D, generator=torch.Generator().manual_seed(4))
-    whole = ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr)
+    whole = ref.extend(q, kv.ragged)
     (k1, v1, b1, i1), (k2, v2, b2, i2) = _split_halves(kv)
-    part1 = ref.extend(q, k1, v1, b1, i1)
-    part2 = ref.extend(q, k2, v2, b2, i2)
+    part1 = ref.extend(q, RaggedKV(k1, v1, b1, i1))
+    part2 = ref.extend(q, RaggedKV(k2, v2, b2, i2))
     merged = merge_ref.merge_state(part1.out, part1.lse, part2.out, part2.lse)
     assert not torch.isnan(merged.out).any()
     torch.testing.assert_close(merged.out, whole.out, atol=1e-5, rtol=1e-5)
@@ -114,20 +114,17 @@ def test_paged_matches_ragged_with_shuffled_slots(make_ragged):
     kv = make_ragged(counts, H_KV, D)
     q = torch.randn(7, H_Q, D, generator=torch.Generator().manual_seed(6))
     qo_indptr = torch.tensor([0, 5, 7], dtype=torch.int32)
-    want = ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo_indptr)
+    want = ref.extend(q, kv.ragged, qo_indptr)
     k_cache, v_cache, beta_cache, kv_indptr, kv_indices = ragged_to_paged(
         kv.keys, kv.values, kv.beta, kv.indptr, H_KV
     )
     perm = torch.randperm(k_cache.shape[0], generator=torch.Generator().manual_seed(7))
     inv = torch.argsort(perm)
+    slots = inv[kv_indices.long()].to(torch.int32)
     got = ref.paged_extend(
         q,
         qo_indptr,
-        k_cache[perm],
-        v_cache[perm],
-        beta_cache[perm],
-        kv_indptr,
-        inv[kv_indices.long()].to(torch.int32),
+        PagedKV(k_cache[perm], v_cache[perm], beta_cache[perm], kv_indptr, slots),
     )
     torch.testing.assert_close(got.out, want.out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got.lse, want.lse, atol=1e-6, rtol=1e-6)
@@ -136,8 +133,8 @@ def test_paged_matches_ragged_with_shuffled_slots(make_ragged):
 def test_explicit_sm_scale(make_ragged):
     kv = make_ragged([37, 5, 12], H_KV, D)
     q = torch.randn(1, H_Q, D, generator=torch.Generator().manual_seed(8))
-    got = ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr, sm_scale=0.5)
-    want = ref.decode(q * 0.5 * math.sqrt(D), kv.keys, kv.values, kv.beta, kv.indptr)
+    got = ref.decode(q, kv.ragged, sm_scale=0.5)
+    want = ref.decode(q * 0.5 * math.sqrt(D), kv.ragged)
     torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 
@@ -165,8 +162,10 @@ def _bad_cases():
 
 @pytest.mark.parametrize(("match", "kwargs"), list(_bad_cases()), ids=lambda x: str(x)[:20])
 def test_invalid_inputs_raise_value_error(match, kwargs):
+    kw = dict(kwargs)
+    q, sm_scale = kw.pop("q"), kw.pop("sm_scale", None)
     with pytest.raises(ValueError, match=match):
-        ref.decode(**kwargs)
+        ref.decode(q, RaggedKV(**kw), sm_scale=sm_scale)
 
 
 def test_merge_state_rejects_mismatched_shapes():

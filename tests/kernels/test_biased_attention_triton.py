@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kernels.biased_attention import ragged_to_paged
+from kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
 from kernels.biased_attention import reference as ref
 from kernels.biased_attention import triton as tri
 from kernels.merge_state import triton as merge_tri
@@ -39,8 +39,8 @@ def test_decode_matches_reference(make_ragged, num_splits):
     beta[[2, 20, 30]] = -math.inf
     beta[kv.indptr[4] : kv.indptr[5]] = -math.inf  # request 1, head 1 fully masked
     q = _q(2, 1)
-    got = tri.decode(q, kv.keys, kv.values, beta, kv.indptr, num_splits=num_splits)
-    want = ref.decode(q, kv.keys, kv.values, beta, kv.indptr)
+    got = tri.decode(q, RaggedKV(kv.keys, kv.values, beta, kv.indptr), num_splits=num_splits)
+    want = ref.decode(q, RaggedKV(kv.keys, kv.values, beta, kv.indptr))
     _close(got, want)
     assert torch.all(got.lse[1, G : 2 * G] == -math.inf)
     assert torch.all(got.out[1, G : 2 * G] == 0)
@@ -52,14 +52,14 @@ def test_extend_matches_reference(make_ragged, num_splits):
     kv = make_ragged(counts, H_KV, D, seed=3)
     q = _q(8, 2)
     qo_indptr = torch.tensor([0, 5, 5, 8], dtype=torch.int32)
-    got = tri.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo_indptr, num_splits=num_splits)
-    _close(got, ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo_indptr))
+    got = tri.extend(q, kv.ragged, qo_indptr, num_splits=num_splits)
+    _close(got, ref.extend(q, kv.ragged, qo_indptr))
 
 
 def test_beta_zero_equals_plain_attention(make_ragged, sdpa):
     kv = make_ragged([37] * H_KV, H_KV, D, seed=4)
     q = _q(5, 3)
-    got = tri.extend(q, kv.keys, kv.values, torch.zeros_like(kv.beta), kv.indptr)
+    got = tri.extend(q, RaggedKV(kv.keys, kv.values, torch.zeros_like(kv.beta), kv.indptr))
     for h in range(H_KV):
         rows = slice(37 * h, 37 * (h + 1))
         for g in range(G):
@@ -77,9 +77,11 @@ def test_beta_minus_inf_equals_removing_entries(make_ragged):
     indptr[1:] = torch.cumsum(torch.bincount(seg[~drop], minlength=H_KV), 0)
     q = _q(1, 4)
     got = tri.decode(
-        q, kv.keys, kv.values, kv.beta.masked_fill(drop, -math.inf), kv.indptr, num_splits=2
+        q,
+        RaggedKV(kv.keys, kv.values, kv.beta.masked_fill(drop, -math.inf), kv.indptr),
+        num_splits=2,
     )
-    want = tri.decode(q, kv.keys[~drop], kv.values[~drop], kv.beta[~drop], indptr)
+    want = tri.decode(q, RaggedKV(kv.keys[~drop], kv.values[~drop], kv.beta[~drop], indptr))
     torch.testing.assert_close(got.out, want.out, **TOL)
     torch.testing.assert_close(got.lse, want.lse, **TOL)
 
@@ -87,21 +89,21 @@ def test_beta_minus_inf_equals_removing_entries(make_ragged):
 def test_ragged_equals_per_head_loop(make_ragged, per_head_check):
     kv = make_ragged(COUNTS, H_KV, D, seed=6)
     q = _q(2, 5)
-    got = tri.decode(q, kv.keys, kv.values, kv.beta, kv.indptr, num_splits=2)
+    got = tri.decode(q, kv.ragged, num_splits=2)
     per_head_check(got, q, kv, **TOL)
 
 
 def test_lse_merge_of_two_halves_equals_whole(make_ragged):
     kv = make_ragged([37, 5, 12], H_KV, D, seed=7)
     q = _q(5, 6)
-    whole = tri.extend(q, kv.keys, kv.values, kv.beta, kv.indptr)
+    whole = tri.extend(q, kv.ragged)
     # half 1: entries [0, 20) of head 0 only; half 2: everything else (ragged + an empty head)
     first = torch.zeros(kv.beta.shape[0], dtype=torch.bool)
     first[:20] = True
     ip1 = torch.tensor([0, 20, 20, 20], dtype=torch.int32)
     ip2 = torch.tensor([0, 17, 22, 34], dtype=torch.int32)
-    a = tri.extend(q, kv.keys[first], kv.values[first], kv.beta[first], ip1)
-    b = tri.extend(q, kv.keys[~first], kv.values[~first], kv.beta[~first], ip2)
+    a = tri.extend(q, RaggedKV(kv.keys[first], kv.values[first], kv.beta[first], ip1))
+    b = tri.extend(q, RaggedKV(kv.keys[~first], kv.values[~first], kv.beta[~first], ip2))
     assert torch.all(a.lse[:, G:] == -math.inf)
     merged = merge_tri.merge_state(a.out, a.lse, b.out, b.lse)
     assert not torch.isnan(merged.out).any()
@@ -121,14 +123,15 @@ def test_paged_matches_reference(make_ragged, decode):
     kv_indices = perm[kv_indices.long()].to(torch.int32)
     # check the gather really moved rows
     assert torch.equal(k_cache[kv_indices[0]], pool[0][0])
+    paged = PagedKV(k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
     if decode:
         q = _q(2, 7)
-        got = tri.paged_decode(q, k_cache, v_cache, beta_cache, kv_indptr, kv_indices, num_splits=2)
-        want = ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr)
+        got = tri.paged_decode(q, paged, num_splits=2)
+        want = ref.decode(q, kv.ragged)
     else:
         q, qo = _q(6, 8), torch.tensor([0, 5, 6], dtype=torch.int32)
-        got = tri.paged_extend(q, qo, k_cache, v_cache, beta_cache, kv_indptr, kv_indices)
-        want = ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo)
+        got = tri.paged_extend(q, qo, paged)
+        want = ref.extend(q, kv.ragged, qo)
     _close(got, want)
 
 
@@ -140,7 +143,7 @@ def test_plan_once_run_many(make_ragged):
     for seed in (11, 12):
         q = _q(2, seed)
         got = wrapper.run(q, kv.keys, kv.values, kv.beta)
-        _close(got, ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr, sm_scale=0.2))
+        _close(got, ref.decode(q, kv.ragged, sm_scale=0.2))
 
 
 def test_errors(make_ragged, monkeypatch):
@@ -158,11 +161,13 @@ def test_errors(make_ragged, monkeypatch):
     with pytest.raises(ValueError, match="kv_indices must lie in"):
         tri.paged_decode(
             _q(1, 0),
-            torch.zeros(4, H_KV, D),
-            torch.zeros(4, H_KV, D),
-            torch.zeros(4, H_KV),
-            torch.tensor([0, 2], dtype=torch.int32),
-            torch.tensor([1, 4], dtype=torch.int32),
+            PagedKV(
+                torch.zeros(4, H_KV, D),
+                torch.zeros(4, H_KV, D),
+                torch.zeros(4, H_KV),
+                torch.tensor([0, 2], dtype=torch.int32),
+                torch.tensor([1, 4], dtype=torch.int32),
+            ),
         )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

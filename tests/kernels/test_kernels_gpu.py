@@ -48,8 +48,8 @@ def test_triton_decode_long_ragged(make_ragged, num_req, max_len):
 
     kv = _ragged(make_ragged, _counts(num_req, max_len, 1))
     q = torch.randn(num_req, H_Q, D, device="cuda", dtype=torch.bfloat16)
-    got = tri.decode(q, kv.keys, kv.values, kv.beta, kv.indptr)
-    _assert_matches(got, ref.decode(q, kv.keys, kv.values, kv.beta, kv.indptr))
+    got = tri.decode(q, kv.ragged)
+    _assert_matches(got, ref.decode(q, kv.ragged))
 
 
 def test_triton_extend_and_paged(make_ragged):
@@ -58,14 +58,12 @@ def test_triton_extend_and_paged(make_ragged):
     kv = _ragged(make_ragged, _counts(3, 8192, 2), seed=2)
     qo = torch.tensor([0, 37, 38, 101], dtype=torch.int32, device="cuda")
     q = torch.randn(101, H_Q, D, device="cuda", dtype=torch.bfloat16)
-    want = ref.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo)
-    _assert_matches(tri.extend(q, kv.keys, kv.values, kv.beta, kv.indptr, qo), want)
+    want = ref.extend(q, kv.ragged, qo)
+    _assert_matches(tri.extend(q, kv.ragged, qo), want)
     pool = ragged_to_paged(kv.keys, kv.values, kv.beta, kv.indptr, H_KV)
-    _assert_matches(tri.paged_extend(q, qo, *pool), want)
+    _assert_matches(tri.paged_extend(q, qo, pool), want)
     qd = q[qo[1:].long() - 1].contiguous()
-    _assert_matches(
-        tri.paged_decode(qd, *pool), ref.decode(qd, kv.keys, kv.values, kv.beta, kv.indptr)
-    )
+    _assert_matches(tri.paged_decode(qd, pool), ref.decode(qd, kv.ragged))
 
 
 def test_triton_merge_state_bf16():
