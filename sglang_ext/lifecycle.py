@@ -263,7 +263,7 @@ class InstallLifecycle(Generic[N]):
         k0 = kv.get_key_buffer(kv.start_layer)
         slot_bytes = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
         infos = [self.tree.info(n) for n in self._compacted.values()]
-        lengths = [(i.logical_length, i.t_max) for i in infos if i is not None]
+        lengths = [(i.logical_length, i.t_max, i.kept_entries) for i in infos if i is not None]
         beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
         self.stats.read_prefixes(lengths, slot_bytes, beta_slots)
 
@@ -311,7 +311,10 @@ class InstallLifecycle(Generic[N]):
         or, for a refit, the fit it replaces is superseded."""
         prefix, ids, slots = pending.prefix, pending.token_ids, pending.slots
         old = self._compacted.get(pending.phash)
-        info = CompactionInfo(slots, len(ids), pending.phash, prefix.method, pending.fit_round)
+        kept = int(head_counts(prefix).sum())
+        info = CompactionInfo(
+            slots, len(ids), pending.phash, prefix.method, pending.fit_round, kept
+        )
         try:
             node = self.tree.add_node(ids, info)
         except Exception:

@@ -8,6 +8,10 @@ Pool gauges are read from SGLang's own counts at the scheduler's poll point (eve
 iteration, about once a second when idle), never estimated:
 
 - `physical_tokens`: slots held by compacted nodes (their t_max slots, not the alias);
+- `kept_entries`: the entries their fits keep, summed over layers and KV heads (sum of the
+  per-(layer, head) budgets t_{l,h}); `physical_tokens` x layers x KV heads is what the pool
+  holds for them, equal to it for uniform budgets and larger by the padding of shorter heads
+  for per-head or per-layer budgets (`--compaction-head-budgets auto`, gvote);
 - `tree_slots`: slots held by ordinary tree nodes (the radix cache's evictable + protected
   sizes, less the compacted nodes' share, which the tree counts there too);
 - `free_slots`: `token_to_kv_pool_allocator.available_size()`;
@@ -52,6 +56,7 @@ class CompactionStats:
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
     physical_tokens: int = 0  # gauge: slots those prefixes hold
+    kept_entries: int = 0  # gauge: their fits' entries, summed over layers and KV heads
     bytes_saved: int = 0  # gauge: KV bytes not held thanks to compaction
     beta_slots: int = 0  # gauge: pool slots the beta store marks compacted (alias excluded)
     tree_slots: int = 0  # gauge: slots held by ordinary (uncompacted) tree nodes
@@ -78,13 +83,15 @@ class CompactionStats:
         self.free_slots, self.pool_slots = int(free), int(pool)
 
     def read_prefixes(
-        self, lengths: list[tuple[int, int]], slot_bytes: int, beta_slots: int
+        self, lengths: list[tuple[int, int, int]], slot_bytes: int, beta_slots: int
     ) -> None:
-        """Set the compacted-prefix gauges from each installed prefix's (T, t_max), the bytes
-        one KV slot holds over all layers, and the slots with a beta. Mutates
-        `logical_tokens`, `physical_tokens`, `bytes_saved` and `beta_slots`."""
-        self.logical_tokens = sum(T for T, _ in lengths)
-        self.physical_tokens = sum(t for _, t in lengths)
+        """Set the compacted-prefix gauges from each installed prefix's (T, t_max, kept
+        entries), the bytes one KV slot holds over all layers, and the slots with a beta.
+        Mutates `logical_tokens`, `physical_tokens`, `kept_entries`, `bytes_saved` and
+        `beta_slots`."""
+        self.logical_tokens = sum(T for T, _, _ in lengths)
+        self.physical_tokens = sum(t for _, t, _ in lengths)
+        self.kept_entries = sum(k for _, _, k in lengths)
         self.bytes_saved = (self.logical_tokens - self.physical_tokens) * slot_bytes
         self.beta_slots = beta_slots
 
@@ -108,6 +115,7 @@ class PrometheusExporter:
     _GAUGES = (
         "logical_tokens",
         "physical_tokens",
+        "kept_entries",
         "bytes_saved",
         "beta_slots",
         "tree_slots",

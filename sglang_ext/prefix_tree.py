@@ -20,14 +20,25 @@ N = TypeVar("N", bound=Hashable)
 
 class CompactionInfo:
     """What makes a tree node a compacted prefix: its t_max physical `slots` [t_max] int64,
-    logical length T, prefix hash, method and fit round (0: the first fit, n: the n-th refit)."""
+    logical length T, prefix hash, method, fit round (0: the first fit, n: the n-th refit) and
+    `kept_entries`, the entries its fit keeps summed over layers and KV heads (sum of t_{l,h};
+    the t_max slots hold t_max x L x H_kv, the rest is padding of shorter heads)."""
 
-    __slots__ = ("fit_round", "logical_length", "method", "prefix_hash", "slots", "t_max")
+    __slots__ = (
+        "fit_round", "kept_entries", "logical_length", "method", "prefix_hash", "slots", "t_max"
+    )  # fmt: skip
 
     def __init__(
-        self, slots: torch.Tensor, logical_length: int, phash: str, method: str, fit_round: int
+        self,
+        slots: torch.Tensor,
+        logical_length: int,
+        phash: str,
+        method: str,
+        fit_round: int,
+        kept_entries: int,
     ):
         self.slots = slots
+        self.kept_entries = kept_entries
         self.t_max = int(slots.numel())
         self.logical_length = logical_length
         self.prefix_hash = phash

@@ -8,6 +8,7 @@ after the install the same questions are asked again over the compacted prefix.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def test_shared_document_is_compacted_and_answers_hold(
         assert logical == compacted_length(T) and physical > 0, (logical, T)
         assert logical / physical >= 5, (logical, physical)  # slots held: T -> t_max
         assert metric(srv, "sglang:compaction_bytes_saved") > 0
+        # uniform budgets: every (layer, KV head) keeps t_max entries, no padding
+        cfg = json.loads((prepared_model / "config.json").read_text())
+        cells = cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+        assert metric(srv, "sglang:compaction_kept_entries") == physical * cells
         after = ask_all(srv, doc)
         log = Path(srv.log_path).read_text(errors="replace")
     assert "sglang_ext: installed compacted prefix" in log

@@ -384,5 +384,7 @@ def test_a_compacted_node_holds_its_slots_on_the_pools_device() -> None:
     from sglang_ext.prefix_tree import CompactionInfo
 
     slots = torch.arange(1, 5, device="meta")
-    node = new_compacted_node(TreeNode(), list(range(16)), CompactionInfo(slots, 16, "h", "m", 0))
+    node = new_compacted_node(
+        TreeNode(), list(range(16)), CompactionInfo(slots, 16, "h", "m", 0, 0)
+    )
     assert node.value.device.type == "meta" and node.value.shape == (16,)

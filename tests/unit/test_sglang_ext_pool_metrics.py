@@ -55,8 +55,12 @@ def test_pool_gauges_follow_the_tree_and_the_allocator(compacted: Any) -> None:
     # the install retires the original path: only the compacted slots stay held
     cache.install(ids, prefix)
     cache.poll_compactions()
-    t_max = int(head_counts(prefix).max())
+    counts = head_counts(prefix)  # [L, H_kv]
+    t_max = int(counts.max())
     assert _gauges(cache) == (t_max, 0, POOL - t_max, POOL)
+    # the fit's entries, and what the t_max slots hold for them (padding of shorter heads)
+    assert cache.stats.kept_entries == int(counts.sum()) > 0
+    assert t_max * counts.numel() >= cache.stats.kept_entries
     alloc = cache.token_to_kv_pool_allocator
     assert cache.stats.free_slots == alloc.available_size()
     assert cache.stats.physical_tokens + cache.stats.tree_slots == (

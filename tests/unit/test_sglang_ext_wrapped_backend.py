@@ -249,7 +249,7 @@ def schedule_batch(runner: Any, be: CompactionBackend, rows: list[list[int]]) ->
 
     root = TreeNode()
     node = new_compacted_node(
-        root, list(range(T)), CompactionInfo(torch.tensor(PHYS), T, "h", "am-highest", 0)
+        root, list(range(T)), CompactionInfo(torch.tensor(PHYS), T, "h", "am-highest", 0, 0)
     )
     child, plain = TreeNode(), TreeNode()
     child.parent, plain.parent = node, root
