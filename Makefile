@@ -26,19 +26,14 @@ kvpress-venv:
 protos: setup
 	$(PY) scripts/gen_protos.py
 
-# Tests run in two processes (pytest-xdist): every test that starts an SGLang server runs in
-# one of them, one after another (two servers side by side would each run ~2x slower on a
-# small machine), while the other process takes the rest (see tests/conftest.py).
-# TEST_WORKERS=0 runs everything in pytest's own process.
-TEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
-
-# Any non-zero pytest exit fails the target, 5 (no test collected or run) included.
+# Two pytest processes side by side: the tests that start SGLang servers one after another,
+# and the rest (scripts/run_tests.sh; TEST_STREAMS=1 for one process). Any non-zero pytest
+# exit fails the target, 5 (no test collected or run) included.
 test: setup kvpress-venv
-	$(PYTEST)
+	PY=$(PY) bash scripts/run_tests.sh
 
 test-fast: setup kvpress-venv
-	$(PYTEST) -m "not sglang"
+	$(PY) -m pytest -q -m "not sglang"
 
 lint: setup
 	$(VENV)/bin/ruff check .

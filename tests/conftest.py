@@ -1,8 +1,9 @@
 """Shared fixtures and markers.
 
 - `gpu`: skipped unless a CUDA device is present.
-- `sglang`: starts a real SGLang server (slow; deselect with `-m "not sglang"`). Under
-  pytest-xdist's `--dist loadgroup` (`make test`) they share one worker, one at a time.
+- `sglang`: starts a real SGLang server (slow; deselect with `-m "not sglang"`). `make test`
+  runs these one after another beside a second pytest process with the rest
+  (scripts/run_tests.sh).
 - `peer`: a cross-check against an independent implementation (kvpress); its outcome is
   printed by name at the end of the run, so a CI log shows that it ran and passed.
 - `prepared_model`: the embedded SmolLM2-135M checkpoint, prepared once per machine.
@@ -30,12 +31,9 @@ HAS_CUDA = torch.cuda.is_available()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (marker gpu)")
-    servers = pytest.mark.xdist_group("sglang-servers")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        if "sglang" in item.keywords:  # with `--dist loadgroup`: one process, one at a time
-            item.add_marker(servers)
 
 
 _PEER_OUTCOMES: list[tuple[str, str]] = []
