@@ -119,23 +119,32 @@ class ManagedProcess:
         log.close()
 
     def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL what is left after 15 s; safe to call twice."""
+        """Ask the process to stop (`_ask_to_stop`), SIGKILL its group once the leader is gone
+        or after 15 s; safe to call twice."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+        for kill, wait in ((self._ask_to_stop, 15.0), (self._kill_group, 10.0)):
             try:
-                os.killpg(proc.pid, sig)
+                kill(proc.pid)
             except ProcessLookupError:
                 break
             try:
                 proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 continue
-            if sig == signal.SIGTERM:  # the leader is gone: take down what it left behind
+            if kill != self._kill_group:  # the leader is gone: take down what it left behind
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    self._kill_group(proc.pid)
             break
+
+    def _ask_to_stop(self, pid: int) -> None:
+        """SIGTERM to the process group."""
+        os.killpg(pid, signal.SIGTERM)
+
+    @staticmethod
+    def _kill_group(pid: int) -> None:
+        os.killpg(pid, signal.SIGKILL)
 
     def _lost_port_race(self) -> bool:
         """True if the process exited because the port picked for it was taken meanwhile."""
@@ -239,6 +248,12 @@ class SGLangServer(ManagedProcess):
         if not self.plugin:
             env["SGLANG_PLUGINS"] = stock_plugins()
         return env
+
+    def _ask_to_stop(self, pid: int) -> None:
+        """Ctrl-C (SIGINT) to SGLang's main process: it exits in under a second. A SIGTERM to
+        the group takes ~5 s: the scheduler dies first, and the main process, seeing a child
+        crash, sleeps 5 s before its crash diagnostics. What is left is killed with the group."""
+        os.kill(pid, signal.SIGINT)
 
     def generate(self, text: str, max_new_tokens: int = 16, **sampling: Any) -> dict[str, Any]:
         """POST /generate (greedy by default); returns the JSON answer."""
