@@ -307,8 +307,8 @@ class InstallLifecycle(Generic[N]):
         return pending
 
     def finish(self, pending: PendingInstall) -> N:
-        """A fully written prefix becomes a node (installed); its original path is retired,
-        or, for a refit, the fit it replaces is superseded."""
+        """A written prefix becomes a node (its original path retired, or the fit it refits
+        superseded); if the node cannot be made its slots are freed. A later raise is a bug."""
         prefix, ids, slots = pending.prefix, pending.token_ids, pending.slots
         old = self._compacted.get(pending.phash)
         kept = int(head_counts(prefix).sum())
@@ -424,7 +424,7 @@ class InstallLifecycle(Generic[N]):
                 self.pending.remove(pending)
                 try:
                     self.finish(pending)
-                except Exception as e:  # no node was made (`finish` freed the slots)
+                except Exception as e:  # counted as not installed (`finish` says when)
                     self.install_error(e)
                     self.fallback(pending.token_ids, e)
                     continue
