@@ -1,21 +1,24 @@
 """Cascade attention of a mixed batch: each compacted prefix once per node, then every tail.
 
 Legend: B requests, n = sum_b q_b new (query) tokens, H_q / H_kv heads, D head dim, S pool
-slots, R x W the `req_to_token` table, P node groups, n_p new tokens of compacted requests.
+slots, R x C the `req_to_token` table, P node groups, n_p new tokens of compacted requests.
 Request b owns row `req_pool_indices[b]`, whose first n_b = `seq_lens[b]` entries are its KV
 slots and whose last q_b = `q_lens[b]` entries are its new tokens. A request on a compacted
-node (t_max physical slots, logical length T; `sglang_ext.kv_store`) has the row
+node (N physical slots, logical length T, its longest head W entries; `sglang_ext.packing`)
+has the row
 
-    [0, t_max)   the node's physical slots (beta per slot and head, -inf on head padding)
-    [t_max, T)   ALIAS_SLOT copies (beta -inf: they hold positions, never attention mass)
+    [0, N)       the node's physical slots (its entries packed in their cells)
+    [N, T)       ALIAS_SLOT copies (beta -inf: they hold positions, never attention mass)
     [T, n_b)     its own tail, ending in its q_b new tokens;
 
-a plain request has T = t_max = 0. Every new token sees the whole prefix, so the batch is
+a plain request has N = T = W = 0. Every new token sees the whole prefix, so the batch is
 attended as a cascade whose parts are merged by LSE (`kernels.merge_state`):
 
     prefix  one kernel request per node group (the requests whose rows start on the same
-            t_max slots with the same (t_max, T)): all the group's new tokens are its
-            queries and its KV is the t_max physical slots, read once; aliases are never read;
+            N slots with the same (N, T)): all the group's new tokens are its queries and
+            its KV is the group's entries gathered per layer by the caller (`PrefixKV`: W_g
+            rows per group, a head's unused rows with beta -inf), read once; aliases are
+            never read;
     tail    request b over its entries [T, n_b), causal, built like `attention_triton`
             (blocks + diagonal); plain requests attend their whole row here.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,38 +40,61 @@ from sglang_ext.attention_triton import (
     Lengths,
     check_batch,
     gather_slots,
-    plan_calls,
     plan_causal,
     run_causal,
 )
 from sglang_ext.kv_store import ALIAS_SLOT
 
-__all__ = ["CascadePlan", "Prefixes", "plan_cascade", "run_cascade"]
+__all__ = ["CascadePlan", "PrefixKV", "Prefixes", "plan_cascade", "run_cascade", "stack_groups"]
 
-Prefixes = torch.Tensor | Sequence[tuple[int, int] | None]
+Prefixes = torch.Tensor | Sequence[tuple[int, int, int] | None]
+
+
+class PrefixKV(NamedTuple):
+    """One layer's entries of every node group, stacked in group order: keys, values
+    [sum_g W_g, H_kv, D], beta [sum_g W_g, H_kv] fp32 (`stack_groups`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    beta: torch.Tensor
+
+
+def stack_groups(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> PrefixKV:
+    """Stack each group's gathered layer (k, v [H_kv, W_g, D], beta [H_kv, W_g], as
+    `PackedLayout.read` gives them) entry-major, in group order."""
+    return PrefixKV(
+        torch.cat([k.transpose(0, 1) for k, _, _ in parts]),
+        torch.cat([v.transpose(0, 1) for _, v, _ in parts]),
+        torch.cat([b.t() for _, _, b in parts]),
+    )
 
 
 @dataclass(frozen=True)
 class CascadePlan:
     """The planned kernel calls of one cascade batch (device tables inside the wrappers).
 
-    `prefix` has one kernel request per node group (None: no compacted request);
-    `prefix_tokens` [n_p] int64 (q's device) are the batch token ids of its query rows, group
-    by group; `groups` are the requests of each group, in batch order. `blocks` and
+    `prefix` has one kernel request per node group (None: no compacted request), over the
+    groups' `PrefixKV` rows [offset_g, offset_g + W_g); `prefix_tokens` [n_p] int64 (q's
+    device) are the batch token ids of its query rows, group by group; `groups` are the
+    requests of each group, in batch order, and `widths` their W_g. `blocks` and
     `diagonal` are the tail calls as in `attention_triton.BatchPlan`.
     """
 
     num_tokens: int
     groups: tuple[tuple[int, ...], ...]
+    widths: tuple[int, ...]
     prefix: BiasedPagedAttention | None
     prefix_tokens: torch.Tensor | None
     blocks: BiasedPagedAttention
     diagonal: BiasedPagedAttention | None
 
     def slots_read(self) -> torch.Tensor:
-        """The distinct slot ids [k] int64 that the planned calls read (sorted, on the
-        tables' device): a compacted request's aliases are never among them."""
-        calls = (self.prefix, self.blocks, self.diagonal)
+        """The distinct pool slot ids [k] int64 that the planned tail calls read (sorted, on
+        the tables' device): a compacted request's prefix (read from its `PrefixKV`) and
+        aliases are never among them."""
+        calls = (self.blocks, self.diagonal)
         parts = [c.planned.kv_indices for c in calls if c is not None]
         return torch.unique(torch.cat([p.long() for p in parts if p is not None]))
 
@@ -90,29 +117,32 @@ def plan_cascade(
     Args:
         req_to_token: [R, W] int32/int64 slot table (SGLang's `req_to_token_pool`).
         req_pool_indices, seq_lens, q_lens: [B] ints (tensors on any device, or lists).
-        prefixes: per request its compacted prefix (t_max, T), or None / (0, 0) when plain;
-            a [B, 2] integer tensor (any device) or a length-B sequence of host ints. A
-            request given as plain attends its whole row in the tail call (aliases in it
+        prefixes: per request its compacted prefix (N, T, W), or None / (0, 0, 0) when
+            plain; a [B, 3] integer tensor (any device) or a length-B sequence of host ints.
+            A request given as plain attends its whole row in the tail call (aliases in it
             would be read, masked by their -inf beta: correct, but not cheaper).
         sm_scale: logit scale (None: 1/sqrt(D)).
         causal_block: C, new tokens of one tail block call (>= 1).
     Returns:
         The plan; reads `req_to_token` on the device and syncs a few times (host tables).
     Raises:
-        ValueError: bad lengths or shapes, a prefix with not 1 <= t_max <= T <= n_b - q_b, or
-            rows that break the compacted layout (a group whose first t_max slots differ, an
-            alias inside [0, t_max), a non-alias inside [t_max, T)); the message names them.
+        ValueError: bad lengths or shapes, a prefix with not 1 <= N <= T <= n_b - q_b and
+            1 <= W <= T, or rows that break the compacted layout (a group whose first N slots
+            differ, an alias inside [0, N), a non-alias inside [N, T)); the message names
+            them.
     """
     rows, lens, qls = check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
     table = _prefix_table(prefixes, rows.numel())
-    t_max, t_log = table[:, 0], table[:, 1]
-    comp = torch.nonzero((t_max != 0) | (t_log != 0)).flatten()
-    bad = (t_max[comp] < 1) | (t_max[comp] > t_log[comp]) | (t_log[comp] > (lens - qls)[comp])
+    n_slots, t_log, width = table[:, 0], table[:, 1], table[:, 2]
+    comp = torch.nonzero((n_slots != 0) | (t_log != 0) | (width != 0)).flatten()
+    n, t, w = n_slots[comp], t_log[comp], width[comp]
+    bad = (n < 1) | (n > t) | (w < 1) | (w > t) | (t > (lens - qls)[comp])
     if bool(bad.any()):
         b = int(comp[torch.nonzero(bad)[0, 0]])
         raise ValueError(
-            f"request {b}: a compacted prefix needs 1 <= t_max <= T <= seq_len - q_len = "
-            f"{int(lens[b] - qls[b])}, got t_max={int(t_max[b])} T={int(t_log[b])}"
+            f"request {b}: a compacted prefix needs 1 <= N <= T <= seq_len - q_len = "
+            f"{int(lens[b] - qls[b])} and 1 <= W <= T, got N={int(n_slots[b])} "
+            f"T={int(t_log[b])} W={int(width[b])}"
         )
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     blocks, diagonal = plan_causal(
@@ -120,14 +150,18 @@ def plan_cascade(
     )
     num_tokens = int(qls.sum())
     if comp.numel() == 0:
-        return CascadePlan(num_tokens, (), None, None, blocks, diagonal)
-    groups = _group(req_to_token, rows, t_max, t_log, comp)
-    reps = torch.tensor([g[0] for g in groups])
+        return CascadePlan(num_tokens, (), (), None, None, blocks, diagonal)
+    groups = _group(req_to_token, rows, n_slots, t_log, comp)
+    widths = tuple(int(width[g[0]]) for g in groups)
     qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(torch.tensor([int(qls[list(g)].sum()) for g in groups]), 0)
-    prefix = plan_calls(
-        req_to_token, rows[reps], torch.zeros_like(reps), t_max[reps], qo_indptr, sm_scale,
-        **heads,
+    kv_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(torch.tensor(widths), 0)
+    dev = req_to_token.device
+    prefix = BiasedPagedAttention()
+    prefix.plan(
+        kv_indptr.to(dev), torch.arange(int(kv_indptr[-1]), dtype=torch.int32, device=dev),
+        qo_indptr=qo_indptr.to(dev), sm_scale=sm_scale, **heads,
     )  # fmt: skip
     tok_start = torch.cumsum(qls, 0) - qls
     members = torch.tensor([b for g in groups for b in g])
@@ -136,7 +170,7 @@ def plan_cascade(
         torch.cumsum(qls[members], 0) - qls[members], qls[members]
     )
     prefix_tokens = tokens.to(req_to_token.device)
-    return CascadePlan(num_tokens, tuple(groups), prefix, prefix_tokens, blocks, diagonal)
+    return CascadePlan(num_tokens, tuple(groups), widths, prefix, prefix_tokens, blocks, diagonal)
 
 
 def run_cascade(
@@ -145,60 +179,71 @@ def run_cascade(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     beta_layer: torch.Tensor,
+    prefix_kv: PrefixKV | None = None,
 ) -> torch.Tensor:
-    """q [n, H_q, D] over k_cache/v_cache [S, H_kv, D] with beta_layer [S, H_kv] fp32.
+    """q [n, H_q, D] over the tails in k_cache/v_cache [S, H_kv, D] with beta_layer
+    [S, H_kv] fp32, and over `prefix_kv` (this layer's node groups, in the plan's group
+    order; needed when the plan has a compacted request).
 
     Returns out [n, H_q, D] in q's dtype; mutates nothing. ValueError when q does not have
-    the plan's n tokens, or on shapes the kernel wrappers refuse.
+    the plan's n tokens, `prefix_kv` does not match the plan's widths, or on shapes the
+    kernel wrappers refuse.
     """
     if q.dim() != 3 or q.shape[0] != plan.num_tokens:
         raise ValueError(f"q must be [n={plan.num_tokens}, H_q, D], got {tuple(q.shape)}")
     tail = run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer)
     if plan.prefix is None or plan.prefix_tokens is None:
         return tail.out
+    rows = sum(plan.widths)
+    if prefix_kv is None or prefix_kv.keys.shape[0] != rows or prefix_kv.beta.shape[0] != rows:
+        got = None if prefix_kv is None else tuple(prefix_kv.keys.shape)
+        raise ValueError(f"prefix_kv must hold the groups' {rows} entries, got {got}")
     idx = plan.prefix_tokens.to(q.device)
-    part = plan.prefix.run(q.index_select(0, idx), k_cache, v_cache, beta_layer)
+    part = plan.prefix.run(q.index_select(0, idx), *prefix_kv)
     out = q.new_zeros(q.shape).index_copy_(0, idx, part.out)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device).index_copy_(0, idx, part.lse)
     return merge_state(out, lse, tail.out, tail.lse, out_dtype=q.dtype).out
 
 
 def _prefix_table(prefixes: Prefixes, num_req: int) -> torch.Tensor:
-    """(t_max, T) per request as a host int64 [B, 2] tensor (plain: 0, 0)."""
+    """(N, T, W) per request as a host int64 [B, 3] tensor (plain: 0, 0, 0)."""
     if isinstance(prefixes, torch.Tensor):
         table = prefixes.detach().cpu()
-        if table.is_floating_point() or table.shape != (num_req, 2):
+        if table.is_floating_point() or table.shape != (num_req, 3):
             raise ValueError(
-                f"prefixes must be an integer [B={num_req}, 2] tensor, got {table.dtype} "
+                f"prefixes must be an integer [B={num_req}, 3] tensor, got {table.dtype} "
                 f"{tuple(table.shape)}"
             )
         return table.long()
     if len(prefixes) != num_req:
         raise ValueError(f"prefixes has {len(prefixes)} entries for B={num_req} requests")
-    return torch.tensor([(0, 0) if p is None else tuple(p) for p in prefixes], dtype=torch.long)
+    plain = (0, 0, 0)
+    return torch.tensor([plain if p is None else tuple(p) for p in prefixes], dtype=torch.long)
 
 
 def _group(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
-    t_max: torch.Tensor,
+    n_slots: torch.Tensor,
     t_log: torch.Tensor,
     comp: torch.Tensor,
 ) -> list[tuple[int, ...]]:
-    """Group the compacted requests `comp` [c] by (first slot, t_max, T) and check each row's
+    """Group the compacted requests `comp` [c] by (first slot, N, T) and check each row's
     layout against its group's first request on the device (one sync; ValueError)."""
     first = req_to_token[rows[comp].to(req_to_token.device), 0].cpu().tolist()
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for b, slot in zip(comp.tolist(), first):
-        by_key.setdefault((slot, int(t_max[b]), int(t_log[b])), []).append(b)
+        by_key.setdefault((slot, int(n_slots[b]), int(t_log[b])), []).append(b)
     groups = [tuple(g) for g in by_key.values()]
     rep = torch.empty_like(rows)
     for g in groups:
         rep[list(g)] = g[0]
     zeros = torch.zeros_like(comp)
-    ind_ptr, own = gather_slots(req_to_token, rows[comp], zeros, t_max[comp])
-    _, theirs = gather_slots(req_to_token, rows[rep[comp]], zeros, t_max[comp])
-    alias_ptr, aliases = gather_slots(req_to_token, rows[comp], t_max[comp], (t_log - t_max)[comp])
+    ind_ptr, own = gather_slots(req_to_token, rows[comp], zeros, n_slots[comp])
+    _, theirs = gather_slots(req_to_token, rows[rep[comp]], zeros, n_slots[comp])
+    alias_ptr, aliases = gather_slots(
+        req_to_token, rows[comp], n_slots[comp], (t_log - n_slots)[comp]
+    )
     checks = ((own != theirs), (own == ALIAS_SLOT), (aliases != ALIAS_SLOT))
     found = torch.stack([c.any() for c in checks]).cpu().tolist()
     if not any(found):
@@ -209,13 +254,13 @@ def _group(
     host_ptr = ptr.cpu().long()
     m = int(torch.searchsorted(host_ptr, torch.tensor(pos), right=True)) - 1
     b = int(comp[m])
-    col = pos - int(host_ptr[m]) + (int(t_max[b]) if which == 2 else 0)
+    col = pos - int(host_ptr[m]) + (int(n_slots[b]) if which == 2 else 0)
     slot = int(req_to_token[int(rows[b]), col])
     what = (
         f"differs from request {int(rep[b])}'s, whose row starts on the same slot with the "
-        "same (t_max, T)",
-        f"is ALIAS_SLOT={ALIAS_SLOT} inside the physical slots [0, t_max={int(t_max[b])})",
-        f"is not ALIAS_SLOT={ALIAS_SLOT} inside the aliases [t_max, T)="
-        f"[{int(t_max[b])}, {int(t_log[b])})",
+        "same (N, T)",
+        f"is ALIAS_SLOT={ALIAS_SLOT} inside the physical slots [0, N={int(n_slots[b])})",
+        f"is not ALIAS_SLOT={ALIAS_SLOT} inside the aliases [N, T)="
+        f"[{int(n_slots[b])}, {int(t_log[b])})",
     )[which]
     raise ValueError(f"request {b}: row entry {col} (slot {slot}) {what}")

@@ -195,6 +195,16 @@ class PoolShape:
 
         return slice_heads(prefix, self.head_start, self.head_start + self.pool_heads)
 
+    def slots_for(self, prefix: CompactedPrefix) -> int:
+        """The slots a full `prefix` takes packed in every rank's pool (`packing`): the most
+        any rank's share of its heads needs, so every TP rank allocates alike."""
+        from sglang_ext.kv_store import head_counts
+        from sglang_ext.packing import slots_needed
+
+        counts = head_counts(prefix)
+        per = self.pool_heads or self.num_kv_heads
+        return max(slots_needed(counts[:, h : h + per]) for h in range(0, counts.shape[1], per))
+
     def max_result_bytes(self, logical_length: int, budget_tokens: int | None = None) -> int:
         """The largest valid result for a prefix of T = `logical_length` tokens (keys and
         values in the pool's dtype): at most L * H_kv * min(T, 2t) entries with the spec's

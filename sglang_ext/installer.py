@@ -1,13 +1,15 @@
 """Installing a compacted prefix: checks in the KV pool's dtype, writes spread over iterations.
 
-Legend: L layers, H_kv KV heads, D head dim, T logical length, t_max physical slots.
+Legend: L layers, H_kv KV heads, D head dim, T logical length, N physical slots, E_l the
+entries layer l keeps.
 
 A result reaches the scheduler already checked for structure (`CompactedPrefix.validate`
 against the pool's shape, on the runner's thread). The radix cache then installs it at its
 poll point in three steps:
 
 1. `PendingInstall` is made by the cache after the echo checks (T, prefix hash; the client
-   checked the fingerprint) with t_max freshly allocated slots and the magnitude bounds read
+   checked the fingerprint) with N freshly allocated slots (its `PackedLayout`) and the
+   magnitude bounds read
    from the original prefix's KV, still in the pool (`original_bounds`).
 2. `step(max_bytes)` casts, checks and writes the next layers, at most `max_bytes` of pool
    writes per call (one layer at least), so a large result does not stall every running
@@ -36,6 +38,7 @@ import torch
 
 from compactor import CompactedPrefix
 from sglang_ext.kv_store import BetaStore, write_layers
+from sglang_ext.packing import PackedLayout
 
 __all__ = [
     "BETA_SLACK",
@@ -96,8 +99,8 @@ def check_layer(
     """Raise ValueError naming the layer and the value when a cast layer is out of range.
 
     Args:
-        keys, values: [H_kv, t_max, D] in the pool's dtype. beta: [H_kv, t_max] fp32
-            (-inf marks padding). One host sync.
+        keys, values: [E, D] in the pool's dtype (any shape with D last). beta: [E] fp32.
+            One host sync.
     """
     stats = torch.stack(
         [keys.abs().amax().float(), values.abs().amax().float(), beta.amax().float()]
@@ -126,15 +129,15 @@ class PendingInstall:
     """A result being written into the pool, `next_layer` onwards still to do.
 
     Attributes:
-        token_ids: the prefix [T]. phash: its prefix hash. slots: [t_max] int64, allocated
-            for it and in no tree node yet. bounds: `original_bounds` of the prefix.
+        token_ids: the prefix [T]. phash: its prefix hash. layout: where its entries go,
+            in N slots allocated for it and in no tree node yet. bounds: `original_bounds` of the prefix.
             fit_round: 0 for a first fit, n for the n-th refit (replaces the installed fit).
     """
 
     token_ids: list[int]
     phash: str
     prefix: CompactedPrefix
-    slots: torch.Tensor
+    layout: PackedLayout
     bounds: list[LayerBounds]
     fit_round: int = 0
     next_layer: int = 0
@@ -143,10 +146,16 @@ class PendingInstall:
     def done(self) -> bool:
         return self.next_layer >= self.prefix.num_layers
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """[N] int64, the slots the install writes."""
+        return self.layout.slots
+
     def layer_bytes(self, kvcache: Any) -> int:
-        """Pool bytes one layer of this prefix writes (K and V)."""
+        """Pool bytes one layer of this prefix writes on average (K and V)."""
         k0 = kvcache.get_key_buffer(kvcache.start_layer)
-        return 2 * int(self.slots.numel()) * k0.shape[1] * k0.shape[2] * k0.element_size()
+        per_layer = -(-self.layout.kept_entries // max(self.prefix.num_layers, 1))
+        return 2 * per_layer * k0.shape[2] * k0.element_size()
 
     def step(
         self, kvcache: Any, store: BetaStore, max_bytes: int, deadline: float = math.inf
@@ -168,7 +177,7 @@ class PendingInstall:
 
         while self.next_layer < stop and (written == 0 or time.perf_counter() < deadline):
             i = self.next_layer
-            write_layers(kvcache, store, self.prefix, self.slots, range(i, i + 1), check)
+            write_layers(kvcache, store, self.prefix, self.layout, range(i, i + 1), check)
             self.next_layer, written = i + 1, written + per_layer
         return written
 

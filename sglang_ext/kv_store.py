@@ -1,13 +1,13 @@
-"""Per-slot logit biases beside SGLang's KV pool, and writing a compacted prefix into it.
+"""Per-cell logit biases beside SGLang's KV pool, and writing a compacted prefix into it.
 
 Legend: L layers, S pool rows (slots, row 0 is SGLang's padding slot), H_kv KV heads,
-D head dim, t_max physical slots of one compacted prefix, T its logical length.
+D head dim, N slots of one compacted prefix, T its logical length.
 
-Layout of one installed prefix with per-(layer, head) counts t_{l,h}: t_max = max t_{l,h}
-slots are allocated; in layer l, head h writes its rows into slots [0, t_{l,h}) and the rest
-of the slots get K = V = 0 and beta = -inf. The tree node keeps T entries: the t_max slots
-then T - t_max copies of `ALIAS_SLOT` (SGLang's padding slot 0), whose beta is -inf in every
-layer and head, so aliases hold positions without memory and are masked out.
+An installed prefix's entries are packed into the cells (layer, slot, KV head) of its N slots
+(`sglang_ext.packing.PackedLayout`), beta in the same cells of `BetaStore.beta`. The tree node
+keeps T entries: the N slots then T - N copies of `ALIAS_SLOT` (SGLang's padding slot 0),
+whose beta is -inf in every layer and head, so aliases hold positions without memory and are
+masked out; attention reads the prefix through its layout, never through the row.
 
 One `BetaStore` per KV pool is shared by the radix cache (writer, in the scheduler) and the
 attention backend (reader, same process); the adapter keeps it beside SGLang's pool
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from compactor import CompactedPrefix
+from sglang_ext.packing import PackedLayout
 
 __all__ = ["ALIAS_SLOT", "BetaStore", "head_counts", "write_layers"]
 
@@ -30,12 +31,12 @@ ALIAS_SLOT = 0
 
 class BetaStore:
     """beta [L, S, H_kv] fp32 (0 for ordinary slots) and `compacted` [S] bool, on the pool's
-    device, and `prefixes` on the host: first physical slot -> (t_max, T) of each written
+    device, and `prefixes` on the host: first slot -> `PackedLayout` of each written
     compacted prefix.
 
-    Attention adds beta only for requests whose KV row touches a `compacted` slot; every
+    Attention adds beta only for requests whose KV row starts on a compacted prefix; every
     other request runs the stock path, bit for bit. A compacted prefix hangs off the radix
-    root, so a row touches one iff its first slot is a key of `prefixes`: a look-up of one
+    root, so a row starts on one iff its first slot is a key of `prefixes`: a look-up of one
     slot per request, no scan of the row.
     """
 
@@ -48,7 +49,7 @@ class BetaStore:
         self.beta = torch.zeros(num_layers, num_slots, num_kv_heads, dtype=torch.float32,
                                 device=device)  # fmt: skip
         self.compacted = torch.zeros(num_slots, dtype=torch.bool, device=device)
-        self.prefixes: dict[int, tuple[int, int]] = {}
+        self.prefixes: dict[int, PackedLayout] = {}
         # forwards whose host marks disagreed with the rows' first slots (checked on CPU)
         self.mark_mismatches = 0
         self.marks_seen = False  # a ForwardBatch was marked (logged once)
@@ -75,16 +76,17 @@ class BetaStore:
             for slot in slots.reshape(-1).tolist():
                 self.prefixes.pop(slot, None)
 
-    def mark_prefix(self, slots: torch.Tensor, logical_length: int) -> None:
-        """Record that a compacted prefix of logical length T = `logical_length` holds
-        `slots` [t_max] (its rows start on `slots[0]`; mutates `prefixes`)."""
-        t_max = int(slots.numel())
-        if not 1 <= t_max <= logical_length:
-            raise ValueError(f"a compacted prefix needs 1 <= t_max={t_max} <= T={logical_length}")
-        self.prefixes[int(slots[0])] = (t_max, int(logical_length))
+    def mark_prefix(self, layout: PackedLayout) -> None:
+        """Record that a compacted prefix is laid out as `layout` (its rows start on its first
+        slot; mutates `prefixes`)."""
+        if layout.num_slots > layout.logical_length:
+            raise ValueError(
+                f"a compacted prefix needs N={layout.num_slots} <= T={layout.logical_length} slots"
+            )
+        self.prefixes[int(layout.slots[0])] = layout
 
-    def prefix_of(self, first_slot: int) -> tuple[int, int] | None:
-        """(t_max, T) of the compacted prefix whose rows start on `first_slot`, else None."""
+    def prefix_of(self, first_slot: int) -> PackedLayout | None:
+        """The layout of the compacted prefix whose rows start on `first_slot`, else None."""
         return self.prefixes.get(first_slot)
 
 
@@ -97,44 +99,49 @@ def write_layers(
     kvcache: Any,
     store: BetaStore,
     prefix: CompactedPrefix,
-    slots: torch.Tensor,
+    layout: PackedLayout,
     layers: range | None = None,
     check: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
-    """Write `layers` (default all) of `prefix` into `slots` [t_max] int64 (t_max = the
-    longest head of any layer, `head_counts(prefix).max()`) of `kvcache` and
-    `store` (mutates both; marks `slots` compacted and records the prefix, `mark_prefix`).
+    """Write `layers` (default all) of `prefix` into the cells `layout` gives them in
+    `kvcache` and `store` (mutates both; marks the layout's slots compacted and records the
+    prefix, `mark_prefix`).
 
     `check(i, k, v, beta)` sees each layer cast to the pool's dtype and on its device (k, v
-    [H_kv, t_max, D], beta [H_kv, t_max]) before it is written; what it raises stops the write there.
+    [E_i, D], beta [E_i], head by head) before it is written; what it raises stops the write
+    there. A layer that keeps no entry is neither checked nor written.
 
     Raises:
-        ValueError: a head keeps more entries than `slots`, or the prefix does not fit the
-            pool.
+        ValueError: the prefix does not fit the pool or `layout`.
     """
-    t_max = int(slots.numel())  # each layer's padded() refuses a head longer than that
     if prefix.num_layers != kvcache.layer_num:
         raise ValueError(f"prefix has {prefix.num_layers} layers, pool {kvcache.layer_num}")
     if not store.alias_ready:
         store.enable_alias()
-    dev_slots = slots.to(kvcache.get_key_buffer(kvcache.start_layer).device)
+    start = kvcache.start_layer
+    k0 = kvcache.get_key_buffer(start)
+    if k0.shape[1:] != (prefix.num_kv_heads, prefix.head_dim):
+        raise ValueError(
+            f"pool layers hold [S, {k0.shape[1]}, {k0.shape[2]}], prefix "
+            f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
+        )
+    dev, dtype = k0.device, k0.dtype
     for i in range(prefix.num_layers) if layers is None else layers:
-        layer_id = kvcache.start_layer + i
-        k_buf = kvcache.get_key_buffer(layer_id)  # [S, H_kv, D]
-        v_buf = kvcache.get_value_buffer(layer_id)
-        if k_buf.shape[1:] != (prefix.num_kv_heads, prefix.head_dim):
-            raise ValueError(
-                f"pool layer {layer_id} holds [S, {k_buf.shape[1]}, {k_buf.shape[2]}], prefix "
-                f"[N, {prefix.num_kv_heads}, {prefix.head_dim}]"
-            )
-        k, v, beta = prefix.layers[i].padded(t_max, k_buf.dtype)  # [H_kv, t_max, D], [H_kv, t_max]
+        layer = prefix.layers[i]
+        if layer.head_lengths() != layout.counts[i].tolist():
+            raise ValueError(f"layer {i}: per-head counts differ from the layout's")
+        if layer.keys.shape[0] == 0:
+            continue
         # a result arrives on the host: all three move to the pool's device before `check`
-        dev = k_buf.device
-        k, v, beta = k.to(dev), v.to(dev, v_buf.dtype), beta.to(dev)
+        k, v = layer.keys.to(dev, dtype), layer.values.to(dev, dtype)
+        beta = layer.beta.to(dev, torch.float32)
         if check is not None:
             check(i, k, v, beta)
-        k_buf[dev_slots] = k.transpose(0, 1)
-        v_buf[dev_slots] = v.transpose(0, 1)
-        store.beta[i, dev_slots] = beta.t().to(store.beta.device)
-    store.compacted[slots.to(store.compacted.device)] = True
-    store.mark_prefix(slots, prefix.logical_length)
+        layout.write(
+            i, k, v, beta,
+            lambda j: kvcache.get_key_buffer(start + j),
+            lambda j: kvcache.get_value_buffer(start + j),
+            store.beta,
+        )  # fmt: skip
+    store.compacted[layout.slots.to(store.compacted.device)] = True
+    store.mark_prefix(layout)

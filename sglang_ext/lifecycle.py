@@ -1,12 +1,11 @@
 """The compacted-prefix state machine: results become installs, installs become nodes.
 
-A compacted prefix is *pending* (a `PendingInstall`, `sglang_ext.installer`: t_max slots
+A compacted prefix is *pending* (a `PendingInstall`, `sglang_ext.installer`: N slots
 allocated and counted as protected while its layers are written `install_chunk_mb`, and
 about `install_step_ms`, at a time across busy iterations, or whole in an idle one), then
 *installed* (a node new requests match; its original path is *retired*: freed once no
-request holds it), then *superseded*
-(a refit, `fit_round` n > 0, took its place), *dropped* (the served weights changed) or
-evicted. Superseded and dropped nodes no longer match and are freed, with what hangs below
+request holds it), then *superseded* (a refit, `fit_round` n > 0, took its place),
+*dropped* (the served weights changed) or evicted. Superseded and dropped nodes no longer match and are freed, with what hangs below
 them, when their requests let go (`_reap`). A result that fails a check or a write frees its
 slots: the prefix stays uncompacted (or the installed fit keeps serving).
 
@@ -32,6 +31,7 @@ from sglang_ext.guard import HookGuard
 from sglang_ext.installer import PendingInstall, budget_of, fmt, original_bounds
 from sglang_ext.kv_store import BetaStore, head_counts
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
+from sglang_ext.packing import PackedLayout
 from sglang_ext.prefix_tree import CompactionInfo, N, TreeOps
 from sglang_ext.trigger import CompactionTrigger
 
@@ -123,11 +123,11 @@ class InstallLifecycle(Generic[N]):
         (`poll`) is the same, its writes spread over iterations. Mutates pool, store, tree.
         Raises:
             ValueError: the prefix is for another model, tokens or pool shape, or out of range.
-            RuntimeError: the pool cannot give t_max slots even after eviction.
+            RuntimeError: the pool cannot give the prefix's slots even after eviction.
         """
         self.check_result(prefix)
-        t_max = int(head_counts(prefix).max())
-        pending = self.begin(token_ids, self.pool_shape.take(prefix), t_max=t_max)
+        shape = self.pool_shape
+        pending = self.begin(token_ids, shape.take(prefix), shape.slots_for(prefix))
         if pending is None:
             node = self._compacted.get(prefix.prefix_hash)
             if node is None:
@@ -263,7 +263,7 @@ class InstallLifecycle(Generic[N]):
         k0 = kv.get_key_buffer(kv.start_layer)
         slot_bytes = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
         infos = [self.tree.info(n) for n in self._compacted.values()]
-        lengths = [(i.logical_length, i.t_max, i.kept_entries) for i in infos if i is not None]
+        lengths = [(i.logical_length, i.num_slots, i.kept_entries) for i in infos if i is not None]
         beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
         self.stats.read_prefixes(lengths, slot_bytes, beta_slots)
 
@@ -273,13 +273,17 @@ class InstallLifecycle(Generic[N]):
 
     # ---- transitions (also the TP strategy's) -----------------------------------------
     def begin(
-        self, token_ids: Any, prefix: CompactedPrefix, t_max: int | None = None, fit_round: int = 0
+        self,
+        token_ids: Any,
+        prefix: CompactedPrefix,
+        num_slots: int | None = None,
+        fit_round: int = 0,
     ) -> PendingInstall | None:
         """Start installing `prefix` for `token_ids` (pending): echo checks (fingerprint, T,
-        prefix hash), bounds from what is left of the original prefix, slots (`t_max`: the
-        full result's longest head when `prefix` is this rank's slice, so every TP rank
-        allocates alike); None if being installed already, or installed at this `fit_round`
-        or a later one. Raises ValueError (a check) or RuntimeError (no slots)."""
+        prefix hash), bounds from what is left of the original prefix, slots (`num_slots`: the
+        most any TP rank's share needs packed, so all allocate alike; default: this prefix's
+        own); None if being installed already, or installed at this `fit_round` or a later
+        one. Raises ValueError (a check) or RuntimeError (no slots)."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
         if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
@@ -297,24 +301,19 @@ class InstallLifecycle(Generic[N]):
         if (current is not None and not newer) or any(p.phash == phash for p in self.pending):
             self.stats.double_installs += 1
             return None
-        t_max = int(head_counts(prefix).max()) if t_max is None else t_max
-        if not 0 < t_max <= T:  # (t_max = T saves nothing: an identity fit, for checks)
-            raise ValueError(f"compacted prefix keeps t_max={t_max} of T={T} tokens")
-        bounds = original_bounds(self.kvcache, self.tree.original_slots(ids))
-        pending = PendingInstall(ids, phash, prefix, self.tree.alloc(t_max), bounds, fit_round)
-        self.tree.hold(t_max)  # held, not evictable, until the node takes them
-        self.pending.append(pending)
-        return pending
+        tree = self.tree
+        bounds = original_bounds(self.kvcache, tree.original_slots(ids))
+        layout = PackedLayout.allocate(head_counts(prefix), T, tree.alloc, tree.free, num_slots)
+        self.pending.append(PendingInstall(ids, phash, prefix, layout, bounds, fit_round))
+        tree.hold(layout.num_slots)  # held, not evictable, until the node takes them
+        return self.pending[-1]
 
     def finish(self, pending: PendingInstall) -> N:
         """A written prefix becomes a node (its original path retired, or the fit it refits
         superseded); if the node cannot be made its slots are freed. A later raise is a bug."""
-        prefix, ids, slots = pending.prefix, pending.token_ids, pending.slots
+        prefix, ids = pending.prefix, pending.token_ids
         old = self._compacted.get(pending.phash)
-        kept = int(head_counts(prefix).sum())
-        info = CompactionInfo(
-            slots, len(ids), pending.phash, prefix.method, pending.fit_round, kept
-        )
+        info = CompactionInfo(pending.layout, pending.phash, prefix.method, pending.fit_round)
         try:
             node = self.tree.add_node(ids, info)
         except Exception:
@@ -335,8 +334,9 @@ class InstallLifecycle(Generic[N]):
         self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
         logger.info(
             "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
-            "ratio=%s estimated_error=%s%s",
-            pending.phash[:12], prefix.method, len(ids), info.t_max, len(ids) / info.t_max,
+            "entries=%d longest_head=%d ratio=%s estimated_error=%s%s",
+            pending.phash[:12], prefix.method, len(ids), info.num_slots,
+            len(ids) / info.num_slots, info.kept_entries, info.layout.width,
             fmt(ratio), fmt(error), f" refit={pending.fit_round}" if old is not None else "",
         )  # fmt: skip
         return node

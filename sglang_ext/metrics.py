@@ -7,11 +7,12 @@ in multiprocess mode, so series created in the scheduler show up on the server's
 Pool gauges are read from SGLang's own counts at the scheduler's poll point (every loop
 iteration, about once a second when idle), never estimated:
 
-- `physical_tokens`: slots held by compacted nodes (their t_max slots, not the alias);
+- `physical_tokens`: slots held by compacted nodes (their N slots, not the alias);
 - `kept_entries`: the entries their fits keep, summed over layers and KV heads (sum of the
-  per-(layer, head) budgets t_{l,h}); `physical_tokens` x layers x KV heads is what the pool
-  holds for them, equal to it for uniform budgets and larger by the padding of shorter heads
-  for per-head or per-layer budgets (`--compaction-head-budgets auto`, gvote);
+  per-(layer, head) budgets t_{l,h}). The entries are packed (`sglang_ext.packing`), so
+  `physical_tokens` x layers x KV heads, what the pool holds for them, exceeds
+  `kept_entries` by less than one slot per prefix, also for per-head or per-layer budgets
+  (`--compaction-head-budgets auto`, gvote);
 - `tree_slots`: slots held by ordinary tree nodes (the radix cache's evictable + protected
   sizes, less the compacted nodes' share, which the tree counts there too);
 - `free_slots`: `token_to_kv_pool_allocator.available_size()`;
@@ -85,8 +86,8 @@ class CompactionStats:
     def read_prefixes(
         self, lengths: list[tuple[int, int, int]], slot_bytes: int, beta_slots: int
     ) -> None:
-        """Set the compacted-prefix gauges from each installed prefix's (T, t_max, kept
-        entries), the bytes one KV slot holds over all layers, and the slots with a beta.
+        """Set the compacted-prefix gauges from each installed prefix's (T, N slots,
+        kept entries), the bytes one KV slot holds over all layers, and the slots with a beta.
         Mutates `logical_tokens`, `physical_tokens`, `kept_entries`, `bytes_saved` and
         `beta_slots`."""
         self.logical_tokens = sum(T for T, _, _ in lengths)

@@ -13,34 +13,31 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from sglang_ext.packing import PackedLayout
+
 __all__ = ["CompactionInfo", "N", "TreeOps"]
 
 N = TypeVar("N", bound=Hashable)
 
 
 class CompactionInfo:
-    """What makes a tree node a compacted prefix: its t_max physical `slots` [t_max] int64,
-    logical length T, prefix hash, method, fit round (0: the first fit, n: the n-th refit) and
-    `kept_entries`, the entries its fit keeps summed over layers and KV heads (sum of t_{l,h};
-    the t_max slots hold t_max x L x H_kv, the rest is padding of shorter heads)."""
+    """What makes a tree node a compacted prefix: its `layout` (`sglang_ext.packing`: the N
+    physical `slots` [N] int64 and where each layer's entries sit in them), logical length T,
+    prefix hash, method and fit round (0: the first fit, n: the n-th refit). `kept_entries`
+    is sum t_{l,h}, the entries the fit keeps; the N slots hold N x L x H_kv of them, the
+    rest (less than one slot) unused."""
 
     __slots__ = (
-        "fit_round", "kept_entries", "logical_length", "method", "prefix_hash", "slots", "t_max"
+        "fit_round", "kept_entries", "layout", "logical_length", "method", "num_slots",
+        "prefix_hash", "slots",
     )  # fmt: skip
 
-    def __init__(
-        self,
-        slots: torch.Tensor,
-        logical_length: int,
-        phash: str,
-        method: str,
-        fit_round: int,
-        kept_entries: int,
-    ):
-        self.slots = slots
-        self.kept_entries = kept_entries
-        self.t_max = int(slots.numel())
-        self.logical_length = logical_length
+    def __init__(self, layout: PackedLayout, phash: str, method: str, fit_round: int):
+        self.layout = layout
+        self.slots = layout.slots
+        self.num_slots = layout.num_slots
+        self.kept_entries = layout.kept_entries
+        self.logical_length = layout.logical_length
         self.prefix_hash = phash
         self.method = method
         self.fit_round = fit_round
@@ -49,7 +46,7 @@ class CompactionInfo:
 class TreeOps(Protocol[N]):
     """The tree operations of a compacted-prefix cache (nodes `N`: the tree's own nodes).
 
-    Slot counts are physical: a compacted node counts its t_max slots, never its aliases.
+    Slot counts are physical: a compacted node counts its N slots, never its aliases.
     """
 
     def alloc(self, n: int) -> torch.Tensor:
@@ -74,7 +71,7 @@ class TreeOps(Protocol[N]):
         ...
 
     def add_node(self, ids: list[int], info: CompactionInfo) -> N:
-        """Attach a compacted node for tokens `ids` [T] holding `info.slots`; its t_max slots
+        """Attach a compacted node for tokens `ids` [T] holding `info.slots`; its N slots
         move from protected to evictable."""
         ...
 

@@ -16,7 +16,8 @@ trees and pools identical (same requests, same steps); the plugin keeps it so:
   the same job id (the identical request: the service's single-flight and result cache,
   keyed on tokens, spec and dtype, make it one compaction); a job any rank failed is dropped
   everywhere (rank 0's trigger records the failure); a job every rank holds starts its
-  install everywhere (slots for the full result's t_max, so the allocators stay equal); a
+  install everywhere (as many slots on every rank, the most any rank's heads need packed,
+  so the allocators stay equal); a
   job every rank has written becomes a node everywhere.
 - Each rank writes its own heads (`PoolShape.take`: heads [r*H_kv/N, (r+1)*H_kv/N), or head
   r*H_kv//N when H_kv < N) at its own pace; what changes the tree or the allocator (start,
@@ -173,7 +174,7 @@ class TpSync:
     _outbox: list[Announcement] = field(default_factory=list)
     _tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)  # job -> prefix [T]
     _rounds: dict[int, int] = field(default_factory=dict)  # job -> fit round (refits only)
-    _held: dict[int, tuple[CompactedPrefix, int]] = field(default_factory=dict)  # + t_max
+    _held: dict[int, tuple[CompactedPrefix, int]] = field(default_factory=dict)  # + slots
     _begun: dict[int, Any] = field(default_factory=dict)  # job -> PendingInstall
     _failed: dict[int, tuple[bool, str]] = field(default_factory=dict)
     _dropped: set[int] = field(default_factory=set)  # decided before this rank's result came
@@ -294,20 +295,18 @@ class TpSync:
         error: BaseException | None = job.error
         if job.prefix is not None:
             try:
-                from sglang_ext.kv_store import head_counts
-
-                t_max = int(head_counts(job.prefix).max())
-                self._held[job.job_id] = (lc.pool_shape.take(job.prefix), t_max)
+                slots = lc.pool_shape.slots_for(job.prefix)
+                self._held[job.job_id] = (lc.pool_shape.take(job.prefix), slots)
                 return
             except ValueError as e:
                 error = e
         self._failed[job.job_id] = (isinstance(error, ValueError), repr(error))
 
     def _begin(self, lc: Any, job: int) -> None:
-        prefix, t_max = self._held.pop(job)
+        prefix, slots = self._held.pop(job)
         try:
             pending = lc.begin(
-                self._tokens[job], prefix, t_max=t_max, fit_round=self._rounds.get(job, 0)
+                self._tokens[job], prefix, num_slots=slots, fit_round=self._rounds.get(job, 0)
             )
         except (ValueError, RuntimeError) as e:
             self._failed[job] = (isinstance(e, ValueError), repr(e))  # dropped everywhere next

@@ -4,7 +4,7 @@ A compacted prefix of T tokens is a `CompactedTreeNode` (SGLang's `TreeNode` wit
 `compaction: CompactionInfo`) hanging off the root under `child_key(prefix_hash, fit_round)`,
 beside the ordinary tree. A refit of the same prefix hangs beside the fit it replaces
 (another round, another key) until that one's requests let go. Its value is T slot indices:
-the t_max physical slots, then `ALIAS_SLOT` (see `sglang_ext.kv_store`).
+the N physical slots, then `ALIAS_SLOT` (see `sglang_ext.kv_store`).
 `sglang_ext.adapter.radix_cache.CompactionRadixCache` owns these nodes; the functions here
 only read nodes, except `new_compacted_node`, which attaches one.
 
@@ -74,13 +74,13 @@ def child_key(phash: str, fit_round: int = 0) -> tuple[str, str, int]:
 
 
 def physical_size(node: TreeNode) -> int:
-    """KV slots the node holds: t_max for a compacted node, its key length otherwise."""
+    """KV slots the node holds: N for a compacted node, its key length otherwise."""
     info = compaction_info(node)
-    return info.t_max if info is not None else len(node.key)
+    return info.num_slots if info is not None else len(node.key)
 
 
 def new_compacted_node(root: TreeNode, ids: list[int], info: CompactionInfo) -> TreeNode:
-    """Attach a compacted node for tokens `ids` [T] holding `info.slots` [t_max] int64 under
+    """Attach a compacted node for tokens `ids` [T] holding `info.slots` [N] int64 under
     `root`.
 
     Mutates `root.children` only; the caller does the tree's size and leaf bookkeeping.
@@ -89,7 +89,7 @@ def new_compacted_node(root: TreeNode, ids: list[int], info: CompactionInfo) -> 
     node = CompactedTreeNode(info)
     node.parent = root
     node.key = RadixKey(array("q", ids), None)
-    alias = torch.full((T - info.t_max,), ALIAS_SLOT, dtype=slots.dtype, device=slots.device)
+    alias = torch.full((T - info.num_slots,), ALIAS_SLOT, dtype=slots.dtype, device=slots.device)
     node.value = torch.cat([slots, alias])  # on the pool's device, as SGLang's own values
     root.children[child_key(info.prefix_hash, info.fit_round)] = node
     return node

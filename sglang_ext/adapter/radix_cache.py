@@ -1,7 +1,7 @@
 """`CompactionRadixCache`: SGLang's Python radix tree with compacted shared prefixes.
 
 A compacted prefix of T tokens is one node `K` hanging off the root under a private child
-key, beside the ordinary tree. Its value is T slot indices: t_max physical slots then
+key, beside the ordinary tree. Its value is T slot indices: N physical slots then
 `ALIAS_SLOT` (see `sglang_ext.kv_store`), so requests that match it get a KV row T long and
 their positions continue at T (the node itself: `sglang_ext.adapter.compacted_node`). What is
 installed, superseded, dropped or retired, and when, is decided by the cache's
@@ -10,8 +10,8 @@ through `RadixTreeOps` (`sglang_ext.adapter.tree_ops`). Rules:
 
 - Match whole or not at all: a key whose first T tokens equal K's goes through K (the
   longest such K wins); any other key sees only the ordinary tree.
-- Accounting is physical: K counts t_max in evictable/protected sizes; eviction frees its
-  t_max slots (never the alias) and resets their beta.
+- Accounting is physical: K counts its N slots (its entries packed, `sglang_ext.packing`)
+  in evictable/protected sizes; eviction frees them (never the alias) and resets their beta.
 - The original path is retired at install: its nodes that are unlocked leaves are freed at
   once, locked ones when their last request lets go. A path that runs through a shorter
   compacted node K0 (a document under a compacted system prompt) is compacted whole from the
@@ -163,7 +163,7 @@ class CompactionRadixCache(RadixCache):
         if info is not None:
             self.token_to_kv_pool_allocator.free(info.slots)
             self._lc.freeing(node, info)
-            n = info.t_max
+            n = info.num_slots
         else:
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
             n = len(node.value)
@@ -298,6 +298,6 @@ class CompactionRadixCache(RadixCache):
         node.parent.children.pop(child_key(info.prefix_hash, info.fit_round), None)
         if self.lifecycle is not None:
             self.lifecycle.removed(node, info)
-        self.evictable_size_ -= info.t_max
+        self.evictable_size_ -= info.num_slots
         self.evictable_leaves.discard(node)
         self._update_leaf_status(node.parent)

@@ -69,8 +69,8 @@ class RadixTreeOps:
     def add_node(self, ids: list[int], info: CompactionInfo) -> TreeNode:
         cache = self.cache
         node = new_compacted_node(cache.root_node, ids, info)
-        cache.protected_size_ -= info.t_max
-        cache.evictable_size_ += info.t_max
+        cache.protected_size_ -= info.num_slots
+        cache.evictable_size_ += info.num_slots
         cache._update_leaf_status(node)
         cache._update_leaf_status(cache.root_node)
         return node

@@ -8,7 +8,7 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
   whether any request sits on a compacted prefix, on the host: `mark_forward_batch` (an AFTER
   hook on `ForwardBatch.init_new`, which still sees the ScheduleBatch) walks each request's
   `last_node` up to the radix root's child (`compacted_ancestor`; a compacted prefix hangs off
-  the root) and stores its row and (t_max, T) on the ForwardBatch. No device memory is read,
+  the root) and stores its row and the prefix's layout on the ForwardBatch. No device memory is read,
   so the overlap scheduler keeps its lead. A ForwardBatch built elsewhere (no marks) falls
   back to the row's first slot, `BetaStore.prefix_of(req_to_token[row_b, 0])` (one copy of B
   ints to the host). On CPU both are computed and must agree (a disagreement is logged and
@@ -18,9 +18,11 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
   the CUDA-graph hooks, any other attribute) goes to `inner` unchanged, with the same
   arguments, and returns its result.
 - Compacted requests: `inner`'s metadata is still built; each layer writes the new K/V into
-  the pool as the stock code does, then attends physical entries + tail with beta: on CPU
-  `attention.attend_rows` (torch SDPA per request), on CUDA `cascade.run_cascade` (Triton,
-  each compacted node's slots once per group, tails causal, merged by LSE), eagerly.
+  the pool as the stock code does, gathers each compacted prefix's entries of that layer
+  from their packed cells (`PackedLayout.read`, once per prefix), then attends them + the
+  tails with beta: on CPU `attention.attend_rows` (torch SDPA per request), on CUDA
+  `cascade.run_cascade` (Triton, each compacted prefix once per group, tails causal, merged
+  by LSE), eagerly.
 - CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
   compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
   prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
@@ -45,9 +47,10 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.adapter.compacted_node import beta_store_of, compacted_ancestor
-from sglang_ext.attention import attend_rows
+from sglang_ext.attention import PrefixPart, attend_rows
 from sglang_ext.config import ATTENTION_BACKEND
 from sglang_ext.kv_store import BetaStore
+from sglang_ext.packing import PackedLayout
 
 __all__ = [
     "CompactionBackend",
@@ -65,10 +68,10 @@ MARKS_ATTR = "compaction_marks"
 
 class HostMarks(NamedTuple):
     """Per request of a ForwardBatch, from its ScheduleBatch: the req_to_token row and the
-    (t_max, T) of the compacted prefix it sits on (None: none)."""
+    layout of the compacted prefix it sits on (None: none)."""
 
     rows: list[int]
-    prefixes: list[tuple[int, int] | None]
+    prefixes: list[PackedLayout | None]
 
 
 def mark_forward_batch(forward_batch: Any, schedule_batch: Any) -> None:
@@ -84,7 +87,7 @@ def mark_forward_batch(forward_batch: Any, schedule_batch: Any) -> None:
     if len(rows) != len(reqs):
         return
     infos = [compacted_ancestor(getattr(r, "last_node", None)) for r in reqs]
-    prefixes = [None if i is None else (i.t_max, i.logical_length) for i in infos]
+    prefixes = [None if i is None else i.layout for i in infos]
     setattr(forward_batch, MARKS_ATTR, HostMarks(rows, prefixes))
     if not store.marks_seen:
         store.marks_seen = True
@@ -99,14 +102,15 @@ _OWN = frozenset({"prefill_attention_backend_str", "decode_attention_backend_str
 
 class _Batch:
     """Host copies of a batch with compacted requests: rows, seq_lens, q_lens [B] int64,
-    prefixes [B] (t_max, T) or None, and the cascade plans by (scale, heads)."""
+    prefixes [B] the layout of each request's compacted prefix or None, and the cascade
+    plans by (scale, heads)."""
 
     def __init__(
         self,
         rows: torch.Tensor,
         seq_lens: torch.Tensor,
         q_lens: torch.Tensor,
-        prefixes: list[tuple[int, int] | None],
+        prefixes: list[PackedLayout | None],
     ):
         self.rows, self.seq_lens, self.q_lens, self.prefixes = rows, seq_lens, q_lens, prefixes
         self.plans: dict[tuple[Any, ...], Any] = {}  # cascade.CascadePlan
@@ -210,9 +214,7 @@ class CompactionBackend(AttentionBackend):
             raise ValueError(f"compacted prefixes do not support forward mode {mode!r}")
         return _Batch(rows, lens, q_lens.long(), prefixes)
 
-    def _by_first_slot(
-        self, rows: torch.Tensor, lens: torch.Tensor
-    ) -> list[tuple[int, int] | None]:
+    def _by_first_slot(self, rows: torch.Tensor, lens: torch.Tensor) -> list[PackedLayout | None]:
         """Each request's prefix from its row's first slot (B ints read from the device)."""
         r2t = self.req_to_token_pool.req_to_token
         first = r2t[rows.to(r2t.device), 0].tolist()
@@ -220,8 +222,8 @@ class CompactionBackend(AttentionBackend):
         return [store.prefix_of(s) if n > 0 else None for s, n in zip(first, lens.tolist())]
 
     def _checked(
-        self, marks: HostMarks, truth: list[tuple[int, int] | None]
-    ) -> list[tuple[int, int] | None]:
+        self, marks: HostMarks, truth: list[PackedLayout | None]
+    ) -> list[PackedLayout | None]:
         """`truth` (the slot look-up); a disagreement with the host marks is counted in
         `BetaStore.mark_mismatches` and logged."""
         if marks.prefixes != truth:
@@ -290,26 +292,50 @@ class CompactionBackend(AttentionBackend):
             loc = KVWriteLoc.for_batch(forward_batch)
             pool.set_kv_buffer(layer, loc, k.view(-1, h_kv, dim), v.view(-1, h_kv, dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        beta = self.beta_store.beta[layer.layer_id - pool.start_layer]  # [S, H_kv]
+        i = layer.layer_id - pool.start_layer
+        store = self.beta_store
         r2t = self.req_to_token_pool.req_to_token
         q3 = q.reshape(-1, h_q, dim)
+
+        def read(
+            layout: PackedLayout, dtype: torch.dtype
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return layout.read(
+                i,
+                lambda j: pool.get_key_buffer(pool.start_layer + j),
+                lambda j: pool.get_value_buffer(pool.start_layer + j),
+                store.beta, dtype,
+            )  # fmt: skip
+
         if not (q.device.type == "cuda" if self.cascade is None else self.cascade):
+            parts = {
+                id(p): PrefixPart(*read(p, q.dtype), p.logical_length)
+                for p in batch.prefixes if p is not None
+            }  # fmt: skip
             out = attend_rows(
-                q3, k_buf, v_buf, beta, r2t, batch.rows.tolist(), batch.seq_lens.tolist(),
-                batch.q_lens.tolist(), [p is not None for p in batch.prefixes], layer.scaling,
+                q3, k_buf, v_buf, store.beta[i], r2t, batch.rows.tolist(),
+                batch.seq_lens.tolist(), batch.q_lens.tolist(),
+                [None if p is None else parts[id(p)] for p in batch.prefixes], layer.scaling,
             )  # fmt: skip
             return out.reshape(-1, h_q * dim)
-        from sglang_ext.cascade import plan_cascade, run_cascade  # Triton, imported when used
+        from sglang_ext.cascade import plan_cascade, run_cascade, stack_groups  # Triton
 
         key = (layer.scaling, h_q, h_kv, dim)
         plan = batch.plans.get(key)
         if plan is None:
+            table = [
+                None if p is None else (p.num_slots, p.logical_length, p.width)
+                for p in batch.prefixes
+            ]
             plan = plan_cascade(
-                r2t, batch.rows, batch.seq_lens, batch.q_lens, batch.prefixes,
+                r2t, batch.rows, batch.seq_lens, batch.q_lens, table,
                 num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=dim, sm_scale=layer.scaling,
             )  # fmt: skip
             batch.plans[key] = plan
-        return run_cascade(plan, q3, k_buf, v_buf, beta).reshape(-1, h_q * dim)
+        groups = [p for g in plan.groups if (p := batch.prefixes[g[0]]) is not None]
+        prefix_kv = stack_groups([read(p, k_buf.dtype) for p in groups]) if groups else None
+        out = run_cascade(plan, q3, k_buf, v_buf, store.beta[i], prefix_kv)
+        return out.reshape(-1, h_q * dim)
 
 
 def graph_gate(

@@ -11,8 +11,9 @@ import torch
 
 from kernels.biased_attention.reference import biased_attention_lse
 from sglang_ext.adapter.compacted_node import beta_store_of
-from sglang_ext.attention import attend_rows, biased_sdpa, physical_entries
+from sglang_ext.attention import PrefixPart, attend_rows, biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.packing import PackedLayout
 
 
 def _reference(q, k, v, beta, q_offset, scale):  # type: ignore[no-untyped-def]
@@ -69,29 +70,37 @@ def real_runner(num_slots: int = NUM_SLOTS, layers: int = LAYERS, h_kv: int = H_
                            server_args=SimpleNamespace())  # fmt: skip
 
 
-def test_physical_entries_drops_the_aliases_only() -> None:
-    row = torch.tensor([7, 8, 9, ALIAS_SLOT, ALIAS_SLOT, ALIAS_SLOT, 20, 21], dtype=torch.int32)
-    got = physical_entries(row)
-    assert got.dtype == torch.int64 and got.tolist() == [7, 8, 9, 20, 21]
-    assert physical_entries(torch.tensor([3, 4])).tolist() == [3, 4]  # T == t_max: no alias
-
-
-# A compacted prefix of T = 13 logical tokens in t_max = 4 physical slots (head 1 keeps 3:
-# its 4th slot has beta = -inf), 9 aliases; an ordinary child node below it, then the tails.
-PHYS, T, CHILD = [50, 51, 52, 53], 13, [60, 61]
+# A compacted prefix of T = 13 logical tokens whose heads keep COUNTS [L, H_kv] entries
+# (the longest head W = 6), packed into N = ceil(12 / 4) = 3 physical slots, 10 aliases; an
+# ordinary child node below it, then the tails.
+COUNTS = torch.tensor([[6, 1], [2, 3]])
+PHYS, T, CHILD = [50, 51, 52], 13, [60, 61]
 PLAIN_ROW = list(range(10, 16))
+
+
+def prefix_entries(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compacted prefix's ragged entries of `layer`: keys, values [E, D], beta [E]."""
+    g = torch.Generator().manual_seed(100 + layer)
+    e = int(COUNTS[layer].sum())
+    return (
+        torch.randn(e, D, generator=g),
+        torch.randn(e, D, generator=g),
+        torch.randn(e, generator=g),
+    )
 
 
 def mixed_rows(runner: Any, decode: bool) -> tuple[list[list[int]], list[int]]:
     """Write three rows into the runner's pools: plain, compacted + tail, compacted + child +
-    tail; install the compacted prefix's beta (mutates the pools). Returns rows, q_lens."""
-    store = beta_store_of(runner.token_to_kv_pool)
+    tail; install the compacted prefix packed (mutates the pools). Returns rows, q_lens."""
+    pool = runner.token_to_kv_pool
+    store = beta_store_of(pool)
     store.enable_alias()
-    phys = torch.tensor(PHYS)
-    store.compacted[phys] = True
-    store.beta[:, phys] = torch.randn(LAYERS, len(PHYS), H_KV)
-    store.beta[:, phys[3], 1] = float("-inf")
-    store.mark_prefix(phys, T)
+    layout = PackedLayout(COUNTS, torch.tensor(PHYS), T)
+    for i in range(LAYERS):
+        layout.write(i, *prefix_entries(i), pool.get_key_buffer, pool.get_value_buffer,
+                     store.beta)  # fmt: skip
+    store.compacted[layout.slots] = True
+    store.mark_prefix(layout)
     prefix = PHYS + [ALIAS_SLOT] * (T - len(PHYS))
     q_lens = [1, 1, 1] if decode else [3, 1, 4]
     rows = [PLAIN_ROW, [*prefix, 70, 71, 72], prefix + CHILD + [80, 81, 82, 83]]
@@ -103,23 +112,47 @@ def mixed_rows(runner: Any, decode: bool) -> tuple[list[list[int]], list[int]]:
 
 def full_row_reference(runner: Any, layer: int, q: torch.Tensor, rows: list[list[int]],
                        q_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
-    """The all-entries path: every slot of each row, aliases masked by their beta = -inf.
-    q [tokens, H_q, D]; returns [tokens, H_q, D]."""
+    """What a request on the compacted prefix must see, built from the prefix's own entries
+    (not from the pool's cells): each head's t_{l,h} entries (beta -inf past them), then the
+    row's tail [T, n); a plain row attends all its slots. q [tokens, H_q, D]."""
     pool, store = runner.token_to_kv_pool, beta_store_of(runner.token_to_kv_pool)
+    k_all, v_all, b_all = prefix_entries(layer)
+    W = int(COUNTS.max())
+    pk, pv = torch.zeros(H_KV, W, D), torch.zeros(H_KV, W, D)
+    pb = torch.full((H_KV, W), float("-inf"))
+    lo = 0
+    for h, t in enumerate(COUNTS[layer].tolist()):
+        pk[h, :t], pv[h, :t], pb[h, :t] = k_all[lo : lo + t], v_all[lo : lo + t], b_all[lo : lo + t]
+        lo += t
     out, start = torch.empty_like(q), 0
     for row, q_len in zip(rows, q_lens):
-        slots = torch.tensor(row)
+        compacted = row[0] == PHYS[0]
+        slots = torch.tensor(row[T:] if compacted else row)
+        k = pool.get_key_buffer(layer)[slots].movedim(0, 1)
+        v = pool.get_value_buffer(layer)[slots].movedim(0, 1)
+        beta = store.beta[layer, slots]
+        if compacted:
+            k, v, beta = torch.cat([pk, k], 1), torch.cat([pv, v], 1), torch.cat([pb.t(), beta])
         qs = q[start : start + q_len].movedim(0, 1)
-        want = biased_sdpa(qs, pool.get_key_buffer(layer)[slots].movedim(0, 1),
-                           pool.get_value_buffer(layer)[slots].movedim(0, 1),
-                           store.beta[layer, slots], len(row) - q_len, scale)  # fmt: skip
+        want = biased_sdpa(qs, k, v, beta, k.shape[1] - q_len, scale)
         out[start : start + q_len] = want.movedim(0, 1)
         start += q_len
     return out
 
 
+def prefix_parts(runner: Any, layer: int) -> list[PrefixPart | None]:
+    """The three `mixed_rows` requests' prefixes of `layer`, read from the pool's cells."""
+    pool = runner.token_to_kv_pool
+    store = beta_store_of(pool)
+    layout = store.prefix_of(PHYS[0])
+    assert layout is not None
+    part = PrefixPart(*layout.read(layer, pool.get_key_buffer, pool.get_value_buffer,
+                                   store.beta, torch.float32), T)  # fmt: skip
+    return [None, part, part]
+
+
 @pytest.mark.parametrize("decode", [True, False])
-def test_attend_rows_reads_physical_slots_and_matches_full_rows(decode: bool) -> None:
+def test_attend_rows_reads_the_packed_prefix_and_the_tails(decode: bool) -> None:
     torch.manual_seed(3)
     runner = real_runner()
     rows, q_lens = mixed_rows(runner, decode)
@@ -132,7 +165,7 @@ def test_attend_rows_reads_physical_slots_and_matches_full_rows(decode: bool) ->
         pool.get_key_buffer(layer)[ALIAS_SLOT] = float("nan")  # read, it would poison the output
         got = attend_rows(q, pool.get_key_buffer(layer), pool.get_value_buffer(layer),
                           store.beta[layer], r2t, [1, 2, 3], [len(r) for r in rows], q_lens,
-                          [False, True, True], 0.25)  # fmt: skip
+                          prefix_parts(runner, layer), 0.25)  # fmt: skip
         pool.get_key_buffer(layer)[ALIAS_SLOT] = k_alias
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
@@ -142,16 +175,17 @@ def test_attend_rows_rejects_bad_lengths() -> None:
     pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
     args = (pool.get_key_buffer(0), pool.get_value_buffer(0), torch.zeros(NUM_SLOTS, H_KV), r2t)
     with pytest.raises(ValueError, match="differ in length"):
-        attend_rows(torch.zeros(1, 4, D), *args, [1], [4], [1, 1], [False], None)
+        attend_rows(torch.zeros(1, 4, D), *args, [1], [4], [1, 1], [None], None)
     with pytest.raises(ValueError, match="q has 2 tokens"):
-        attend_rows(torch.zeros(2, 4, D), *args, [1], [4], [1], [False], None)
+        attend_rows(torch.zeros(2, 4, D), *args, [1], [4], [1], [None], None)
 
 
 def test_store_records_prefixes_by_first_slot() -> None:
     store = beta_store_of(real_runner().token_to_kv_pool)
-    store.mark_prefix(torch.tensor(PHYS), T)
-    assert store.prefix_of(PHYS[0]) == (len(PHYS), T) and store.prefix_of(PHYS[1]) is None
-    with pytest.raises(ValueError, match="t_max=4 <= T=3"):
-        store.mark_prefix(torch.tensor(PHYS), 3)
+    layout = PackedLayout(COUNTS, torch.tensor(PHYS), T)
+    store.mark_prefix(layout)
+    assert store.prefix_of(PHYS[0]) is layout and store.prefix_of(PHYS[1]) is None
+    with pytest.raises(ValueError, match="N=3 <= T=2"):
+        store.mark_prefix(PackedLayout(torch.ones(LAYERS, H_KV), torch.tensor(PHYS), 2))
     store.clear(torch.tensor(PHYS))
     assert store.prefix_of(PHYS[0]) is None and not store.prefixes

@@ -1,5 +1,6 @@
 """`sglang_ext.cascade` on mixed batches (compacted + plain requests) against `biased_sdpa`
-over the FULL rows, aliases and -inf beta included (CPU under TRITON_INTERPRET=1, and CUDA)."""
+over each compacted node's own entries + the request's tail, and plain requests' whole rows
+(CPU under TRITON_INTERPRET=1, and CUDA)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ import pytest
 import torch
 
 from kernels.merge_state.triton import merge_state
-from sglang_ext.cascade import CascadePlan, Prefixes, plan_cascade, run_cascade
+from sglang_ext.cascade import (
+    CascadePlan,
+    Prefixes,
+    PrefixKV,
+    plan_cascade,
+    run_cascade,
+    stack_groups,
+)
 from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.packing import PackedLayout, slots_needed
 from sglang_ext.sdpa import biased_sdpa
 
 S, H_KV, G, D = 80, 2, 2, 24
 H_Q = H_KV * G
 SCALE = 0.35
-NODES = {"A": (5, 9), "B": (4, 6)}  # node: (t_max, T)
+# node: (entries per KV head, T); one layer, packed: A holds 8 entries in N = 4 slots (W = 5),
+# B 6 in N = 3 (W = 4)
+NODES = {"A": ([5, 3], 9), "B": ([4, 2], 6)}
 # Per request: its node (None: plain) and its own tokens (the tail, or the whole plain row).
 REQUESTS = [("A", 7), (None, 8), ("A", 5), ("B", 6), (None, 3)]
 POOL_ROWS = [3, 0, 5, 1, 4]
@@ -30,23 +41,29 @@ class Batch(SimpleNamespace):
     beta: torch.Tensor  # [S, H_kv] fp32
     r2t: torch.Tensor  # [6, 24] int32
     rows: list[torch.Tensor]  # per request: its full row [n_b] (aliases included)
-    prefixes: list[tuple[int, int] | None]
+    nodes: list[str | None]
+    layouts: dict[str, PackedLayout]
+    entries: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # ragged k, v, beta
+    prefixes: list[tuple[int, int, int] | None]  # (N, T, W)
 
 
 def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
-    """Shuffled slots; node slots get random beta with -inf on head 1's padding; the alias
+    """Shuffled slots; each node's entries packed into its slots (random K/V/beta); the alias
     slot has random K/V (so reading it would show) and beta -inf."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(S, H_KV, D, generator=g), torch.randn(S, H_KV, D, generator=g)
     beta = torch.zeros(S, H_KV)
     beta[ALIAS_SLOT] = float("-inf")
     free = (torch.randperm(S - 1, generator=g) + 1).tolist()
-    node_slots = {}
-    for name, (t_max, _) in NODES.items():
-        slots = torch.tensor([free.pop() for _ in range(t_max)])
-        beta[slots] = torch.randn(t_max, H_KV, generator=g)
-        beta[slots[t_max - 2 :], 1] = float("-inf")  # head 1 kept t_max - 2 entries
-        node_slots[name] = slots
+    layouts, entries = {}, {}
+    for name, (counts, t_log) in NODES.items():
+        c = torch.tensor([counts])
+        slots = torch.tensor([free.pop() for _ in range(slots_needed(c))])
+        layouts[name] = layout = PackedLayout(c, slots, t_log)
+        e = sum(counts)
+        entries[name] = (torch.randn(e, D, generator=g), torch.randn(e, D, generator=g),
+                         torch.randn(e, generator=g))  # fmt: skip
+        layout.write(0, *entries[name], lambda _: k, lambda _: v, beta.unsqueeze(0))
     r2t = torch.randint(1, S, (6, 24), generator=g, dtype=torch.int32)  # junk past seq_len
     rows, prefixes = [], []
     for (node, n_own), pool_row in zip(REQUESTS, POOL_ROWS):
@@ -54,25 +71,52 @@ def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
         if node is None:
             row, prefix = own, None
         else:
-            t_max, t_log = NODES[node]
-            row = torch.cat([node_slots[node], torch.full((t_log - t_max,), ALIAS_SLOT), own])
-            prefix = (t_max, t_log)
+            lay = layouts[node]
+            aliases = torch.full((lay.logical_length - lay.num_slots,), ALIAS_SLOT)
+            row = torch.cat([lay.slots, aliases, own])
+            prefix = (lay.num_slots, lay.logical_length, lay.width)
         r2t[pool_row, : row.numel()] = row.int()
         rows.append(row)
         prefixes.append(prefix)
     return Batch(k=k.to(device, dtype), v=v.to(device, dtype), beta=beta.to(device),
-                 r2t=r2t.to(device), rows=rows, prefixes=prefixes)  # fmt: skip
+                 r2t=r2t.to(device), rows=rows, nodes=[n for n, _ in REQUESTS],
+                 layouts=layouts, entries=entries, prefixes=prefixes)  # fmt: skip
+
+
+def prefix_kv(b: Batch, plan: CascadePlan) -> PrefixKV | None:
+    """The plan's node groups read from their packed cells (what the backend passes)."""
+    parts = []
+    for group in plan.groups:
+        node = b.nodes[group[0]]
+        assert node is not None
+        parts.append(b.layouts[node].read(0, lambda _: b.k, lambda _: b.v, b.beta.unsqueeze(0),
+                                          b.k.dtype))  # fmt: skip
+    return stack_groups(parts) if parts else None
 
 
 def full_row_reference(b: Batch, q: torch.Tensor, q_lens: list[int]) -> torch.Tensor:
-    """`biased_sdpa` per request over its whole row (aliases included), fp32 on the CPU."""
+    """`biased_sdpa` per request, fp32 on the CPU: a compacted request over its node's own
+    entries (each head's, from `entries`, not the pool) then its row's tail [T, n); a plain
+    request over its whole row."""
     outs, start = [], 0
-    for slots, q_len in zip(b.rows, q_lens):
+    for slots, node, q_len in zip(b.rows, b.nodes, q_lens):
         qr = q[start : start + q_len].float().cpu().movedim(0, 1)  # [H_q, q, D]
+        if node is not None:
+            slots = slots[NODES[node][1] :]
         k = b.k.float().cpu()[slots].movedim(0, 1)  # [H_kv, n, D]
         v = b.v.float().cpu()[slots].movedim(0, 1)
         beta = b.beta.cpu()[slots]
-        outs.append(biased_sdpa(qr, k, v, beta, slots.numel() - q_len, SCALE).movedim(0, 1))
+        if node is not None:
+            counts, W = NODES[node][0], max(NODES[node][0])
+            pk, pv = torch.zeros(H_KV, W, D), torch.zeros(H_KV, W, D)
+            pb = torch.full((W, H_KV), float("-inf"))
+            ek, ev, eb = b.entries[node]
+            lo = 0
+            for h, t in enumerate(counts):
+                pk[h, :t], pv[h, :t], pb[:t, h] = ek[lo : lo + t], ev[lo : lo + t], eb[lo : lo + t]
+                lo += t
+            k, v, beta = torch.cat([pk, k], 1), torch.cat([pv, v], 1), torch.cat([pb, beta])
+        outs.append(biased_sdpa(qr, k, v, beta, k.shape[1] - q_len, SCALE).movedim(0, 1))
         start += q_len
     return torch.cat(outs)
 
@@ -103,7 +147,7 @@ def test_matches_full_row_reference(mode: str, causal_block: int) -> None:
     q_lens = q_lens_for(mode)
     q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(1))
     plan = plan_for(b, q_lens, causal_block)
-    got = run_cascade(plan, q, b.k, b.v, b.beta)
+    got = run_cascade(plan, q, b.k, b.v, b.beta, prefix_kv(b, plan))
     assert got.shape == (sum(q_lens), H_Q, D) and got.dtype == q.dtype
     torch.testing.assert_close(got, full_row_reference(b, q, q_lens), atol=2e-5, rtol=1e-4)
 
@@ -117,7 +161,7 @@ def test_plan_reads_no_alias_and_one_prefix_call_per_node(mode: str) -> None:
     assert plan.prefix is not None and plan.prefix_tokens is not None
     prefix = plan.prefix.planned
     assert prefix.qo_indptr.numel() - 1 == 2  # node A once (requests 0 and 2), node B once
-    assert prefix.kv_indptr.tolist() == [0, 5, 9]  # t_max of A, t_max of B
+    assert prefix.kv_indptr.tolist() == [0, 5, 9] and plan.widths == (5, 4)  # W of A, of B
     group_a = q_lens[0] + q_lens[2]
     assert prefix.qo_indptr.tolist() == [0, group_a, group_a + q_lens[3]]
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
@@ -125,15 +169,16 @@ def test_plan_reads_no_alias_and_one_prefix_call_per_node(mode: str) -> None:
     assert plan.prefix_tokens.tolist() == want_tokens
     slots = plan.slots_read()
     assert ALIAS_SLOT not in slots.tolist()
-    want = torch.unique(torch.cat([r[r != ALIAS_SLOT] for r in b.rows]))
-    assert torch.equal(slots.cpu(), want)  # every other entry of every row is read
+    tails = [r if n is None else r[NODES[n][1] :] for r, n in zip(b.rows, b.nodes)]
+    assert torch.equal(slots.cpu(), torch.unique(torch.cat(tails)))  # tails, all of them
 
 
 def test_plain_batch_has_no_prefix_part() -> None:
     b = make_batch()
     b.prefixes = [None] * len(REQUESTS)
     q_lens = q_lens_for("chunked")
-    plan = plan_for(b, q_lens, prefixes=torch.zeros(len(REQUESTS), 2, dtype=torch.int32))
+    b.nodes = [None] * len(REQUESTS)
+    plan = plan_for(b, q_lens, prefixes=torch.zeros(len(REQUESTS), 3, dtype=torch.int32))
     assert plan.prefix is None and plan.groups == ()
     q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(2))
     assert ALIAS_SLOT in plan.slots_read().tolist()  # plain rows are read whole
@@ -159,25 +204,28 @@ def test_rejects_bad_prefixes_and_rows() -> None:
     b = make_batch()
     q_lens = q_lens_for("extend")
     bad = list(b.prefixes)
-    bad[2] = (10, 9)
-    with pytest.raises(ValueError, match=r"request 2: .* got t_max=10 T=9"):
+    bad[2] = (10, 9, 5)
+    with pytest.raises(ValueError, match=r"request 2: .* got N=10 T=9 W=5"):
         plan_for(b, q_lens, prefixes=bad)
-    bad[2] = (5, 12)  # T past seq_len - q_len = 9
-    with pytest.raises(ValueError, match=r"request 2: .*seq_len - q_len = 9, got t_max=5 T=12"):
+    bad[2] = (4, 12, 5)  # T past seq_len - q_len = 9
+    with pytest.raises(ValueError, match=r"request 2: .*seq_len - q_len = 9 .* got N=4 T=12"):
         plan_for(b, q_lens, prefixes=bad)
-    bad[2] = (0, 4)
-    with pytest.raises(ValueError, match=r"request 2: .* got t_max=0 T=4"):
+    bad[2] = (0, 4, 2)
+    with pytest.raises(ValueError, match=r"request 2: .* got N=0 T=4"):
+        plan_for(b, q_lens, prefixes=bad)
+    bad[2] = (4, 9, 0)
+    with pytest.raises(ValueError, match=r"request 2: .* got N=4 T=9 W=0"):
         plan_for(b, q_lens, prefixes=bad)
     with pytest.raises(ValueError, match=r"prefixes has 4 entries for B=5"):
         plan_for(b, q_lens, prefixes=b.prefixes[:4])
-    with pytest.raises(ValueError, match=r"integer \[B=5, 2\] tensor"):
-        plan_for(b, q_lens, prefixes=torch.zeros(5, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"integer \[B=5, 3\] tensor"):
+        plan_for(b, q_lens, prefixes=torch.zeros(5, 2, dtype=torch.long))
     r2t = b.r2t.clone()
     r2t[POOL_ROWS[2], 3] = r2t[POOL_ROWS[1], 0]  # request 2's node slot 3 is not A's
     with pytest.raises(ValueError, match=r"request 2: row entry 3 .* differs from request 0's"):
         plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
     r2t = b.r2t.clone()
-    r2t[POOL_ROWS[3], 5] = 11  # inside node B's aliases [4, 6)
+    r2t[POOL_ROWS[3], 5] = 11  # inside node B's aliases [3, 6)
     with pytest.raises(ValueError, match=r"request 3: row entry 5 \(slot 11\) is not ALIAS_SLOT"):
         plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
     r2t = b.r2t.clone()
@@ -187,6 +235,8 @@ def test_rejects_bad_prefixes_and_rows() -> None:
     plan = plan_for(b, q_lens)
     with pytest.raises(ValueError, match=r"q must be \[n=29, H_q, D\]"):
         run_cascade(plan, torch.zeros(28, H_Q, D), b.k, b.v, b.beta)
+    with pytest.raises(ValueError, match=r"prefix_kv must hold the groups' 9 entries, got None"):
+        run_cascade(plan, torch.zeros(29, H_Q, D), b.k, b.v, b.beta)
 
 
 @pytest.mark.gpu
@@ -198,10 +248,10 @@ def test_matches_full_row_reference_on_cuda(mode: str) -> None:
     seq_lens = torch.tensor([r.numel() for r in b.rows], device="cuda")
     plan = plan_cascade(b.r2t, torch.tensor(POOL_ROWS, device="cuda"), seq_lens,
                         torch.tensor(q_lens, device="cuda"),
-                        torch.tensor([p or (0, 0) for p in b.prefixes], device="cuda"),
+                        torch.tensor([p or (0, 0, 0) for p in b.prefixes], device="cuda"),
                         sm_scale=SCALE, causal_block=2, **HEADS)  # fmt: skip
     assert ALIAS_SLOT not in plan.slots_read().tolist()
-    got = run_cascade(plan, q, b.k, b.v, b.beta)
+    got = run_cascade(plan, q, b.k, b.v, b.beta, prefix_kv(b, plan))
     assert got.device.type == "cuda" and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), full_row_reference(b, q, q_lens),
                                atol=2e-2, rtol=2e-2)  # fmt: skip

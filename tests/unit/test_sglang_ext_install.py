@@ -23,6 +23,7 @@ from sglang_ext.compactors import CompactionRunner, JobResult
 from sglang_ext.guard import HookGuard
 from sglang_ext.installer import BETA_SLACK, KEY_SLACK, VALUE_SLACK, PendingInstall
 from sglang_ext.kv_store import head_counts
+from sglang_ext.packing import PackedLayout, slots_needed
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     POOL,
     FakeRunner,
@@ -146,8 +147,9 @@ def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
     runner = FakeRunner()
     cache = make_cache(fp, runner=runner, install_chunk_mb=1, install_step_ms=1e9)
     insert_fresh(cache, ids)
-    t_max = int(head_counts(prefix).max())
-    per_layer = 2 * t_max * 3 * 64 * 4  # K and V of one layer in the fp32 pool
+    counts = head_counts(prefix)
+    n_slots = slots_needed(counts)
+    per_layer = 2 * math.ceil(int(counts.sum()) / prefix.num_layers) * 64 * 4  # K and V, fp32
     per_poll = max(1, (1 << 20) // per_layer)
     polls = math.ceil(prefix.num_layers / per_poll)
     runner.results.append(JobResult(tuple(ids), prefix, None, 0.1))
@@ -155,7 +157,7 @@ def test_install_is_spread_over_scheduler_iterations(compacted: Any) -> None:
         assert cache.poll_compactions() == 0
         assert not cache.compacted_nodes()  # not matchable while half written
         check_accounting(cache)  # SGLang's idle leak check: pending slots count as protected
-        assert cache.protected_size() == t_max
+        assert cache.protected_size() == n_slots
         assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == T
     assert cache.poll_compactions() == 1
     assert cache.stats.installed == 1
@@ -312,7 +314,7 @@ def test_runner_checks_results_on_its_own_thread(compacted: Any) -> None:
 def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
     compacted: Any, prepared_model: Path
 ) -> None:
-    """keep-only of am-highest at ratio 1 (every key, beta 0, original values): t_max = T, no
+    """keep-only of am-highest at ratio 1 (every key, beta 0, original values): N = T slots, no
     alias, and the pool holds the original KV again (what the GPU identity check installs:
     benchmarks/gpu_serving.py)."""
     from compactor.hf import load_model
@@ -335,7 +337,7 @@ def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
     order = identity.layers[0].kept_indices[:T]  # the kept token of each slot (one order)
     assert sorted(order.tolist()) == list(range(T))
     slots = node.compaction.slots[torch.argsort(order)]  # slot of token 0, 1, ...
-    assert node.compaction.t_max == T and len(node.value) == T and 0 not in node.value.tolist()
+    assert node.compaction.num_slots == T and len(node.value) == T and 0 not in node.value.tolist()
     for i, (k, v) in enumerate(ORIGINAL_KV[tuple(ids)]):
         assert torch.allclose(cache.kvcache.get_key_buffer(i)[slots], k, atol=1e-6)
         assert torch.allclose(cache.kvcache.get_value_buffer(i)[slots], v, atol=1e-6)
@@ -352,7 +354,7 @@ def test_each_layer_reaches_its_check_and_the_pool_on_the_pools_device(compacted
 
     _, prefix, _ = compacted
     L, H, D = prefix.num_layers, prefix.num_kv_heads, prefix.head_dim
-    t_max, S = int(head_counts(prefix).max()), 4 * T
+    S = 4 * T
     bufs = [
         (torch.empty(S, H, D, device="meta"), torch.empty(S, H, D, device="meta")) for _ in range(L)
     ]
@@ -369,9 +371,11 @@ def test_each_layer_reaches_its_check_and_the_pool_on_the_pools_device(compacted
         seen.append((i, {t.device.type for t in (k, v, beta)}))
         torch.stack([k.abs().amax().float(), v.abs().amax().float(), beta.amax().float()])
 
-    write_layers(pool, store, prefix, torch.arange(1, 1 + t_max), check=check)
+    counts = head_counts(prefix)
+    layout = PackedLayout(counts, torch.arange(1, 1 + slots_needed(counts)), T)
+    write_layers(pool, store, prefix, layout, check=check)
     assert seen == [(i, {"meta"}) for i in range(L)]
-    assert store.prefix_of(1) == (t_max, prefix.logical_length)
+    assert store.prefix_of(1) is layout
 
 
 def test_a_compacted_node_holds_its_slots_on_the_pools_device() -> None:
@@ -384,7 +388,6 @@ def test_a_compacted_node_holds_its_slots_on_the_pools_device() -> None:
     from sglang_ext.prefix_tree import CompactionInfo
 
     slots = torch.arange(1, 5, device="meta")
-    node = new_compacted_node(
-        TreeNode(), list(range(16)), CompactionInfo(slots, 16, "h", "m", 0, 0)
-    )
+    layout = PackedLayout(torch.full((2, 2), 4), slots, 16)
+    node = new_compacted_node(TreeNode(), list(range(16)), CompactionInfo(layout, "h", "m", 0))
     assert node.value.device.type == "meta" and node.value.shape == (16,)

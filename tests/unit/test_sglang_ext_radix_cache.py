@@ -24,6 +24,7 @@ from sglang_ext.adapter.radix_cache import CompactionRadixCache
 from sglang_ext.compactors import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import ALIAS_SLOT, head_counts
+from sglang_ext.packing import slots_needed
 
 POOL = 512
 T = 96
@@ -137,29 +138,32 @@ def test_install_matches_whole_prefix_and_frees_original(compacted: Any) -> None
     insert_fresh(cache, [*ids, 11, 12, 13])
     assert cache.evictable_size() == T + 3
     node = cache.install(ids, prefix)
-    t_max = int(head_counts(prefix).max())
-    assert t_max <= T // 2
+    n_slots = slots_needed(head_counts(prefix))
+    assert n_slots <= T // 2
     # original path (and the suffix under it) were unlocked: freed at install
-    assert cache.evictable_size() == t_max
+    assert cache.evictable_size() == n_slots
     check_accounting(cache)
     m = cache.match_prefix(MatchPrefixParams(key=key([*ids, 7, 8])))
     assert m.device_prefix_len == T and m.last_device_node is node
     path = cache.path_device_indices(node)
     assert len(path) == T
-    assert torch.equal(path[:t_max], node.compaction.slots)
-    assert (path[t_max:] == ALIAS_SLOT).all()
+    assert torch.equal(path[:n_slots], node.compaction.slots)
+    assert (path[n_slots:] == ALIAS_SLOT).all()
     store = cache.beta_store
     assert store.compacted[node.compaction.slots].all()
     assert torch.isinf(store.beta[:, ALIAS_SLOT]).all()
-    # layer 0, head 0 holds exactly its kept keys; padding rows are masked
+    # layer 0, head 0 reads back exactly its kept keys; a head's unused rows are masked
     layer0 = prefix.layers[0]
     n0 = layer0.head_lengths()[0]
-    k_buf = cache.kvcache.get_key_buffer(0)
-    assert torch.allclose(k_buf[node.compaction.slots[:n0], 0], layer0.keys[:n0])
-    assert torch.equal(store.beta[0, node.compaction.slots[:n0], 0], layer0.beta[:n0].float())
-    assert torch.isneginf(store.beta[0, node.compaction.slots[n0:], 0]).all()
+    kv = cache.kvcache
+    k, _, beta = node.compaction.layout.read(
+        0, kv.get_key_buffer, kv.get_value_buffer, store.beta, torch.float32
+    )
+    assert torch.allclose(k[0, :n0], layer0.keys[:n0])
+    assert torch.equal(beta[0, :n0], layer0.beta[:n0].float())
+    assert torch.isneginf(beta[0, n0:]).all()
     assert cache.stats.installed == 1 and cache.stats.logical_tokens == T
-    assert cache.stats.physical_tokens == t_max
+    assert cache.stats.physical_tokens == n_slots
 
 
 def test_divergence_inside_compacted_node_misses_it(compacted: Any) -> None:
@@ -191,12 +195,12 @@ def test_locked_original_is_freed_only_after_unlock(compacted: Any) -> None:
     cache.inc_lock_ref(held)  # a running request holds the original slots
     before = cache.token_to_kv_pool_allocator.available_size()
     cache.install(ids, prefix)
-    t_max = int(head_counts(prefix).max())
-    assert cache.token_to_kv_pool_allocator.available_size() == before - t_max
+    n_slots = slots_needed(head_counts(prefix))
+    assert cache.token_to_kv_pool_allocator.available_size() == before - n_slots
     check_accounting(cache)
     cache.dec_lock_ref(held)
     cache.poll_compactions()  # the scheduler's safe point reaps the retired path
-    assert cache.token_to_kv_pool_allocator.available_size() == before - t_max + T
+    assert cache.token_to_kv_pool_allocator.available_size() == before - n_slots + T
     check_accounting(cache)
 
 

@@ -24,8 +24,10 @@ from sglang_ext.adapter.wrapped_backend import (
     mark_forward_batch,
 )
 from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.packing import PackedLayout
 from tests.unit.test_sglang_ext_attention import (
     CHILD,
+    COUNTS,
     H_KV,
     LAYERS,
     PHYS,
@@ -248,9 +250,8 @@ def schedule_batch(runner: Any, be: CompactionBackend, rows: list[list[int]]) ->
     from sglang_ext.prefix_tree import CompactionInfo
 
     root = TreeNode()
-    node = new_compacted_node(
-        root, list(range(T)), CompactionInfo(torch.tensor(PHYS), T, "h", "am-highest", 0, 0)
-    )
+    layout = be.beta_store.prefix_of(PHYS[0]) or PackedLayout(COUNTS, torch.tensor(PHYS), T)
+    node = new_compacted_node(root, list(range(T)), CompactionInfo(layout, "h", "am-highest", 0))
     child, plain = TreeNode(), TreeNode()
     child.parent, plain.parent = node, root
     child.key, plain.key = RadixKey([1] * len(CHILD), None), RadixKey([2] * 6, None)
@@ -266,7 +267,8 @@ def test_host_marks_decide_without_reading_the_rows(decode: bool) -> None:
     rows, q_lens = mixed_rows(runner, decode)
     fb = forward_batch(rows, [1, 2, 3], q_lens, decode)
     mark_forward_batch(fb, schedule_batch(runner, be, rows))
-    assert fb.compaction_marks == HostMarks([1, 2, 3], [None, (len(PHYS), T), (len(PHYS), T)])
+    layout = be.beta_store.prefix_of(PHYS[0])
+    assert fb.compaction_marks == HostMarks([1, 2, 3], [None, layout, layout])
     slots = be.compacted_batch(SimpleNamespace(**{**vars(fb), "compaction_marks": None}))
     fb.req_pool_indices = None  # the marks carry the rows: the device copy is never read
     runner.req_to_token_pool.req_to_token = runner.req_to_token_pool.req_to_token.to("meta")
@@ -283,9 +285,10 @@ def test_wrong_host_marks_are_counted_and_the_slots_serve() -> None:
     be = wrapped(runner)
     rows, q_lens = mixed_rows(runner, True)
     fb = forward_batch(rows, [1, 2, 3], q_lens, True)
-    fb.compaction_marks = HostMarks([1, 2, 3], [None, None, (len(PHYS), T)])  # request 1 missed
+    layout = be.beta_store.prefix_of(PHYS[0])
+    fb.compaction_marks = HostMarks([1, 2, 3], [None, None, layout])  # request 1 missed
     batch = be.compacted_batch(fb)
-    assert batch is not None and batch.prefixes == [None, (len(PHYS), T), (len(PHYS), T)]
+    assert batch is not None and batch.prefixes == [None, layout, layout]
     assert be.beta_store.mark_mismatches == 1
 
 

@@ -112,7 +112,7 @@ class DictTree:  # TreeOps over plain objects
     def original_slots(self, ids): return torch.arange(S - len(ids), S)  # its KV: randn
     def add_node(self, ids, info):
         node = Node(ids, info); self.nodes.append(node)
-        self.protected -= info.t_max; self.evictable += info.t_max
+        self.protected -= info.num_slots; self.evictable += info.num_slots
         return node
     def original_path(self, ids):
         path = Node(ids); self.nodes.append(path); return [path]
@@ -124,7 +124,7 @@ class DictTree:  # TreeOps over plain objects
         if node.info: self.free(node.info.slots); self.lc.freeing(node, node.info)
         self.nodes.remove(node); self.freed.append(node)
         if node.info: self.lc.removed(node, node.info)
-        return node.info.t_max if node.info else len(node.ids)
+        return node.info.num_slots if node.info else len(node.ids)
 
 def prefix(ids, keep, fp="fp", scale=1.0):
     T = len(ids)
@@ -167,7 +167,7 @@ out["after_first_poll"] = [len(lc.pending), len(lc.installed)]
 while lc.pending:
     lc.poll()
 first = lc.installed[prefix_hash(ids)]
-out["installed"] = [first.info.t_max, first.info.fit_round, lc.stats.installed]
+out["installed"] = [first.info.num_slots, first.info.fit_round, lc.stats.installed]
 out["retired_freed"] = [n.info is None for n in tree.freed]
 out["beta_slots"] = int(lc.beta_store.compacted[first.info.slots].sum())
 first.locks = 1  # a request still reads the first fit

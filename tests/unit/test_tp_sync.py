@@ -22,6 +22,9 @@ import torch
 pytest.importorskip("sglang")
 
 from compactor.types import CompactedLayer, CompactedPrefix
+from sglang_ext.compactors import PoolShape
+from sglang_ext.kv_store import head_counts
+from sglang_ext.packing import slots_needed
 from sglang_ext.tp import RankReport, agree, head_range, slice_heads
 from tests.unit.test_sglang_ext_radix_cache import compacted
 
@@ -144,17 +147,21 @@ def _rank_main(rank: int, init: str, ids: list[int], full: Any, fp: str, kv: Any
     report["free"] = cache.token_to_kv_pool_allocator.available_size()
     report["stats"] = cache.stats.as_dict()
     node = cache.compacted_nodes()[0]
-    slots = compaction_info(node).slots
+    layout = compaction_info(node).layout
+    report["slots"] = layout.num_slots
     start, stop = head_range(heads, rank, TP)
     mine = slice_heads(full, start, stop)
+    kv = cache.kvcache
     for i, layer in enumerate(mine.layers):
-        keys, values = cache.kvcache.get_key_buffer(i), cache.kvcache.get_value_buffer(i)
+        keys, values, betas = layout.read(
+            i, kv.get_key_buffer, kv.get_value_buffer, cache.beta_store.beta, torch.float32
+        )
         for h in range(stop - start):
             k, v, beta = layer.head(h)
             t = k.shape[0]
-            assert torch.equal(keys[slots[:t], h], k), (rank, i, h)
-            assert torch.equal(values[slots[:t], h], v), (rank, i, h)
-            assert torch.equal(cache.beta_store.beta[i, slots[:t], h], beta.float()), (rank, i, h)
+            assert torch.equal(keys[h, :t], k), (rank, i, h)
+            assert torch.equal(values[h, :t], v), (rank, i, h)
+            assert torch.equal(betas[h, :t], beta.float()), (rank, i, h)
     # 2. failure on rank 1 only: both drop, rank 0's trigger records it
     bad = DelayedCompactor(full, delay_s=FAIL_DELAY_S, fail=rank == 1)
     cache2 = _rank_cache(rank, fp, bad, heads)
@@ -197,7 +204,9 @@ def test_two_ranks_install_their_heads_at_the_same_poll(compacted: Any, tmp_path
     assert r0["first_seen"] < r1["first_seen"]
     assert r0["installed_at"] is not None and r0["installed_at"] == r1["installed_at"]
     assert r0["stats"]["installed"] == r1["stats"]["installed"] == 1
-    assert r0["free"] == r1["free"]  # the same slots allocated on both (the full t_max)
+    # the same slots allocated on both: the most either rank's heads need packed
+    need = [slots_needed(head_counts(slice_heads(full, *head_range(6, r, TP)))) for r in (0, 1)]
+    assert r0["free"] == r1["free"] and r0["slots"] == r1["slots"] == max(need)
     # the failure on rank 1 dropped it on both; rank 0's trigger counts it for retries
     for r in (r0, r1):
         assert r["fail_nodes"] == 0 and r["fail_pending"] == 0
@@ -242,3 +251,30 @@ def test_slice_heads_keeps_each_heads_rows(compacted: Any) -> None:
         for h in range(3):
             for got, want in zip(layer.head(h), whole.head(2 + h), strict=True):
                 assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("model_heads", "tp", "want"), [(4, 2, 8), (4, 1, 5), (1, 2, 10)])
+def test_every_rank_allocates_what_its_fullest_peer_needs(
+    model_heads: int, tp: int, want: int
+) -> None:
+    """Packed, a rank needs ceil(its entries / (L x its heads)) slots; all allocate the most
+    any rank needs, so the allocators stay equal. 4 heads keeping 8, 8, 2, 2 over L = 2 layers:
+    rank 0 of 2 needs 8, rank 1 2; one rank holding all needs 5; a single head replicated on
+    both ranks (tp 2 > 1 head) keeps 10 and needs 10."""
+    D = 4
+    counts = [8, 8, 2, 2][:model_heads] if model_heads > 1 else [10]
+    ip = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(ip[-1])
+    layers = [
+        CompactedLayer(torch.randn(n, D), torch.randn(n, D), torch.zeros(n), ip, None)
+        for _ in range(2)
+    ]
+    prefix = CompactedPrefix("fp", 64, "h", "m", {}, layers, D, model_heads, torch.float32)
+    per = [PoolShape(2, model_heads, D, torch.float32, *_share_of(model_heads, r, tp))
+           for r in range(tp)]  # fmt: skip
+    assert {shape.slots_for(prefix) for shape in per} == {want}
+
+
+def _share_of(model_heads: int, rank: int, tp: int) -> tuple[int, int]:
+    start, stop = head_range(model_heads, rank, tp)
+    return start, stop - start
