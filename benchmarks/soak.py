@@ -68,9 +68,11 @@ def run_soak(
     warmup: int = 3,
     sentences: int = 16,
     after: Callable[[SGLangServer, str], None] | None = None,
+    method: str = "am-highest",
 ) -> dict[str, Any]:
     """Run the soak; returns per-cycle samples and the summary (see the module docstring).
-    `after(server, doc)` runs on the live server once the cycles are done."""
+    `after(server, doc)` runs on the live server once the cycles are done; `method` is the
+    compaction method (gvote: budgets that differ per layer and head, packed)."""
     if cycles <= warmup:
         raise ValueError(f"cycles must be > warmup={warmup}, got {cycles}")
     doc = document(sentences)
@@ -78,7 +80,7 @@ def run_soak(
     with contextlib.ExitStack() as stack:
         service = CompactorService(model, workdir / "service.log", in_process=True)
         start_all(stack, [service])  # its port is known once it is up
-        flags = compaction_args(service.endpoint, 0.1, min_hits=2, min_prefix_tokens=128)
+        flags = compaction_args(service.endpoint, 0.1, method, min_hits=2, min_prefix_tokens=128)
         server = SGLangServer(
             model,
             workdir / "server.log",
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the servers' logs here")
+    ap.add_argument("--method", default="am-highest", help="compaction method")
     args = ap.parse_args(argv)
     from compactor.models import prepare_model
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = run_soak(model, workdir, args.cycles, args.warmup)
+        result = run_soak(model, workdir, args.cycles, args.warmup, method=args.method)
     result["provenance"] = provenance(argv)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))
