@@ -4,21 +4,22 @@ Legend: B requests, n = sum_b q_b new (query) tokens, H_q / H_kv heads, D head d
 slots, R x C the `req_to_token` table, P node groups, n_p new tokens of compacted requests.
 Request b owns row `req_pool_indices[b]`, whose first n_b = `seq_lens[b]` entries are its KV
 slots and whose last q_b = `q_lens[b]` entries are its new tokens. A request on a compacted
-node (N physical slots, logical length T, its longest head W entries; `sglang_ext.packing`)
-has the row
+node (a `PackedLayout`: N physical slots, logical length T, t_{l,h} entries per layer and KV
+head; `sglang_ext.packing`) has the row
 
     [0, N)       the node's physical slots (its entries packed in their cells)
     [N, T)       ALIAS_SLOT copies (beta -inf: they hold positions, never attention mass)
     [T, n_b)     its own tail, ending in its q_b new tokens;
 
-a plain request has N = T = W = 0. Every new token sees the whole prefix, so the batch is
+a plain request has none. Every new token sees the whole prefix, so the batch is
 attended as a cascade whose parts are merged by LSE (`kernels.merge_state`):
 
     prefix  one kernel request per node group (the requests whose rows start on the same
             N slots with the same (N, T)): all the group's new tokens are its queries and
-            its KV is the group's entries gathered per layer by the caller (`PrefixKV`: W_g
-            rows per group, a head's unused rows with beta -inf), read once; aliases are
-            never read;
+            its KV the group's entries of the layer, gathered by the caller ragged, head by
+            head (`PrefixKV`, `PackedLayout.read_ragged`), so KV head h reads its t_{l,h}
+            entries and no padding; planned per layer (the lengths differ per layer), read
+            once per group; aliases are never read;
     tail    request b over its entries [T, n_b), causal, built like `attention_triton`
             (blocks + diagonal); plain requests attend their whole row here.
 
@@ -44,48 +45,42 @@ from sglang_ext.attention_triton import (
     run_causal,
 )
 from sglang_ext.kv_store import ALIAS_SLOT
+from sglang_ext.packing import PackedLayout
 
 __all__ = ["CascadePlan", "PrefixKV", "Prefixes", "plan_cascade", "run_cascade", "stack_groups"]
 
-Prefixes = torch.Tensor | Sequence[tuple[int, int, int] | None]
+Prefixes = Sequence[PackedLayout | None]
 
 
 class PrefixKV(NamedTuple):
-    """One layer's entries of every node group, stacked in group order: keys, values
-    [sum_g W_g, H_kv, D], beta [sum_g W_g, H_kv] fp32 (`stack_groups`)."""
+    """One layer's entries of every node group, in group order, each group's head by head
+    (`PackedLayout.read_ragged`): keys, values [E, D], beta [E] fp32 (`stack_groups`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     beta: torch.Tensor
 
 
-def stack_groups(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> PrefixKV:
-    """Stack each group's gathered layer (k, v [H_kv, W_g, D], beta [H_kv, W_g], as
-    `PackedLayout.read` gives them) entry-major, in group order."""
-    return PrefixKV(
-        torch.cat([k.transpose(0, 1) for k, _, _ in parts]),
-        torch.cat([v.transpose(0, 1) for _, v, _ in parts]),
-        torch.cat([b.t() for _, _, b in parts]),
-    )
+def stack_groups(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PrefixKV:
+    """Concatenate each group's ragged layer (k, v [E_g, D], beta [E_g]) in group order."""
+    return PrefixKV(*(torch.cat([part[i] for part in parts]) for i in range(3)))
 
 
 @dataclass(frozen=True)
 class CascadePlan:
     """The planned kernel calls of one cascade batch (device tables inside the wrappers).
 
-    `prefix` has one kernel request per node group (None: no compacted request), over the
-    groups' `PrefixKV` rows [offset_g, offset_g + W_g); `prefix_tokens` [n_p] int64 (q's
-    device) are the batch token ids of its query rows, group by group; `groups` are the
-    requests of each group, in batch order, and `widths` their W_g. `blocks` and
+    `prefix` has one planned call per layer (empty: no compacted request), one kernel request
+    per node group over its `PrefixKV` rows, ragged per KV head; `prefix_tokens` [n_p] int64
+    (q's device) are the batch token ids of its query rows, group by group; `groups` are the
+    requests of each group, in batch order, and `layouts` their prefixes. `blocks` and
     `diagonal` are the tail calls as in `attention_triton.BatchPlan`.
     """
 
     num_tokens: int
     groups: tuple[tuple[int, ...], ...]
-    widths: tuple[int, ...]
-    prefix: BiasedPagedAttention | None
+    layouts: tuple[PackedLayout, ...]
+    prefix: tuple[BiasedPagedAttention, ...]
     prefix_tokens: torch.Tensor | None
     blocks: BiasedPagedAttention
     diagonal: BiasedPagedAttention | None
@@ -117,32 +112,30 @@ def plan_cascade(
     Args:
         req_to_token: [R, W] int32/int64 slot table (SGLang's `req_to_token_pool`).
         req_pool_indices, seq_lens, q_lens: [B] ints (tensors on any device, or lists).
-        prefixes: per request its compacted prefix (N, T, W), or None / (0, 0, 0) when
-            plain; a [B, 3] integer tensor (any device) or a length-B sequence of host ints.
-            A request given as plain attends its whole row in the tail call (aliases in it
-            would be read, masked by their -inf beta: correct, but not cheaper).
+        prefixes: [B] the layout of the compacted prefix request b's row starts on, or None
+            (plain: it attends its whole row in the tail call; aliases in it would be read,
+            masked by their -inf beta: correct, but not cheaper).
         sm_scale: logit scale (None: 1/sqrt(D)).
         causal_block: C, new tokens of one tail block call (>= 1).
     Returns:
-        The plan; reads `req_to_token` on the device and syncs a few times (host tables).
+        The plan; reads `req_to_token` on the device and syncs a few times (host tables, and
+        one per layer for the prefix calls).
     Raises:
-        ValueError: bad lengths or shapes, a prefix with not 1 <= N <= T <= n_b - q_b and
-            1 <= W <= T, or rows that break the compacted layout (a group whose first N slots
-            differ, an alias inside [0, N), a non-alias inside [N, T)); the message names
-            them.
+        ValueError: bad lengths or shapes, a prefix with not N <= T <= n_b - q_b, layouts of
+            different layer counts or KV heads, or rows that break the compacted layout (a
+            group whose first N slots differ, an alias inside [0, N), a non-alias inside
+            [N, T)); the message names them.
     """
     rows, lens, qls = check_batch(req_to_token, req_pool_indices, seq_lens, q_lens)
     table = _prefix_table(prefixes, rows.numel())
-    n_slots, t_log, width = table[:, 0], table[:, 1], table[:, 2]
-    comp = torch.nonzero((n_slots != 0) | (t_log != 0) | (width != 0)).flatten()
-    n, t, w = n_slots[comp], t_log[comp], width[comp]
-    bad = (n < 1) | (n > t) | (w < 1) | (w > t) | (t > (lens - qls)[comp])
+    n_slots, t_log = table[:, 0], table[:, 1]
+    comp = torch.nonzero(t_log != 0).flatten()
+    bad = (n_slots[comp] > t_log[comp]) | (t_log[comp] > (lens - qls)[comp])
     if bool(bad.any()):
         b = int(comp[torch.nonzero(bad)[0, 0]])
         raise ValueError(
-            f"request {b}: a compacted prefix needs 1 <= N <= T <= seq_len - q_len = "
-            f"{int(lens[b] - qls[b])} and 1 <= W <= T, got N={int(n_slots[b])} "
-            f"T={int(t_log[b])} W={int(width[b])}"
+            f"request {b}: a compacted prefix needs N <= T <= seq_len - q_len = "
+            f"{int(lens[b] - qls[b])}, got N={int(n_slots[b])} T={int(t_log[b])}"
         )
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     blocks, diagonal = plan_causal(
@@ -150,19 +143,12 @@ def plan_cascade(
     )
     num_tokens = int(qls.sum())
     if comp.numel() == 0:
-        return CascadePlan(num_tokens, (), (), None, None, blocks, diagonal)
+        return CascadePlan(num_tokens, (), (), (), None, blocks, diagonal)
     groups = _group(req_to_token, rows, n_slots, t_log, comp)
-    widths = tuple(int(width[g[0]]) for g in groups)
+    layouts = tuple(p for g in groups if (p := prefixes[g[0]]) is not None)
     qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(torch.tensor([int(qls[list(g)].sum()) for g in groups]), 0)
-    kv_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.cumsum(torch.tensor(widths), 0)
-    dev = req_to_token.device
-    prefix = BiasedPagedAttention()
-    prefix.plan(
-        kv_indptr.to(dev), torch.arange(int(kv_indptr[-1]), dtype=torch.int32, device=dev),
-        qo_indptr=qo_indptr.to(dev), sm_scale=sm_scale, **heads,
-    )  # fmt: skip
+    prefix = _plan_prefix(layouts, qo_indptr.to(req_to_token.device), sm_scale, heads)
     tok_start = torch.cumsum(qls, 0) - qls
     members = torch.tensor([b for g in groups for b in g])
     tokens = torch.repeat_interleave(tok_start[members], qls[members])
@@ -170,7 +156,7 @@ def plan_cascade(
         torch.cumsum(qls[members], 0) - qls[members], qls[members]
     )
     prefix_tokens = tokens.to(req_to_token.device)
-    return CascadePlan(num_tokens, tuple(groups), widths, prefix, prefix_tokens, blocks, diagonal)
+    return CascadePlan(num_tokens, tuple(groups), layouts, prefix, prefix_tokens, blocks, diagonal)
 
 
 def run_cascade(
@@ -179,46 +165,67 @@ def run_cascade(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     beta_layer: torch.Tensor,
+    layer: int = 0,
     prefix_kv: PrefixKV | None = None,
 ) -> torch.Tensor:
-    """q [n, H_q, D] over the tails in k_cache/v_cache [S, H_kv, D] with beta_layer
-    [S, H_kv] fp32, and over `prefix_kv` (this layer's node groups, in the plan's group
-    order; needed when the plan has a compacted request).
+    """q [n, H_q, D] over the tails in k_cache/v_cache [S, H_kv, D] (pool layer `layer`)
+    with beta_layer [S, H_kv] fp32, and over `prefix_kv` (that layer's node groups in the
+    plan's order; needed when the plan has a compacted request).
 
     Returns out [n, H_q, D] in q's dtype; mutates nothing. ValueError when q does not have
-    the plan's n tokens, `prefix_kv` does not match the plan's widths, or on shapes the
-    kernel wrappers refuse.
+    the plan's n tokens, `prefix_kv` does not hold the groups' entries of the layer, or on
+    shapes the kernel wrappers refuse.
     """
     if q.dim() != 3 or q.shape[0] != plan.num_tokens:
         raise ValueError(f"q must be [n={plan.num_tokens}, H_q, D], got {tuple(q.shape)}")
     tail = run_causal(plan.blocks, plan.diagonal, q, k_cache, v_cache, beta_layer)
-    if plan.prefix is None or plan.prefix_tokens is None:
+    if not plan.prefix or plan.prefix_tokens is None:
         return tail.out
-    rows = sum(plan.widths)
+    rows = sum(int(p.counts[layer].sum()) for p in plan.layouts)
     if prefix_kv is None or prefix_kv.keys.shape[0] != rows or prefix_kv.beta.shape[0] != rows:
         got = None if prefix_kv is None else tuple(prefix_kv.keys.shape)
-        raise ValueError(f"prefix_kv must hold the groups' {rows} entries, got {got}")
+        raise ValueError(
+            f"prefix_kv must hold the groups' {rows} entries of layer {layer}, got {got}"
+        )
     idx = plan.prefix_tokens.to(q.device)
-    part = plan.prefix.run(q.index_select(0, idx), *prefix_kv)
+    part = plan.prefix[layer].run(q.index_select(0, idx), *prefix_kv)
     out = q.new_zeros(q.shape).index_copy_(0, idx, part.out)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device).index_copy_(0, idx, part.lse)
     return merge_state(out, lse, tail.out, tail.lse, out_dtype=q.dtype).out
 
 
 def _prefix_table(prefixes: Prefixes, num_req: int) -> torch.Tensor:
-    """(N, T, W) per request as a host int64 [B, 3] tensor (plain: 0, 0, 0)."""
-    if isinstance(prefixes, torch.Tensor):
-        table = prefixes.detach().cpu()
-        if table.is_floating_point() or table.shape != (num_req, 3):
-            raise ValueError(
-                f"prefixes must be an integer [B={num_req}, 3] tensor, got {table.dtype} "
-                f"{tuple(table.shape)}"
-            )
-        return table.long()
+    """(N, T) per request as a host int64 [B, 2] tensor (plain: 0, 0)."""
     if len(prefixes) != num_req:
         raise ValueError(f"prefixes has {len(prefixes)} entries for B={num_req} requests")
-    plain = (0, 0, 0)
-    return torch.tensor([plain if p is None else tuple(p) for p in prefixes], dtype=torch.long)
+    pairs = [(0, 0) if p is None else (p.num_slots, p.logical_length) for p in prefixes]
+    return torch.tensor(pairs, dtype=torch.long).reshape(num_req, 2)
+
+
+def _plan_prefix(
+    layouts: Sequence[PackedLayout],
+    qo_indptr: torch.Tensor,
+    sm_scale: float | None,
+    heads: dict[str, int],
+) -> tuple[BiasedPagedAttention, ...]:
+    """One ragged call per layer: group g's queries (qo_indptr [P+1], on the KV's device)
+    over its t_{l,h} entries of KV head h (ValueError: layouts of other shapes)."""
+    shapes = {tuple(p.counts.shape) for p in layouts}
+    if len(shapes) != 1 or next(iter(shapes))[1] != heads["num_kv_heads"]:
+        raise ValueError(
+            f"compacted prefixes of one batch need one [L, H_kv={heads['num_kv_heads']}] "
+            f"shape, got {sorted(shapes)}"
+        )
+    counts = torch.stack([p.counts for p in layouts], 1)  # [L, P, H_kv]
+    calls = []
+    for per_layer in counts:
+        kv_indptr = torch.zeros(per_layer.numel() + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(per_layer.reshape(-1), 0)
+        call = BiasedPagedAttention()
+        call.plan(kv_indptr.to(qo_indptr.device), None, qo_indptr=qo_indptr, sm_scale=sm_scale,
+                  **heads)  # fmt: skip
+        calls.append(call)
+    return tuple(calls)
 
 
 def _group(

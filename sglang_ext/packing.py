@@ -18,8 +18,9 @@ head, N = t and entry i of head h sits in slot i, head h of its own layer, as a 
 left unused is less than one slot whatever the budgets; padding every head to the longest
 one would cost W L H_kv cells. beta lives in the same cells of `BetaStore.beta` [L, S, H_kv].
 
-Attention reads layer l by gathering its entries into [H_kv, W, D] (`read`), a head's unused
-tail zero with beta = -inf: the padding exists only while attending, never in the pool.
+Attention reads layer l by gathering its entries, ragged head by head (`read_ragged`, for
+kernels that take per-head lengths) or padded to [H_kv, W, D] (`read`, a head's unused tail
+zero with beta = -inf): padding exists only while attending, never in the pool.
 """
 
 from __future__ import annotations
@@ -41,15 +42,13 @@ def slots_needed(counts: torch.Tensor) -> int:
 
 class LayerCells(NamedTuple):
     """One layer's entries that sit in one layer's buffer: its ragged entries (head by head)
-    `rows` [k] are cells (`buffer_layer`, `slot_ids` [k], `head_ids` [k]) and go to `dense`
-    [k] (h * W + i) of the gathered [H_kv * W] layout. Indices are int64 on the slots'
-    device."""
+    `rows` [k] are the cells (`buffer_layer`, `slot_ids` [k], `head_ids` [k]). Indices are
+    int64 on the slots' device."""
 
     buffer_layer: int
     rows: torch.Tensor
     slot_ids: torch.Tensor
     head_ids: torch.Tensor
-    dense: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -66,6 +65,7 @@ class PackedLayout:
     slots: torch.Tensor
     logical_length: int
     _cells: list[list[LayerCells]] = field(init=False, repr=False)
+    _dense: list[torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.counts = self.counts.detach().cpu().to(torch.int64)
@@ -85,7 +85,7 @@ class PackedLayout:
                 f"{self.num_slots} slots hold {self.num_slots * L * H} cells, the prefix keeps "
                 f"{self.kept_entries} entries ({slots_needed(self.counts)} slots needed)"
             )
-        self._cells = self._place()
+        self._cells, self._dense = self._place()
 
     @classmethod
     def allocate(
@@ -137,24 +137,38 @@ class PackedLayout:
         """Where layer `layer`'s entries sit (0 <= layer < L), one part per buffer."""
         return self._cells[layer]
 
+    def read_ragged(
+        self, layer: int, key_buffer: Any, value_buffer: Any, beta: torch.Tensor, dtype: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s entries gathered head by head, as the result held them: (k, v
+        [E_l, D] in `dtype`, beta [E_l] fp32; head h's are rows sum_{h'<h} t_{l,h'} onwards).
+        `key_buffer(i)` / `value_buffer(i)` give buffer layer i [S, H_kv, D]; `beta` is
+        [L, S, H_kv]. Reads only, no host sync."""
+        k0 = key_buffer(0)
+        e, dim, dev = int(self.counts[layer].sum()), int(k0.shape[2]), k0.device
+        k = torch.empty(e, dim, dtype=dtype, device=dev)
+        v = torch.empty(e, dim, dtype=dtype, device=dev)
+        b = torch.empty(e, dtype=torch.float32, device=beta.device)
+        for part in self._cells[layer]:
+            src = (part.slot_ids, part.head_ids)
+            k[part.rows] = key_buffer(part.buffer_layer)[src].to(dtype)
+            v[part.rows] = value_buffer(part.buffer_layer)[src].to(dtype)
+            b[part.rows.to(b.device)] = beta[part.buffer_layer][src].float()
+        return k, v, b
+
     def read(
         self, layer: int, key_buffer: Any, value_buffer: Any, beta: torch.Tensor, dtype: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s entries gathered: (k [H_kv, W, D], v [H_kv, W, D] in `dtype`,
-        beta [H_kv, W] fp32, -inf past each head's t_{l,h}). `key_buffer(i)` /
-        `value_buffer(i)` give buffer layer i [S, H_kv, D]; `beta` is [L, S, H_kv]. Reads only,
-        no host sync."""
-        H, W = int(self.counts.shape[1]), self.width
-        k0 = key_buffer(0)
-        dim, dev = int(k0.shape[2]), k0.device
-        k = torch.zeros(H * W, dim, dtype=dtype, device=dev)
-        v = torch.zeros(H * W, dim, dtype=dtype, device=dev)
-        b = torch.full((H * W,), float("-inf"), dtype=torch.float32, device=beta.device)
-        for part in self._cells[layer]:
-            src = (part.slot_ids, part.head_ids)
-            k[part.dense] = key_buffer(part.buffer_layer)[src].to(dtype)
-            v[part.dense] = value_buffer(part.buffer_layer)[src].to(dtype)
-            b[part.dense.to(b.device)] = beta[part.buffer_layer][src].float()
+        """Layer `layer`'s entries padded per head: (k, v [H_kv, W, D] in `dtype`, beta
+        [H_kv, W] fp32, zero K/V and beta -inf past each head's t_{l,h}); arguments as
+        `read_ragged`."""
+        k_r, v_r, b_r = self.read_ragged(layer, key_buffer, value_buffer, beta, dtype)
+        H, W, dim = int(self.counts.shape[1]), self.width, k_r.shape[1]
+        pos = self._dense[layer].to(k_r.device)
+        k = k_r.new_zeros(H * W, dim).index_copy_(0, pos, k_r)
+        v = v_r.new_zeros(H * W, dim).index_copy_(0, pos, v_r)
+        b = torch.full((H * W,), float("-inf"), device=b_r.device)
+        b.index_copy_(0, pos.to(b.device), b_r)
         return k.view(H, W, dim), v.view(H, W, dim), b.view(H, W)
 
     def write(
@@ -183,12 +197,14 @@ class PackedLayout:
             value_buffer(part.buffer_layer)[src] = values[rows]
             beta[part.buffer_layer][src] = beta_rows[rows].to(beta.device)
 
-    def _place(self) -> list[list[LayerCells]]:
-        """Every layer's `LayerCells`, built once (host arithmetic, one copy to the device)."""
+    def _place(self) -> tuple[list[list[LayerCells]], list[torch.Tensor]]:
+        """Every layer's `LayerCells` and the padded position (h * W + i) of each of its
+        ragged rows, built once (host arithmetic, one copy to the device)."""
         H, N, W = int(self.counts.shape[1]), self.num_slots, self.width
         dev = self.slots.device
         slots = self.slots.to(torch.int64)
-        out: list[list[LayerCells]] = []
+        cells: list[list[LayerCells]] = []
+        dense: list[torch.Tensor] = []
         start = 0
         for cnt in self.counts:
             e = int(cnt.sum())
@@ -200,11 +216,11 @@ class PackedLayout:
             parts = []
             for buf in torch.unique(layer_of).tolist():
                 sel = torch.nonzero(layer_of == buf).flatten()
-                c, r = cell[sel], rows[sel]
+                c = cell[sel]
                 parts.append(LayerCells(
-                    int(buf), r.to(dev), slots[((c // H) % N).to(dev)], (c % H).to(dev),
-                    (head[r] * W + index[r]).to(dev),
+                    int(buf), rows[sel].to(dev), slots[((c // H) % N).to(dev)], (c % H).to(dev)
                 ))  # fmt: skip
-            out.append(parts)
+            cells.append(parts)
+            dense.append((head * W + index).to(dev))
             start += e
-        return out
+        return cells, dense

@@ -19,10 +19,10 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
   arguments, and returns its result.
 - Compacted requests: `inner`'s metadata is still built; each layer writes the new K/V into
   the pool as the stock code does, gathers each compacted prefix's entries of that layer
-  from their packed cells (`PackedLayout.read`, once per prefix), then attends them + the
-  tails with beta: on CPU `attention.attend_rows` (torch SDPA per request), on CUDA
-  `cascade.run_cascade` (Triton, each compacted prefix once per group, tails causal, merged
-  by LSE), eagerly.
+  from their packed cells (`sglang_ext.packing.PackedLayout`, once per prefix), then attends
+  them + the tails with beta: on CPU `attention.attend_rows` (torch SDPA per request, each
+  head padded to the longest), on CUDA `cascade.run_cascade` (Triton, each compacted prefix
+  once per group and ragged per KV head, tails causal, merged by LSE), eagerly.
 - CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
   compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
   prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
@@ -297,19 +297,14 @@ class CompactionBackend(AttentionBackend):
         r2t = self.req_to_token_pool.req_to_token
         q3 = q.reshape(-1, h_q, dim)
 
-        def read(
-            layout: PackedLayout, dtype: torch.dtype
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return layout.read(
-                i,
-                lambda j: pool.get_key_buffer(pool.start_layer + j),
-                lambda j: pool.get_value_buffer(pool.start_layer + j),
-                store.beta, dtype,
-            )  # fmt: skip
-
+        bufs = (
+            lambda j: pool.get_key_buffer(pool.start_layer + j),
+            lambda j: pool.get_value_buffer(pool.start_layer + j),
+            store.beta,
+        )
         if not (q.device.type == "cuda" if self.cascade is None else self.cascade):
             parts = {
-                id(p): PrefixPart(*read(p, q.dtype), p.logical_length)
+                id(p): PrefixPart(*p.read(i, *bufs, q.dtype), p.logical_length)
                 for p in batch.prefixes if p is not None
             }  # fmt: skip
             out = attend_rows(
@@ -323,18 +318,14 @@ class CompactionBackend(AttentionBackend):
         key = (layer.scaling, h_q, h_kv, dim)
         plan = batch.plans.get(key)
         if plan is None:
-            table = [
-                None if p is None else (p.num_slots, p.logical_length, p.width)
-                for p in batch.prefixes
-            ]
             plan = plan_cascade(
-                r2t, batch.rows, batch.seq_lens, batch.q_lens, table,
+                r2t, batch.rows, batch.seq_lens, batch.q_lens, batch.prefixes,
                 num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=dim, sm_scale=layer.scaling,
             )  # fmt: skip
             batch.plans[key] = plan
-        groups = [p for g in plan.groups if (p := batch.prefixes[g[0]]) is not None]
-        prefix_kv = stack_groups([read(p, k_buf.dtype) for p in groups]) if groups else None
-        out = run_cascade(plan, q3, k_buf, v_buf, store.beta[i], prefix_kv)
+        ragged = [p.read_ragged(i, *bufs, k_buf.dtype) for p in plan.layouts]
+        prefix_kv = stack_groups(ragged) if ragged else None
+        out = run_cascade(plan, q3, k_buf, v_buf, store.beta[i], i, prefix_kv)
         return out.reshape(-1, h_q * dim)
 
 

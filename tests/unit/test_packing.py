@@ -53,6 +53,10 @@ def test_every_entry_reads_back_from_its_own_cell(counts: list[list[int]]) -> No
     _write_all(layout, entries, keys, values, beta)
     W = int(c.max())
     for i, (k, v, b) in enumerate(entries):
+        rk, rv, rb = layout.read_ragged(
+            i, keys.__getitem__, values.__getitem__, beta, torch.float32
+        )
+        assert torch.equal(rk, k) and torch.equal(rv, v) and torch.equal(rb, b)
         gk, gv, gb = layout.read(i, keys.__getitem__, values.__getitem__, beta, torch.float32)
         assert gk.shape == (H, W, D) and gb.shape == (H, W)
         lo = 0

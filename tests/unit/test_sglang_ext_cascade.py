@@ -26,9 +26,9 @@ from sglang_ext.sdpa import biased_sdpa
 S, H_KV, G, D = 80, 2, 2, 24
 H_Q = H_KV * G
 SCALE = 0.35
-# node: (entries per KV head, T); one layer, packed: A holds 8 entries in N = 4 slots (W = 5),
-# B 6 in N = 3 (W = 4)
-NODES = {"A": ([5, 3], 9), "B": ([4, 2], 6)}
+# node: (entries per KV head, T); one layer, packed: A holds 8 entries in N = 4 slots, B 4 in
+# N = 2 (its head 1 keeps none: that head's prefix part is empty)
+NODES = {"A": ([5, 3], 9), "B": ([4, 0], 6)}
 # Per request: its node (None: plain) and its own tokens (the tail, or the whole plain row).
 REQUESTS = [("A", 7), (None, 8), ("A", 5), ("B", 6), (None, 3)]
 POOL_ROWS = [3, 0, 5, 1, 4]
@@ -44,7 +44,7 @@ class Batch(SimpleNamespace):
     nodes: list[str | None]
     layouts: dict[str, PackedLayout]
     entries: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # ragged k, v, beta
-    prefixes: list[tuple[int, int, int] | None]  # (N, T, W)
+    prefixes: list[PackedLayout | None]
 
 
 def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
@@ -74,7 +74,7 @@ def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
             lay = layouts[node]
             aliases = torch.full((lay.logical_length - lay.num_slots,), ALIAS_SLOT)
             row = torch.cat([lay.slots, aliases, own])
-            prefix = (lay.num_slots, lay.logical_length, lay.width)
+            prefix = lay
         r2t[pool_row, : row.numel()] = row.int()
         rows.append(row)
         prefixes.append(prefix)
@@ -85,12 +85,9 @@ def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
 
 def prefix_kv(b: Batch, plan: CascadePlan) -> PrefixKV | None:
     """The plan's node groups read from their packed cells (what the backend passes)."""
-    parts = []
-    for group in plan.groups:
-        node = b.nodes[group[0]]
-        assert node is not None
-        parts.append(b.layouts[node].read(0, lambda _: b.k, lambda _: b.v, b.beta.unsqueeze(0),
-                                          b.k.dtype))  # fmt: skip
+    assert plan.layouts == tuple(b.layouts[b.nodes[g[0]] or ""] for g in plan.groups)
+    beta = b.beta.unsqueeze(0)
+    parts = [p.read_ragged(0, lambda _: b.k, lambda _: b.v, beta, b.k.dtype) for p in plan.layouts]
     return stack_groups(parts) if parts else None
 
 
@@ -147,7 +144,7 @@ def test_matches_full_row_reference(mode: str, causal_block: int) -> None:
     q_lens = q_lens_for(mode)
     q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(1))
     plan = plan_for(b, q_lens, causal_block)
-    got = run_cascade(plan, q, b.k, b.v, b.beta, prefix_kv(b, plan))
+    got = run_cascade(plan, q, b.k, b.v, b.beta, 0, prefix_kv(b, plan))
     assert got.shape == (sum(q_lens), H_Q, D) and got.dtype == q.dtype
     torch.testing.assert_close(got, full_row_reference(b, q, q_lens), atol=2e-5, rtol=1e-4)
 
@@ -158,10 +155,10 @@ def test_plan_reads_no_alias_and_one_prefix_call_per_node(mode: str) -> None:
     q_lens = q_lens_for(mode)
     plan = plan_for(b, q_lens, causal_block=2)
     assert plan.groups == ((0, 2), (3,))
-    assert plan.prefix is not None and plan.prefix_tokens is not None
-    prefix = plan.prefix.planned
+    assert len(plan.prefix) == 1 and plan.prefix_tokens is not None  # one call per layer
+    prefix = plan.prefix[0].planned
     assert prefix.qo_indptr.numel() - 1 == 2  # node A once (requests 0 and 2), node B once
-    assert prefix.kv_indptr.tolist() == [0, 5, 9] and plan.widths == (5, 4)  # W of A, of B
+    assert prefix.kv_indptr.tolist() == [0, 5, 8, 12, 12]  # A's heads keep 5, 3; B's 4, 0
     group_a = q_lens[0] + q_lens[2]
     assert prefix.qo_indptr.tolist() == [0, group_a, group_a + q_lens[3]]
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
@@ -178,8 +175,8 @@ def test_plain_batch_has_no_prefix_part() -> None:
     b.prefixes = [None] * len(REQUESTS)
     q_lens = q_lens_for("chunked")
     b.nodes = [None] * len(REQUESTS)
-    plan = plan_for(b, q_lens, prefixes=torch.zeros(len(REQUESTS), 3, dtype=torch.int32))
-    assert plan.prefix is None and plan.groups == ()
+    plan = plan_for(b, q_lens, prefixes=b.prefixes)
+    assert plan.prefix == () and plan.groups == ()
     q = torch.randn(sum(q_lens), H_Q, D, generator=torch.Generator().manual_seed(2))
     assert ALIAS_SLOT in plan.slots_read().tolist()  # plain rows are read whole
     got = run_cascade(plan, q, b.k, b.v, b.beta)
@@ -204,28 +201,23 @@ def test_rejects_bad_prefixes_and_rows() -> None:
     b = make_batch()
     q_lens = q_lens_for("extend")
     bad = list(b.prefixes)
-    bad[2] = (10, 9, 5)
-    with pytest.raises(ValueError, match=r"request 2: .* got N=10 T=9 W=5"):
-        plan_for(b, q_lens, prefixes=bad)
-    bad[2] = (4, 12, 5)  # T past seq_len - q_len = 9
-    with pytest.raises(ValueError, match=r"request 2: .*seq_len - q_len = 9 .* got N=4 T=12"):
-        plan_for(b, q_lens, prefixes=bad)
-    bad[2] = (0, 4, 2)
-    with pytest.raises(ValueError, match=r"request 2: .* got N=0 T=4"):
-        plan_for(b, q_lens, prefixes=bad)
-    bad[2] = (4, 9, 0)
-    with pytest.raises(ValueError, match=r"request 2: .* got N=4 T=9 W=0"):
+    a = b.layouts["A"]
+    bad[2] = PackedLayout(a.counts, a.slots, 12)  # T past seq_len - q_len = 9
+    with pytest.raises(ValueError, match=r"request 2: .*seq_len - q_len = 9, got N=4 T=12"):
         plan_for(b, q_lens, prefixes=bad)
     with pytest.raises(ValueError, match=r"prefixes has 4 entries for B=5"):
         plan_for(b, q_lens, prefixes=b.prefixes[:4])
-    with pytest.raises(ValueError, match=r"integer \[B=5, 3\] tensor"):
-        plan_for(b, q_lens, prefixes=torch.zeros(5, 2, dtype=torch.long))
+    bad[2] = PackedLayout(torch.tensor([[5, 3, 0]]), a.slots, 9)  # another shape than A's
+    r2t = b.r2t.clone()
+    r2t[POOL_ROWS[2], 0] = 1  # (a group of its own)
+    with pytest.raises(ValueError, match=r"one \[L, H_kv=2\] shape, got \[\(1, 2\), \(1, 3\)\]"):
+        plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, bad, **HEADS)
     r2t = b.r2t.clone()
     r2t[POOL_ROWS[2], 3] = r2t[POOL_ROWS[1], 0]  # request 2's node slot 3 is not A's
     with pytest.raises(ValueError, match=r"request 2: row entry 3 .* differs from request 0's"):
         plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
     r2t = b.r2t.clone()
-    r2t[POOL_ROWS[3], 5] = 11  # inside node B's aliases [3, 6)
+    r2t[POOL_ROWS[3], 5] = 11  # inside node B's aliases [2, 6)
     with pytest.raises(ValueError, match=r"request 3: row entry 5 \(slot 11\) is not ALIAS_SLOT"):
         plan_cascade(r2t, POOL_ROWS, [r.numel() for r in b.rows], q_lens, b.prefixes, **HEADS)
     r2t = b.r2t.clone()
@@ -235,7 +227,7 @@ def test_rejects_bad_prefixes_and_rows() -> None:
     plan = plan_for(b, q_lens)
     with pytest.raises(ValueError, match=r"q must be \[n=29, H_q, D\]"):
         run_cascade(plan, torch.zeros(28, H_Q, D), b.k, b.v, b.beta)
-    with pytest.raises(ValueError, match=r"prefix_kv must hold the groups' 9 entries, got None"):
+    with pytest.raises(ValueError, match=r"the groups' 12 entries of layer 0, got None"):
         run_cascade(plan, torch.zeros(29, H_Q, D), b.k, b.v, b.beta)
 
 
@@ -248,10 +240,10 @@ def test_matches_full_row_reference_on_cuda(mode: str) -> None:
     seq_lens = torch.tensor([r.numel() for r in b.rows], device="cuda")
     plan = plan_cascade(b.r2t, torch.tensor(POOL_ROWS, device="cuda"), seq_lens,
                         torch.tensor(q_lens, device="cuda"),
-                        torch.tensor([p or (0, 0, 0) for p in b.prefixes], device="cuda"),
+                        b.prefixes,
                         sm_scale=SCALE, causal_block=2, **HEADS)  # fmt: skip
     assert ALIAS_SLOT not in plan.slots_read().tolist()
-    got = run_cascade(plan, q, b.k, b.v, b.beta, prefix_kv(b, plan))
+    got = run_cascade(plan, q, b.k, b.v, b.beta, 0, prefix_kv(b, plan))
     assert got.device.type == "cuda" and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), full_row_reference(b, q, q_lens),
                                atol=2e-2, rtol=2e-2)  # fmt: skip
