@@ -5,6 +5,11 @@ For each prefix length L (default 1k..128k) and batch size B it times one decode
 
     flashinfer_stock   FlashInfer's stock BatchDecodeWithPagedKVCacheWrapper, no beta
     triton_beta        kernels.biased_attention.triton paged decode, with beta (the plugin's)
+    triton_beta_ragged the same kernel over the same entries per request, split unevenly over
+                       the KV heads (head h keeps a share proportional to h + 1) and stored
+                       ragged head by head: what a packed compacted prefix with per-head
+                       budgets hands the cascade (`PackedLayout.read_ragged`; the gather
+                       itself is not timed here)
 
 and reports achieved bytes/s (K + V + beta + slot indices read, output written) against the
 device's measured device-to-device copy bandwidth. Writes JSON (``--out``) and a plot
@@ -32,7 +37,7 @@ import torch
 
 DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8, 32]
-KERNELS = ("triton_beta", "flashinfer_stock")
+KERNELS = ("triton_beta", "triton_beta_ragged", "flashinfer_stock")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +103,14 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
         )
         return lambda: w.run(q, pool["k"], pool["v"], pool["beta"])
 
-    out: dict[str, Any] = {"triton_beta": triton_beta}
+    def triton_beta_ragged(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
+        w = tri.BiasedPagedAttention()
+        w.plan(pool["ragged_indptr"], None, args.num_qo_heads, args.num_kv_heads, args.head_dim)
+        rows = pool["k"].shape[0] * args.num_kv_heads
+        keys, values = pool["k"].reshape(rows, -1), pool["v"].reshape(rows, -1)
+        return lambda: w.run(q, keys, values, pool["beta"].reshape(rows))
+
+    out: dict[str, Any] = {"triton_beta": triton_beta, "triton_beta_ragged": triton_beta_ragged}
     if "flashinfer_stock" not in args.kernels:
         return out
     try:
@@ -145,7 +157,19 @@ def _pool(batch: int, length: int, args: argparse.Namespace, dtype: torch.dtype)
         "beta": beta,
         "kv_indices": order.to(torch.int32),
         "kv_indptr": torch.arange(0, slots + 1, length, dtype=torch.int32, device="cuda"),
+        "ragged_indptr": ragged_indptr(batch, length, h).cuda(),
     }
+
+
+def ragged_indptr(batch: int, length: int, heads: int) -> torch.Tensor:
+    """[batch * heads + 1] int32: each request's length * heads entries split over its KV
+    heads in proportion to h + 1 (the last head takes the rounding), head by head."""
+    total, weights = length * heads, torch.arange(1, heads + 1, dtype=torch.float64)
+    per = torch.floor(total * weights / weights.sum()).long()
+    per[-1] += total - int(per.sum())
+    out = torch.zeros(batch * heads + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(per.repeat(batch), 0)
+    return out.to(torch.int32)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,7 +195,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     ms = _time_ms(factory(pool, q), args.reps)
                     beta_bytes = batch * length * args.num_kv_heads * 4 if "beta" in name else 0
-                    moved = kv_bytes + beta_bytes + extra
+                    indices = batch * length * 4 if name.endswith("ragged") else 0  # none read
+                    moved = kv_bytes + beta_bytes + extra - indices
                     row.update(ms=ms, bytes=moved, gbs=moved / (ms * 1e-3) / 1e9)
                     row["frac_of_copy_bw"] = row["gbs"] / bandwidth
                 rows.append(row)
@@ -205,7 +230,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for (kernel, batch), pts in sorted(series.items()):
         pts.sort()
         xs = [p[0] for p in pts]
-        style = {"triton_beta": "-o", "flashinfer_stock": "--^"}.get(kernel, "-s")
+        style = {"triton_beta": "-o", "triton_beta_ragged": ":o", "flashinfer_stock": "--^"}.get(
+            kernel, "-s"
+        )
         ax_ms.plot(xs, [p[1] for p in pts], style, label=f"{kernel} B={batch}")
         ax_bw.plot(xs, [p[2] for p in pts], style, label=f"{kernel} B={batch}")
     ax_bw.axhline(result["copy_bandwidth_gbs"], color="k", lw=1, ls=":", label="copy bandwidth")

@@ -44,16 +44,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 
 timeout 300 "${PYTEST[@]}" -m gpu \
     tests/kernels tests/unit/test_sglang_ext_attention_triton.py \
-    tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
+    tests/unit/test_sglang_ext_cascade.py tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
 status=${PIPESTATUS[0]}
 
 if [ "$WHAT" != triton ] && "$PY" -c "import flashinfer" 2>/dev/null; then
-    # Triton + beta beside stock FlashInfer (no beta); the first plan() JIT-compiles FlashInfer.
-    timeout 400 "$PY" -m benchmarks.decode_attention --kernels flashinfer_stock triton_beta \
+    # Triton + beta (uniform and ragged per head) beside stock FlashInfer (no beta); the first
+    # plan() JIT-compiles FlashInfer.
+    timeout 500 "$PY" -m benchmarks.decode_attention \
+        --kernels flashinfer_stock triton_beta triton_beta_ragged \
         --reps 30 --out "$OUT/kernels.json" --plot "$OUT/kernels.png" >"$OUT/bench_all.log" 2>&1
     echo "benchmark exit $?" >>"$OUT/bench_all.log"
 else
-    timeout 240 "$PY" -m benchmarks.decode_attention --kernels triton_beta --reps 30 \
+    timeout 330 "$PY" -m benchmarks.decode_attention --kernels triton_beta triton_beta_ragged \
+        --reps 30 \
         --out "$OUT/kernels_triton.json" --plot "$OUT/kernels_triton.png" >"$OUT/bench_triton.log" 2>&1
     echo "benchmark exit $?" >>"$OUT/bench_triton.log"
 fi
