@@ -144,7 +144,8 @@ def _compaction_speed_gpu(data: list[dict[str, Any]]) -> list[list[str]]:
 def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     res = data[0]["results"]
     # flashinfer_beta: the FlashInfer β variant, since removed; files from before keep its column
-    heads = {"triton_beta": "Triton + β", "flashinfer_stock": "FlashInfer stock (no β)",
+    heads = {"triton_beta": "Triton + β", "triton_beta_ragged": "Triton + β, ragged per head",
+             "flashinfer_stock": "FlashInfer stock (no β)",
              "flashinfer_beta": "FlashInfer + β variant (removed)"}  # fmt: skip
     kernels = [k for k in heads if any(r.get("kernel") == k for r in res)]
     shapes = ((1, 1024), (1, 131072), (8, 16384), (32, 65536), (32, 131072))
