@@ -1,7 +1,7 @@
 """Renderers of the compaction-quality tables in the documents (registered in
 `benchmarks._tables_lib.TABLES`, listed by benchmarks/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
-(`agreement`) and next_question.json (`next_question`).
+(`agreement`), next_question.json (`next_question`) and equal_memory.json (`equal_memory`).
 """
 
 from __future__ import annotations
@@ -146,5 +146,19 @@ def _next_question(data: list[dict[str, Any]]) -> list[list[str]]:
             [r["config"], *kind, f"{r['ratio']:.3g}", str(r["k"]), num(r["unseen_logppl_gap"]),
              f"{r['unseen_agree16']:.2f}", f"{r['seen_agree16']:.2f}", *more,
              f"{r['seconds']:.0f}"]
+        )  # fmt: skip
+    return rows
+
+
+@table("equal_memory", "equal_memory.json")
+def _equal_memory(data: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["document", "budgets", "KV slots held (vs gvote)", "entries kept",
+             "unseen logppl gap", "unseen agree16"]]  # fmt: skip
+    for r in data[0]["summary"]:
+        if r["config"] == "stock":
+            continue
+        rows.append(
+            [r["kind"], r["config"], f"{r['physical_slots']:.0f} ({r['physical_vs_gvote']:.2f}x)",
+             f"{r['kept_entries']:.0f}", num(r["unseen_logppl_gap"]), f"{r['unseen_agree']:.2f}"]
         )  # fmt: skip
     return rows

@@ -116,6 +116,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/equal_memory.json"))
     p.add_argument("--plot", type=Path, default=Path("benchmarks/results/equal_memory.png"))
+    p.add_argument("--plot-only", action="store_true", help="redraw --plot from --json, no run")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     if configs[0] != "gvote" or not set(configs) <= set(CONFIGS):
@@ -222,6 +223,9 @@ def _model_with_curves(work: Path) -> tuple[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    if args.plot_only:
+        _plot(json.loads(args.json.read_text()), args.plot)
+        return 0
     configs = args.configs.split(",")
     docs: list[dict[str, Any]] = [
         {"kind": "needle", "index": i, "text": document(args.sentences, i),
@@ -270,19 +274,25 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
     summary = [s for s in result["summary"] if s["config"] != "stock"]
     kinds = sorted({s["kind"] for s in summary})
+    configs = list(dict.fromkeys(s["config"] for s in summary))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(len(kinds), 1)
     for j, kind in enumerate(kinds):
         rows = [s for s in summary if s["kind"] == kind]
-        xs = [i + j * width for i in range(len(rows))]
+        xs = [configs.index(r["config"]) + j * width for r in rows]
         for ax, key in zip(axes, ("unseen_logppl_gap", "unseen_agree")):
             ax.bar(xs, [r[key] for r in rows], width, label=kind)
-            ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(rows))])
-            ax.set_xticklabels([f"{r['config']}\n{r['physical_slots']:.0f} slots" for r in rows])
+    labels = []
+    for c in configs:
+        slots = " / ".join(f"{s['physical_slots']:.0f}" for s in summary if s["config"] == c)
+        labels.append(f"{c}\n{slots} slots")
+    for ax in axes:
+        ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(configs))])
+        ax.set_xticklabels(labels)
     axes[0].set_ylabel("unseen log-ppl gap vs stock (nats/token)")
     axes[1].set_ylabel("unseen answers equal to stock's")
     axes[1].legend()
-    fig.suptitle("equal physical memory (slots read from each server)")
+    fig.suptitle(f"equal physical memory (slots read from each server: {' / '.join(kinds)})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
