@@ -121,7 +121,7 @@ def plan_cascade(
         The plan; reads `req_to_token` on the device and syncs a few times (host tables, and
         one per layer for the prefix calls).
     Raises:
-        ValueError: bad lengths or shapes, a prefix with not N <= T <= n_b - q_b, layouts of
+        ValueError: bad lengths or shapes, a prefix with T > n_b - q_b, layouts of
             different layer counts or KV heads, or rows that break the compacted layout (a
             group whose first N slots differ, an alias inside [0, N), a non-alias inside
             [N, T)); the message names them.
@@ -130,11 +130,11 @@ def plan_cascade(
     table = _prefix_table(prefixes, rows.numel())
     n_slots, t_log = table[:, 0], table[:, 1]
     comp = torch.nonzero(t_log != 0).flatten()
-    bad = (n_slots[comp] > t_log[comp]) | (t_log[comp] > (lens - qls)[comp])
+    bad = t_log[comp] > (lens - qls)[comp]  # (N <= T: the layout holds to it)
     if bool(bad.any()):
         b = int(comp[torch.nonzero(bad)[0, 0]])
         raise ValueError(
-            f"request {b}: a compacted prefix needs N <= T <= seq_len - q_len = "
+            f"request {b}: a compacted prefix needs T <= seq_len - q_len = "
             f"{int(lens[b] - qls[b])}, got N={int(n_slots[b])} T={int(t_log[b])}"
         )
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)

@@ -79,10 +79,6 @@ class BetaStore:
     def mark_prefix(self, layout: PackedLayout) -> None:
         """Record that a compacted prefix is laid out as `layout` (its rows start on its first
         slot; mutates `prefixes`)."""
-        if layout.num_slots > layout.logical_length:
-            raise ValueError(
-                f"a compacted prefix needs N={layout.num_slots} <= T={layout.logical_length} slots"
-            )
         self.prefixes[int(layout.slots[0])] = layout
 
     def prefix_of(self, first_slot: int) -> PackedLayout | None:

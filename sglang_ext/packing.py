@@ -57,8 +57,8 @@ class PackedLayout:
     `slots` [N] int64 (the pool's device), `logical_length` T. Compared by identity.
 
     Raises:
-        ValueError: N L H_kv cells cannot hold sum t_{l,h}, a count is negative, or a head
-            keeps more than T entries.
+        ValueError: N L H_kv cells cannot hold sum t_{l,h}, a count is negative, a head
+            keeps more than T entries, or N > T.
     """
 
     counts: torch.Tensor
@@ -79,6 +79,10 @@ class PackedLayout:
             raise ValueError(
                 f"per-head counts must be in [0, T={self.logical_length}], got "
                 f"{int(self.counts.min())}..{self.width}"
+            )
+        if self.num_slots > self.logical_length:  # the row holds the slots, then aliases
+            raise ValueError(
+                f"a compacted prefix needs N={self.num_slots} <= T={self.logical_length} slots"
             )
         if self.kept_entries > self.num_slots * L * H:
             raise ValueError(
