@@ -54,6 +54,10 @@ class BetaStore:
         self.mark_mismatches = 0
         self.marks_seen = False  # a ForwardBatch was marked (logged once)
         self.alias_ready = False
+        # forwards that read a compacted prefix, and the request rows among them that did
+        # (counted by the attention backend, exported by the radix cache's poll)
+        self.compacted_forwards = 0
+        self.compacted_rows = 0
 
     @classmethod
     def of_pool(cls, kvcache: Any) -> BetaStore:

@@ -111,7 +111,10 @@ class InstallLifecycle(Generic[N]):
         self._reap()
         tree, free, size = self.tree.slot_counts()
         tree -= sum(int(p.slots.numel()) for p in self.pending)
-        self.stats.host_mark_mismatches = self.beta_store.mark_mismatches
+        store = self.beta_store
+        self.stats.host_mark_mismatches = store.mark_mismatches
+        self.stats.compacted_forwards = store.compacted_forwards
+        self.stats.compacted_rows = store.compacted_rows
         self.stats.read_pool(free, tree, size)
         if self.stats != before:  # an install failing in the poll that began it counts too
             self.export()

@@ -53,6 +53,10 @@ class CompactionStats:
     # the slot look-up served them): must stay 0
     host_mark_mismatches: int = 0
     install_errors: int = 0  # an install or hook raised something other than a failed check
+    # forwards that attended a compacted prefix, and the request rows in them that sat on one
+    # (the attention backend counts them as it serves them)
+    compacted_forwards: int = 0
+    compacted_rows: int = 0
     breaker_open: int = 0  # gauge: 1 once repeated errors stopped compaction
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
@@ -112,6 +116,8 @@ class PrometheusExporter:
         "evicted",
         "host_mark_mismatches",
         "install_errors",
+        "compacted_forwards",
+        "compacted_rows",
     )
     _GAUGES = (
         "logical_tokens",

@@ -22,7 +22,9 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
   from their packed cells (`sglang_ext.packing.PackedLayout`, once per prefix), then attends
   them + the tails with beta: on CPU `attention.attend_rows` (torch SDPA per request, each
   head padded to the longest), on CUDA `cascade.run_cascade` (Triton, each compacted prefix
-  once per group and ragged per KV head, tails causal, merged by LSE), eagerly.
+  once per group and ragged per KV head, tails causal, merged by LSE), eagerly. The prefix
+  calls are planned once per (node groups, their new tokens) and kept (`cascade.PrefixPlans`):
+  decode steps of the same requests re-plan only their tails.
 - CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
   compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
   prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
@@ -163,6 +165,7 @@ class CompactionBackend(AttentionBackend):
         check_runner(model_runner, inner, inner_name)
         self.inner, self.inner_name = inner, inner_name
         self.cascade: bool | None = None
+        self.prefix_plans: Any = None  # cascade.PrefixPlans, made at the first cascade
         self._batch: _Batch | None = None
         self._decided: tuple[Any, _Batch | None] | None = None
         self.model_runner = model_runner
@@ -237,10 +240,14 @@ class CompactionBackend(AttentionBackend):
 
     # ---- metadata -------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: Any) -> Any:
-        """Decide stock vs biased for this forward (consumes `compacted_batch`'s memo), then
+        """Decide stock vs biased for this forward (consumes `compacted_batch`'s memo; a
+        compacted one is counted in `BetaStore.compacted_forwards` / `compacted_rows`), then
         the inner backend's own metadata."""
-        self._batch = self.compacted_batch(forward_batch)
+        self._batch = batch = self.compacted_batch(forward_batch)
         self._decided = None
+        if batch is not None:  # what the identity check reads: requests served from a prefix
+            self.beta_store.compacted_forwards += 1
+            self.beta_store.compacted_rows += sum(p is not None for p in batch.prefixes)
         return self.inner.init_forward_metadata(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -313,14 +320,17 @@ class CompactionBackend(AttentionBackend):
                 [None if p is None else parts[id(p)] for p in batch.prefixes], layer.scaling,
             )  # fmt: skip
             return out.reshape(-1, h_q * dim)
-        from sglang_ext.cascade import plan_cascade, run_cascade, stack_groups  # Triton
+        from sglang_ext.cascade import PrefixPlans, plan_cascade, run_cascade, stack_groups
 
         key = (layer.scaling, h_q, h_kv, dim)
         plan = batch.plans.get(key)
         if plan is None:
+            if self.prefix_plans is None:
+                self.prefix_plans = PrefixPlans()
             plan = plan_cascade(
                 r2t, batch.rows, batch.seq_lens, batch.q_lens, batch.prefixes,
                 num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=dim, sm_scale=layer.scaling,
+                cache=self.prefix_plans,
             )  # fmt: skip
             batch.plans[key] = plan
         ragged = [p.read_ragged(i, *bufs, k_buf.dtype) for p in plan.layouts]

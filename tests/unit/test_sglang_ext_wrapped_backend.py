@@ -109,6 +109,7 @@ def test_plain_batch_reaches_the_inner_backend_unchanged(decode: bool) -> None:
     fb = forward_batch([PLAIN_ROW], [1], q_lens, decode)
     assert be.init_forward_metadata(fb) is calls[-1][3]
     assert calls == [("init_forward_metadata", (fb,), {}, None)]
+    assert be.beta_store.compacted_forwards == be.beta_store.compacted_rows == 0  # not counted
     q, k, v = new_kv(sum(q_lens), seed=1)
     lay = layer()
     out = be.forward(q, k, v, lay, fb, save_kv_cache=True)
@@ -135,19 +136,34 @@ def test_mixed_batch_saves_kv_and_matches_full_rows(decode: bool, cascade: bool)
     calls = spy(be.inner, SPIED)
     fb = forward_batch(rows, [1, 2, 3], q_lens, decode)
     assert graph_gate(True, SimpleNamespace(attn_backend=be), fb) is False  # runs eagerly
-    be.init_forward_metadata(fb)
+    store = be.beta_store
+    assert (store.compacted_forwards, store.compacted_rows) == (0, 0)
     pool = runner.token_to_kv_pool
-    for layer_id in range(LAYERS):
-        q, k, v = new_kv(sum(q_lens), seed=10 + layer_id)
-        alias = pool.get_key_buffer(layer_id)[ALIAS_SLOT].clone()
-        pool.get_key_buffer(layer_id)[ALIAS_SLOT] = float("nan")  # never read
-        out = be.forward(q, k, v, layer(layer_id), fb, save_kv_cache=True)
-        pool.get_key_buffer(layer_id)[ALIAS_SLOT] = alias
-        assert torch.equal(pool.get_key_buffer(layer_id)[fb.out_cache_loc], k)
-        assert torch.equal(pool.get_value_buffer(layer_id)[fb.out_cache_loc], v)
-        want = full_row_reference(runner, layer_id, q.view(-1, H_Q, D), rows, q_lens, SCALE)
-        torch.testing.assert_close(out, want.reshape(-1, H_Q * D), atol=1e-5, rtol=1e-5)
-    assert [c[0] for c in calls] == ["init_forward_metadata"]  # inner metadata, no inner forward
+    steps = 2 if decode else 1
+    rows = [list(r) for r in rows]  # grown below: not the shared constants
+    for step in range(steps):  # decode: the rows grow by one token each step
+        if step:
+            for i, row in enumerate(rows):
+                row.append(90 + i)
+                runner.req_to_token_pool.req_to_token[i + 1, len(row) - 1] = row[-1]
+            fb = forward_batch(rows, [1, 2, 3], q_lens, decode)
+        be.init_forward_metadata(fb)
+        # counted once per forward: two of its three requests read the compacted prefix
+        assert (store.compacted_forwards, store.compacted_rows) == (step + 1, 2 * (step + 1))
+        for layer_id in range(LAYERS):
+            q, k, v = new_kv(sum(q_lens), seed=10 + layer_id + step)
+            alias = pool.get_key_buffer(layer_id)[ALIAS_SLOT].clone()
+            pool.get_key_buffer(layer_id)[ALIAS_SLOT] = float("nan")  # never read
+            out = be.forward(q, k, v, layer(layer_id), fb, save_kv_cache=True)
+            pool.get_key_buffer(layer_id)[ALIAS_SLOT] = alias
+            assert torch.equal(pool.get_key_buffer(layer_id)[fb.out_cache_loc], k)
+            assert torch.equal(pool.get_value_buffer(layer_id)[fb.out_cache_loc], v)
+            want = full_row_reference(runner, layer_id, q.view(-1, H_Q, D), rows, q_lens, SCALE)
+            torch.testing.assert_close(out, want.reshape(-1, H_Q * D), atol=1e-5, rtol=1e-5)
+    # inner metadata per forward, no inner forward
+    assert [c[0] for c in calls] == ["init_forward_metadata"] * steps
+    if cascade:  # the prefix calls of the (node, tokens) composition: planned once in all
+        assert be.prefix_plans is not None and be.prefix_plans.made == 1
 
 
 def test_inner_backend_name_comes_from_the_flag_or_sglang_default() -> None:
