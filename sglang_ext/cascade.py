@@ -29,6 +29,7 @@ which `merge_state` treats as an empty side (the result is the tail's state).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,7 +48,15 @@ from sglang_ext.attention_triton import (
 from sglang_ext.kv_store import ALIAS_SLOT
 from sglang_ext.packing import PackedLayout
 
-__all__ = ["CascadePlan", "PrefixKV", "Prefixes", "plan_cascade", "run_cascade", "stack_groups"]
+__all__ = [
+    "CascadePlan",
+    "PrefixKV",
+    "PrefixPlans",
+    "Prefixes",
+    "plan_cascade",
+    "run_cascade",
+    "stack_groups",
+]
 
 Prefixes = Sequence[PackedLayout | None]
 
@@ -64,6 +73,52 @@ class PrefixKV(NamedTuple):
 def stack_groups(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PrefixKV:
     """Concatenate each group's ragged layer (k, v [E_g, D], beta [E_g]) in group order."""
     return PrefixKV(*(torch.cat([part[i] for part in parts]) for i in range(3)))
+
+
+class PrefixPlans:
+    """The prefix calls of `plan_cascade`, kept across forwards (a bounded LRU).
+
+    A prefix call depends only on its node groups' layouts, the new tokens of each group, the
+    scale and the heads; never on a row or a sequence length. A decode batch of the same
+    requests asks the same key at every step, so its L per-layer calls are planned (each a
+    few host syncs) once, not once per step. Layouts are compared by identity, so a fit
+    installed again gets new plans; a key of a freed layout is never asked again and ages out.
+    `made` counts the keys planned (each: one call per layer).
+    """
+
+    def __init__(self, capacity: int = 64):
+        if capacity < 1:
+            raise ValueError(f"PrefixPlans capacity must be >= 1, got {capacity}")
+        self.capacity, self.made = capacity, 0
+        self._plans: OrderedDict[tuple[object, ...], tuple[BiasedPagedAttention, ...]] = (
+            OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(
+        self,
+        layouts: Sequence[PackedLayout],
+        group_tokens: Sequence[int],
+        device: torch.device,
+        sm_scale: float | None,
+        heads: dict[str, int],
+    ) -> tuple[BiasedPagedAttention, ...]:
+        """The per-layer prefix calls for groups with these layouts and new-token counts."""
+        key = (*layouts, *group_tokens, str(device), sm_scale, *sorted(heads.items()))
+        plans = self._plans.get(key)
+        if plans is not None:
+            self._plans.move_to_end(key)
+            return plans
+        qo_indptr = torch.zeros(len(group_tokens) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor(list(group_tokens)), 0)
+        plans = _plan_prefix(layouts, qo_indptr.to(device), sm_scale, heads)
+        self.made += 1
+        self._plans[key] = plans
+        if len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return plans
 
 
 @dataclass(frozen=True)
@@ -106,6 +161,7 @@ def plan_cascade(
     head_dim: int,
     sm_scale: float | None = None,
     causal_block: int = 64,
+    cache: PrefixPlans | None = None,
 ) -> CascadePlan:
     """Group the compacted requests by node and plan the prefix and tail calls (module legend).
 
@@ -117,9 +173,10 @@ def plan_cascade(
             masked by their -inf beta: correct, but not cheaper).
         sm_scale: logit scale (None: 1/sqrt(D)).
         causal_block: C, new tokens of one tail block call (>= 1).
+        cache: where the prefix calls are kept across forwards (None: planned afresh).
     Returns:
         The plan; reads `req_to_token` on the device and syncs a few times (host tables, and
-        one per layer for the prefix calls).
+        a few per layer for prefix calls not found in `cache`).
     Raises:
         ValueError: bad lengths or shapes, a prefix with T > n_b - q_b, layouts of
             different layer counts or KV heads, or rows that break the compacted layout (a
@@ -146,9 +203,9 @@ def plan_cascade(
         return CascadePlan(num_tokens, (), (), (), None, blocks, diagonal)
     groups = _group(req_to_token, rows, n_slots, t_log, comp)
     layouts = tuple(p for g in groups if (p := prefixes[g[0]]) is not None)
-    qo_indptr = torch.zeros(len(groups) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(torch.tensor([int(qls[list(g)].sum()) for g in groups]), 0)
-    prefix = _plan_prefix(layouts, qo_indptr.to(req_to_token.device), sm_scale, heads)
+    group_tokens = [int(qls[list(g)].sum()) for g in groups]
+    cache = PrefixPlans(1) if cache is None else cache
+    prefix = cache.get(layouts, group_tokens, req_to_token.device, sm_scale, heads)
     tok_start = torch.cumsum(qls, 0) - qls
     members = torch.tensor([b for g in groups for b in g])
     tokens = torch.repeat_interleave(tok_start[members], qls[members])

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.biased_attention.triton import BiasedPagedAttention
 from kernels.merge_state.triton import merge_state
 from sglang_ext.cascade import (
     CascadePlan,
     Prefixes,
     PrefixKV,
+    PrefixPlans,
     plan_cascade,
     run_cascade,
     stack_groups,
@@ -51,19 +53,23 @@ def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
     """Shuffled slots; each node's entries packed into its slots (random K/V/beta); the alias
     slot has random K/V (so reading it would show) and beta -inf."""
     g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(S, H_KV, D, generator=g), torch.randn(S, H_KV, D, generator=g)
-    beta = torch.zeros(S, H_KV)
+    k = torch.randn(S, H_KV, D, generator=g).to(device, dtype)
+    v = torch.randn(S, H_KV, D, generator=g).to(device, dtype)
+    beta = torch.zeros(S, H_KV, device=device)
     beta[ALIAS_SLOT] = float("-inf")
     free = (torch.randperm(S - 1, generator=g) + 1).tolist()
     layouts, entries = {}, {}
     for name, (counts, t_log) in NODES.items():
         c = torch.tensor([counts])
-        slots = torch.tensor([free.pop() for _ in range(slots_needed(c))])
+        # the node's slots on the pool's device, as an install leaves them
+        slots = torch.tensor([free.pop() for _ in range(slots_needed(c))], device=device)
         layouts[name] = layout = PackedLayout(c, slots, t_log)
         e = sum(counts)
         entries[name] = (torch.randn(e, D, generator=g), torch.randn(e, D, generator=g),
                          torch.randn(e, generator=g))  # fmt: skip
-        layout.write(0, *entries[name], lambda _: k, lambda _: v, beta.unsqueeze(0))
+        ek, ev, eb = (x.to(device) for x in entries[name])
+        layout.write(0, ek.to(dtype), ev.to(dtype), eb, lambda _: k, lambda _: v,
+                     beta.unsqueeze(0))  # fmt: skip
     r2t = torch.randint(1, S, (6, 24), generator=g, dtype=torch.int32)  # junk past seq_len
     rows, prefixes = [], []
     for (node, n_own), pool_row in zip(REQUESTS, POOL_ROWS):
@@ -73,13 +79,12 @@ def make_batch(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
         else:
             lay = layouts[node]
             aliases = torch.full((lay.logical_length - lay.num_slots,), ALIAS_SLOT)
-            row = torch.cat([lay.slots, aliases, own])
+            row = torch.cat([lay.slots.cpu(), aliases, own])
             prefix = lay
         r2t[pool_row, : row.numel()] = row.int()
         rows.append(row)
         prefixes.append(prefix)
-    return Batch(k=k.to(device, dtype), v=v.to(device, dtype), beta=beta.to(device),
-                 r2t=r2t.to(device), rows=rows, nodes=[n for n, _ in REQUESTS],
+    return Batch(k=k, v=v, beta=beta, r2t=r2t.to(device), rows=rows, nodes=[n for n, _ in REQUESTS],
                  layouts=layouts, entries=entries, prefixes=prefixes)  # fmt: skip
 
 
@@ -168,6 +173,49 @@ def test_plan_reads_no_alias_and_one_prefix_call_per_node(mode: str) -> None:
     assert ALIAS_SLOT not in slots.tolist()
     tails = [r if n is None else r[NODES[n][1] :] for r, n in zip(b.rows, b.nodes)]
     assert torch.equal(slots.cpu(), torch.unique(torch.cat(tails)))  # tails, all of them
+
+
+def test_decode_steps_plan_the_prefix_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three decode steps of the same requests (each row one token longer per step): the
+    prefix call is planned at the first step only, the tail at every step, and every step
+    still matches the full-row reference. A new group composition plans its prefix anew."""
+    b = make_batch()
+    planned: list[int | None] = []
+    real_plan = BiasedPagedAttention.plan
+
+    def counting(self: BiasedPagedAttention, kv_indptr: torch.Tensor, kv_indices, **kw):  # type: ignore[no-untyped-def]
+        planned.append(None if kv_indices is None else int(kv_indices.numel()))
+        return real_plan(self, kv_indptr, kv_indices, **kw)
+
+    monkeypatch.setattr(BiasedPagedAttention, "plan", counting)
+    cache = PrefixPlans()
+    used = set(torch.cat(b.rows).tolist()) | {ALIAS_SLOT}
+    spare = [x for x in range(S) if x not in used]
+    q_lens = q_lens_for("decode")
+    for step in range(3):
+        for i, pool_row in enumerate(POOL_ROWS):  # the step's new token gets a slot
+            b.rows[i] = torch.cat([b.rows[i], torch.tensor([spare.pop()])])
+            b.r2t[pool_row, b.rows[i].numel() - 1] = int(b.rows[i][-1])
+        planned.clear()
+        plan = plan_cascade(b.r2t, torch.tensor(POOL_ROWS), [r.numel() for r in b.rows], q_lens,
+                            b.prefixes, sm_scale=SCALE, cache=cache, **HEADS)  # fmt: skip
+        # the ragged prefix call (no slot table: None) at the first step only; one tail each
+        assert planned.count(None) == (0 if step else 1), planned
+        assert len(planned) - planned.count(None) == 1, planned
+        q = torch.randn(len(REQUESTS), H_Q, D, generator=torch.Generator().manual_seed(step))
+        got = run_cascade(plan, q, b.k, b.v, b.beta, 0, prefix_kv(b, plan))
+        torch.testing.assert_close(got, full_row_reference(b, q, q_lens), atol=2e-5, rtol=1e-4)
+    assert cache.made == 1 and len(cache) == 1
+    # request 2 leaves node A's group: (A: 1 token, B: 1 token) is another composition
+    rest = [p if i != 2 else None for i, p in enumerate(b.prefixes)]
+    b.rows[2] = b.rows[2][NODES["A"][1] :]
+    b.r2t[POOL_ROWS[2], : b.rows[2].numel()] = b.rows[2].int()
+    b.nodes[2] = None
+    plan_cascade(b.r2t, torch.tensor(POOL_ROWS), [r.numel() for r in b.rows], q_lens, rest,
+                 sm_scale=SCALE, cache=cache, **HEADS)  # fmt: skip
+    assert cache.made == 2 and len(cache) == 2
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        PrefixPlans(0)
 
 
 def test_plain_batch_has_no_prefix_part() -> None:
