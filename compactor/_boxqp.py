@@ -116,10 +116,16 @@ def box(
     check_tensors: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) [B, k] in the dtype and on the device of `like`; ValueError when lower >
-    upper (tested for tensor bounds only with `check_tensors`: a host sync)."""
-    lo = torch.as_tensor(lower, dtype=like.dtype, device=like.device).expand(B, k).clone()
-    hi_val = math.inf if upper is None else upper
-    hi = torch.as_tensor(hi_val, dtype=like.dtype, device=like.device).expand(B, k).clone()
+    upper (tested for tensor bounds only with `check_tensors`: a host sync). Scalar
+    bounds are filled on the device (no host-to-device copy, which would sync)."""
+
+    def full(x: float | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.to(like.device, like.dtype).expand(B, k).clone()
+        return torch.full((B, k), float(x), dtype=like.dtype, device=like.device)
+
+    lo = full(lower)
+    hi = full(math.inf if upper is None else upper)
     if isinstance(lower, torch.Tensor) or isinstance(upper, torch.Tensor):
         if check_tensors and bool((lo > hi).any()):
             raise ValueError("nnls: lower bound above upper bound")

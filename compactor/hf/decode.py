@@ -266,6 +266,18 @@ class PrefixState:
             else max(1, APPEND_MASK_BYTES // per_token)
         )
 
+    def start_rows(self, model: Any, batch: int, capacity: int | None) -> SharedPrefixRows:
+        """Make this fresh state decode a batch of `batch` rows sharing the prefix, each
+        appending at most `capacity` tokens (a static cache; None: unbounded), and return
+        it; :meth:`forward` with ids [batch, q] then appends to it. ValueError when this
+        state has appended anything already."""
+        if self._cache is not None or self._rows is not None:
+            raise ValueError("start_rows needs a fresh state (PrefixState.fork())")
+        self._check_model(model)
+        t = self.logical_length
+        self._rows = SharedPrefixRows(self.keys, self.values, self.bias, t, batch, model, capacity)
+        return self._rows
+
     def _uniform_layers(self) -> list[bool]:
         """Per layer: whether every KV head has the same beta (computed once: one host sync)."""
         if self._uniform is None:
@@ -367,11 +379,13 @@ def batched_generate(
 
     Prompts are left-padded (padding masked out, positions counted per row), decoded for
     `max_new_tokens` steps in one batch over the prefix held once (each row's cache holds
-    only its own tokens: any number of prompts, one batch), and each output is cut after
-    its first EOS. The tokens stay on the model's device until the end (one host sync).
-    Mutates `state` (use ``state.fork()``). `check` is called before every forward call (the
-    prompt's, then one per generated token): it may raise to abort the generation
-    (cancellation).
+    only its own tokens, in a static cache of prompt width + max_new_tokens - 1 columns:
+    any number of prompts, one batch), and each output is cut after its first EOS. The
+    tokens stay on the model's device until the end (one host sync). Greedy decoding runs
+    its steps through ``SharedPrefixRows.greedy`` (one CUDA graph replay per token on
+    CUDA). `state` must be fresh (use ``state.fork()``; it is mutated). `check` is called
+    before every forward call (the prompt's, then one per generated token): it may raise
+    to abort the generation (cancellation).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched_generate: need non-empty prompts")
@@ -385,21 +399,26 @@ def batched_generate(
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.as_tensor(list(p), device="cpu")
         pad[i, width - len(p) :] = False
+    rows = state.start_rows(model, len(prompts), width + max_new_tokens - 1)
     check = check or (lambda: None)
     check()
     logits = state.forward(model, ids, last_only=True, pad=pad)[:, -1]
+    if temperature == 0:
+        return _cut_at_eos(rows.greedy(model, logits, max_new_tokens, check), eos_ids)
     steps = []
     for step in range(max_new_tokens):
-        if temperature == 0:
-            tok = logits.argmax(-1)
-        else:
-            tok = _sample(logits, temperature, generator).squeeze(1)
+        tok = _sample(logits, temperature, generator).squeeze(1)
         steps.append(tok)
         if step < max_new_tokens - 1:
             check()
             logits = state.forward(model, tok[:, None], last_only=True)[:, -1]
+    return _cut_at_eos(torch.stack(steps, 1), eos_ids)
+
+
+def _cut_at_eos(tokens: torch.Tensor, eos_ids: Sequence[int]) -> list[list[int]]:
+    """Rows of tokens [B, steps] as lists, each cut after its first EOS (one host sync)."""
     out, eos = [], set(eos_ids)
-    for row in torch.stack(steps, 1).tolist():
+    for row in tokens.tolist():
         cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
         out.append(row[:cut])
     return out

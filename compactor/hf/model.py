@@ -169,8 +169,11 @@ def record_queries(
 # causal mask [chunk, T]) stay bounded; a prefix of at most this many tokens runs in one
 # call, as it always did (bit-identical results).
 PREFILL_CHUNK = 4096
-# ... and fewer when the chunk's causal mask would exceed this (SDPA on the CPU turns the
-# bool [chunk, T] mask into a float one): chunk = PREFILL_MASK_BYTES // (4 T), at least 256.
+# ... and, on the CPU, fewer when the chunk's causal mask would exceed this (SDPA on the
+# CPU turns the bool [chunk, T] mask into a float one): chunk = PREFILL_MASK_BYTES // (4 T),
+# at least 256. Not on an accelerator: there every chunk copies the growing cache once (a
+# 128k prefix in 512-token chunks copied its KV 256 times: 36 s of an H200's 44 s), and a
+# [4096, T] mask is small beside the KV cache.
 PREFILL_MASK_BYTES = 256 << 20
 
 
@@ -194,7 +197,7 @@ def prefill(
     """Run the prefix [T] through `model`; return its KV cache (and queries if asked).
 
     The prefix runs in forward calls of at most `chunk` tokens over the growing cache
-    (None: :func:`prefill_chunk` of T; one call when T <= chunk): peak memory is the KV
+    (None: :func:`prefill_chunk` of T on the model's device; one call when T <= chunk): peak memory is the KV
     cache (and the queries, when asked: [H_q, T, D] per layer, G times the keys) plus one
     chunk's activations and mask, not T's. Everything returned is on the model's device.
 
@@ -205,7 +208,7 @@ def prefill(
     if ids.shape[1] < 1:
         raise ValueError("prefill: empty prefix")
     T = ids.shape[1]
-    chunk = prefill_chunk(T) if chunk is None else chunk
+    chunk = prefill_chunk(T, ids.device) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
     from transformers import DynamicCache
@@ -225,11 +228,14 @@ def prefill(
     return PrefillResult(keys, values, out.logits[0, -1].float(), queries)
 
 
-def prefill_chunk(num_tokens: int) -> int:
-    """Tokens per forward call of :func:`prefill` for a `num_tokens` prefix: all of them up
-    to PREFILL_CHUNK, else min(PREFILL_CHUNK, max(256, PREFILL_MASK_BYTES // (4 T)))."""
+def prefill_chunk(num_tokens: int, device: torch.device | str = "cpu") -> int:
+    """Tokens per forward call of :func:`prefill` for a `num_tokens` prefix on `device`: all
+    of them up to PREFILL_CHUNK, else PREFILL_CHUNK on an accelerator and
+    min(PREFILL_CHUNK, max(256, PREFILL_MASK_BYTES // (4 T))) on the CPU."""
     if num_tokens <= PREFILL_CHUNK:
         return max(1, num_tokens)
+    if torch.device(device).type != "cpu":
+        return PREFILL_CHUNK
     return min(PREFILL_CHUNK, max(256, PREFILL_MASK_BYTES // (4 * num_tokens)))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -119,6 +119,8 @@ def omp_select(
 class AMHighest(ScoreMethod):
     """Keep the top-t keys by RMS attention, then the AM refit with beta in beta_bounds."""
 
+    heads_independent: ClassVar[bool] = True
+
     beta_bounds: tuple[float, float] = (-3.0, 3.0)
     value_ridge: float = 1e-3
     fit_values: bool = True
@@ -144,6 +146,8 @@ class AMOMP(SelectingMethod):
     nnls_iters: active-set rounds of each inner NNLS (:func:`omp_select`; 4 reach the
     exact answer on real heads, where at most a few keys sit at w = 0 per refit).
     """
+
+    heads_independent: ClassVar[bool] = True
 
     k: int = 1
     tau: int = 1

@@ -7,6 +7,13 @@ Each layer's non-sink KV is cut into the plan's chunks; each chunk is compacted 
 method against the layer's reference queries (:func:`_run_method`) and the chunks are
 concatenated per head after the verbatim sinks (:func:`assemble_layer`). On-policy, layer
 l's queries come from the ``hf.LayerStream`` advanced through the layers compacted so far.
+
+A method with ``heads_independent`` (and no contexts) gets the chunks of one length in one
+call, stacked along the head dim (C chunks of H_kv heads: C * H_kv heads, chunk-major,
+each with the layer's queries and its own budget), and the result is split back per chunk
+(:func:`_split_heads`): the same per-head problems in C times fewer, C times larger
+batched calls (one selection pass, one NNLS, one value solve per length instead of per
+chunk), which is what bounds a layer's time on an accelerator.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from compactor.pipeline.timing import Stopwatch
 from compactor.queries import pool_queries
 from compactor.types import CompactedLayer
 
-__all__ = ["assemble_layer", "compact_layers"]
+__all__ = ["assemble_layer", "chunk_groups", "compact_layers"]
 
 
 def compact_layers(
@@ -54,6 +61,8 @@ def compact_layers(
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc=f"compact {meth.name}", unit="layer")
+    fold = contexts is None and bool(getattr(meth, "heads_independent", False))
+    groups = chunk_groups(plan.bounds, fold)
     for li in it:
         if before_layer is not None:
             before_layer(li)
@@ -62,14 +71,15 @@ def compact_layers(
                 queries[li] = pool_queries(model, inputs.plan, stream.queries(), li)
         with watch.measure("compaction") as lap:
             k, v, q = pre.keys[li], pre.values[li], queries[li]
-            parts = []
-            for ci, (a, b) in enumerate(plan.bounds):
-                ctx = contexts[li].for_span(s + a, s + b) if contexts else None
-                per_head = plan.per_head(li, ci, info.num_kv_heads)
-                chunk = (k[:, s + a : s + b], v[:, s + a : s + b])
-                parts.append(
-                    (s + a, _run_method(meth, *chunk, q, per_head, info.sm_scale, ctx, report))
-                )
+            done: dict[int, CompactedLayer] = {}
+            for group in groups:
+                spans = [(s + plan.bounds[ci][0], s + plan.bounds[ci][1]) for ci in group]
+                ctx = contexts[li].for_span(*spans[0]) if contexts else None
+                per_head = [x for ci in group for x in plan.per_head(li, ci, info.num_kv_heads)]
+                kc, vc, qc = _stack_chunks(k, v, q, spans)
+                res = _run_method(meth, kc, vc, qc, per_head, info.sm_scale, ctx, report)
+                done.update(zip(group, _split_heads(res, len(group))))
+            parts = [(s + a, done[ci]) for ci, (a, _) in enumerate(plan.bounds)]
             layers.append(assemble_layer((k[:, :s], v[:, :s]) if s else None, parts))
         per_layer.append(lap.wall)
         if stream is not None and li + 1 < info.num_layers:
@@ -77,6 +87,56 @@ def compact_layers(
                 stream.advance(*layers[-1].padded(max(layers[-1].head_lengths()), k.dtype))
         queries.pop(li, None)
     return layers, tuple(per_layer)
+
+
+def chunk_groups(bounds: Sequence[tuple[int, int]], fold: bool) -> list[list[int]]:
+    """The chunks (indices into `bounds`, spans [a, b)) compacted by one method call each:
+    with `fold`, all chunks of one length together (in order, first-seen length first),
+    else one chunk per call."""
+    if not fold:
+        return [[ci] for ci in range(len(bounds))]
+    by_len: dict[int, list[int]] = {}
+    for ci, (a, b) in enumerate(bounds):
+        by_len.setdefault(b - a, []).append(ci)
+    return list(by_len.values())
+
+
+def _stack_chunks(
+    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, spans: Sequence[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys / values [C * H_kv, T_c, D] of the C equal spans [a, b) of k / v [H_kv, T, D]
+    (chunk-major) and the queries [H_kv, n, D] repeated C times; views for one span."""
+    if len(spans) == 1:
+        ((a, b),) = spans
+        return k[:, a:b], v[:, a:b], q
+    kc = torch.cat([k[:, a:b] for a, b in spans])
+    vc = torch.cat([v[:, a:b] for a, b in spans])
+    return kc, vc, q.repeat(len(spans), 1, 1)
+
+
+def _split_heads(layer: CompactedLayer, parts: int) -> list[CompactedLayer]:
+    """Cut a layer of `parts` * H_kv heads (part-major) into `parts` layers of H_kv heads
+    (views of its rows; one host sync: the indptr). The layer itself for parts == 1."""
+    if parts == 1:
+        return [layer]
+    heads = layer.num_kv_heads // parts
+    if heads * parts != layer.num_kv_heads:
+        raise ValueError(f"{layer.num_kv_heads} heads do not split into {parts} parts")
+    ip = layer.indptr.tolist()
+    out = []
+    for c in range(parts):
+        lo, hi = ip[c * heads], ip[(c + 1) * heads]
+        ki = layer.kept_indices
+        out.append(
+            CompactedLayer(
+                layer.keys[lo:hi],
+                layer.values[lo:hi],
+                layer.beta[lo:hi],
+                layer.indptr[c * heads : (c + 1) * heads + 1] - lo,
+                None if ki is None else ki[lo:hi],
+            )
+        )
+    return out
 
 
 def _run_method(

@@ -150,3 +150,6 @@ def test_prefill_chunk_rule():
     assert prefill_chunk(8192) == PREFILL_CHUNK  # its [4096, 8192] mask fits 256 MiB
     assert prefill_chunk(32768) == 2048  # [2048, 32768] fp32 = 256 MiB
     assert prefill_chunk(1 << 22) == 256  # never below 256 tokens
+    # on an accelerator the chunk is PREFILL_CHUNK whatever T (no float mask on the host)
+    assert prefill_chunk(1 << 17, "cuda") == prefill_chunk(1 << 22, "meta") == PREFILL_CHUNK
+    assert prefill_chunk(100, "cuda") == 100

@@ -85,3 +85,22 @@ def test_fit_beta_nnls_solver_switch():
     torch.testing.assert_close(b_pg, b_as, atol=1e-3, rtol=1e-3)
     with pytest.raises(ValueError):
         fit_beta_nnls(A, mass, mask, (-3.0, 3.0), solver="nope")
+
+
+def test_auto_solver_is_the_active_set_on_the_cpu_and_projected_elsewhere():
+    from compactor.methods.refit import nnls_solver_for
+
+    assert nnls_solver_for("auto", "cpu") == "active-set"
+    assert nnls_solver_for("auto", torch.device("cuda", 0)) == "projected"
+    assert nnls_solver_for("auto", "meta") == "projected"
+    assert nnls_solver_for("projected", "cpu") == "projected"
+    with pytest.raises(ValueError, match="unknown NNLS solver"):
+        nnls_solver_for("nope", "cpu")
+    g = torch.Generator().manual_seed(9)
+    A = torch.rand(3, 50, 7, generator=g)
+    mass = A[:, :, :3].sum(-1) * 1.7
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[2, 5:] = False
+    auto = fit_beta_nnls(A, mass, mask, (-3.0, 3.0), solver="auto")
+    assert torch.equal(auto, fit_beta_nnls(A, mass, mask, (-3.0, 3.0), solver="active-set"))
+    assert torch.equal(auto, fit_beta_nnls(A, mass, mask, (-3.0, 3.0)))  # the default: auto

@@ -139,3 +139,57 @@ def test_check_aborts_the_batched_generation(tiny):
     with pytest.raises(Stop):
         hf.batched_generate(tiny, state.fork(), PROMPTS, 10, check=check)
     assert len(calls) == 3  # the prompt's forward, then one per generated token
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["full", "compacted"])
+def test_static_rows_give_the_logits_of_the_growing_cache(tiny, which):
+    _, state, _ = _states(tiny)[which]
+    ids, pad = _left_pad(PROMPTS)
+    steps = [torch.tensor([[7], [19], [64], [2]]), torch.tensor([[90], [1], [33], [5]])]
+    grow, static = state.fork(), state.fork()
+    rows = static.start_rows(tiny, len(PROMPTS), ids.shape[1] + len(steps))
+    torch.testing.assert_close(
+        static.forward(tiny, ids, pad=pad), grow.forward(tiny, ids, pad=pad), atol=2e-5, rtol=1e-5
+    )
+    ptrs = [k.data_ptr() for k in rows.cache.keys]
+    for s in steps:
+        torch.testing.assert_close(
+            static.forward(tiny, s), grow.forward(tiny, s), atol=2e-5, rtol=1e-5
+        )
+    assert [k.data_ptr() for k in rows.cache.keys] == ptrs  # written in place, never grown
+    assert rows.num_new == ids.shape[1] + len(steps) == rows.capacity
+    with pytest.raises(ValueError, match="capacity"):
+        static.forward(tiny, steps[0])
+    with pytest.raises(ValueError, match="fresh state"):
+        static.start_rows(tiny, 4, 3)
+
+
+def test_greedy_steps_read_device_state_only(tiny, monkeypatch):
+    """What a CUDA graph replays: each decode step is one model call, with no host sync
+    and no Python value that changes per step (the step is rerun with rows._n frozen)."""
+    _, state, _ = _states(tiny)[1]
+    want = hf.batched_generate(tiny, state.fork(), PROMPTS, 6)
+    ids, pad = _left_pad(PROMPTS)
+    s = state.fork()
+    rows = s.start_rows(tiny, len(PROMPTS), ids.shape[1] + 5)
+    logits = s.forward(tiny, ids, last_only=True, pad=pad)[:, -1]
+    calls = []
+    handle = tiny.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def no_sync(*_a, **_k):
+        raise AssertionError("host sync inside a decode step")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    tok = logits.argmax(-1, keepdim=True)
+    got = [tok.clone()]
+    frozen = rows._n
+    with torch.inference_mode():
+        for _ in range(5):
+            rows._step(tiny, tok)  # rows._n is not advanced: the step must not read it
+            got.append(tok.clone())
+    monkeypatch.undo()
+    handle.remove()
+    assert rows._n == frozen and len(calls) == 5  # one model call per step
+    tokens = torch.cat(got, 1).tolist()
+    assert [row[: len(w)] for row, w in zip(tokens, want)] == want
