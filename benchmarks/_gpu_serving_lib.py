@@ -5,8 +5,8 @@ The 8B-shaped checkpoint: Llama-3-8B's shape (32 layers, hidden 4096, 32 query h
 KV heads of D = 128, MLP 14336, RoPE theta 500000) with random bf16 weights, and the embedded
 SmolLM2's vocabulary size (49152 ids) instead of Llama-3's 128256. That makes the embedding and
 LM head 0.2B parameters each instead of 0.53B (7.4B in all instead of 8.0B): 1.3 GB less read
-per decode step out of ~15 GB. The SmolLM2-shaped one (`SMOLLM2`) has the embedded model's
-shape with random weights. Neither needs a tokenizer: servers run with
+per decode step out of ~15 GB. The identity phase's one (`IDENTITY`, 8 layers) has the 8B one's
+attention shape (head_dim 128, 4:1 GQA), so FlashInfer compiles its kernels once per run. Neither needs a tokenizer: servers run with
 `--skip-tokenizer-init`, ids in and ids out, so no model file has to travel to a GPU machine.
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "SMOLLM2",
+    "IDENTITY",
+    "LLAMA3_8B",
     "TOKENIZER_FILES",
     "DecodeLine",
     "GpuServingResult",
@@ -89,10 +90,10 @@ class LlamaShape:
 
 
 LLAMA3_8B = LlamaShape()  # vocabulary aside (see the module doc)
-# The embedded SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of D = 64, tied embeddings
-# aside: the random checkpoint has its own LM head).
-SMOLLM2 = LlamaShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
-                     max_positions=8192, rope_theta=100000.0)  # fmt: skip
+# The identity phase's model: small, with the 8B one's attention (head_dim 128, 4 query heads
+# per KV head, its RoPE theta), so FlashInfer JIT-compiles one set of kernels for the whole run.
+IDENTITY = LlamaShape(layers=8, hidden=1024, intermediate=2816, heads=8, kv_heads=2,
+                      head_dim=128, max_positions=8192)  # fmt: skip
 
 
 def make_model(

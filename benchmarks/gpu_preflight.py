@@ -15,7 +15,8 @@ Checks, each printed with what it found; the exit status is the number that fail
 - tree-core: a torch other than the one SGLang's wheel pins selects SGLang's pure-Python radix
   tree core (its compiled core misreads the tensors of another torch: `insert value must be
   an int64 tensor, got Float`).
-- wheelhouse: `scripts/gpu_serving.sh pack` fits in at most `MAX_PARTS` parts of `PART_MB` MiB.
+- wheelhouse: `scripts/gpu_serving.sh pack` makes one archive that, with the working tree,
+  fits what one device call carries (`benchmarks.gpu_plan.TREE_LIMIT_MIB`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 STANDIN = ROOT / "scripts" / "gpu_standin"
-MAX_PARTS = 2
-PART_MB = 48
 OTHER_TORCH = "2.11.0+cu130"  # a CUDA torch SGLang 0.5.23's wheel was not built against
 
 
@@ -118,20 +117,24 @@ def check_tree_core() -> list[str]:
 
 
 def check_wheelhouse() -> list[str]:
-    """Pack the wheelhouse into a temporary folder and count its parts."""
+    """Pack the wheelhouse into a temporary folder: one archive that travels, with the working
+    tree, within one device call."""
+    from benchmarks.gpu_plan import TREE_LIMIT_MIB, tree_mib
+
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             ["bash", "scripts/gpu_serving.sh", "pack"], cwd=ROOT, capture_output=True, text=True,
-            env={**os.environ, "PACK_DIR": tmp, "PY": sys.executable,
-                 "PART_MB": str(PART_MB)}, timeout=1200,
+            env={**os.environ, "PACK_DIR": tmp, "PY": sys.executable}, timeout=1200,
         )  # fmt: skip
         if proc.returncode:
             return [f"wheelhouse: pack failed: {(proc.stdout + proc.stderr)[-2000:]}"]
-        parts = sorted(p for p in Path(tmp).iterdir() if p.is_dir())
-        sizes = [sum(f.stat().st_size for f in p.iterdir()) >> 20 for p in parts]
-    print(f"  wheelhouse: {len(parts)} parts, {sizes} MiB")
-    if len(parts) > MAX_PARTS or max(sizes, default=0) > PART_MB:
-        return [f"wheelhouse: {len(parts)} parts of {sizes} MiB; at most {MAX_PARTS} of {PART_MB}"]
+        files = sorted(p.name for p in Path(tmp).iterdir())
+        archive = (Path(tmp) / "site.tar.xz").stat().st_size / 2**20 if files else 0.0
+    total = tree_mib((), 0.0) + archive
+    print(f"  wheelhouse: {files}, {archive:.1f} MiB; {total:.1f} MiB with the working tree")
+    if files != ["MANIFEST", "site.tar.xz"] or total > TREE_LIMIT_MIB:
+        return [f"wheelhouse: {files} of {archive:.1f} MiB; with the working tree {total:.1f} MiB "
+                f"travel, at most {TREE_LIMIT_MIB:g} in one call"]  # fmt: skip
     return []
 
 

@@ -1,27 +1,29 @@
 """A real SGLang server with the plugin on a GPU machine: the GPU serving figures, one run.
 
-    python -m benchmarks.gpu_serving run --state S --out DIR [--cpu-smoke]   # all three phases
-    python -m benchmarks.gpu_serving report --state S --out DIR              # re-merge records
-    python -m benchmarks.gpu_serving argv                                    # every server's flags
+    python -m benchmarks.gpu_serving run --state S --out DIR [--phases a,b] [--cpu-smoke]
+    python -m benchmarks.gpu_serving report --state S --out DIR    # re-merge the records
+    python -m benchmarks.gpu_serving argv                          # every server's flags
 
 Run by scripts/gpu_serving.sh, which sets up SGLang, FlashInfer and the check-only sgl_kernel
 stand-in on a machine without network. `run` makes two random-weight checkpoints (no
-tokenizer: every server runs with `--skip-tokenizer-init`, ids in and ids out), then runs the
-phases in order within `--budget-s`, writing each phase's record (S/<phase>.json) and the
-merged gpu_serving.json + .png as each ends:
+tokenizer: every server runs with `--skip-tokenizer-init`, ids in and ids out), starts the
+service and servers of every phase to run at once (one FlashInfer JIT: both models have
+head_dim 128; the servers idle, using no GPU, until their phase), then runs the phases in
+order, each only while what is left of `--budget-s` covers its recorded need
+(`benchmarks.gpu_plan.need_s`). Each phase's record (S/<phase>.json) and the merged
+gpu_serving.json + .png are written as it ends; a phase whose record holds no error is not
+run again (`--phases` picks phases; a warm machine keeps S). The phases
+(`benchmarks._gpu_serving_phases`):
 
-- identity: the SmolLM2-shaped model (bf16); a stock server (the plugin not loaded) and a
-  plugin server whose fit is `keep-only` at ratio 1 (every key, beta 0), on one
+- identity: the identity model (`IDENTITY`, bf16); a stock server (the plugin not loaded) and
+  a plugin server whose fit is `keep-only` at ratio 1 (every key, beta 0), on a
   `compactor serve --device cuda`. The plugin server is asked two questions about a random
-  document, then its prefix is installed. Random weights make greedy ties likely, so the
-  figure compares log-probabilities: each question is sent with a fixed 16-token answer and
-  SGLang scores those tokens (`input_token_logprobs`). The identity server must stay within
-  `LOGPROB_TOL` of stock on every scored token, and move at most half as far as the same
-  answers move, on average, when stock reads another document (the control: a random model
-  depends little on its context, so the check must show the document still counts). Greedy
-  16-token answers are recorded beside it.
-- stock8b / plugin8b (the 8B-shaped checkpoint, one server at a time; stock = the plugin not
-  loaded):
+  document, then its prefix is installed; each question is then scored with a fixed 16-token
+  answer (`input_token_logprobs`) on both servers. Identity holds when every score is within
+  `LOGPROB_TOL` of stock's, moves at most half as far as stock moves on another document
+  (the control), and every scored request was served from the compacted prefix (the plugin's
+  `compacted_rows` counter on /metrics moved by as many rows).
+- stock8b / plugin8b (the 8B-shaped checkpoint; stock = the plugin not loaded):
   1. idle decode: 64 distinct random 256-token prompts at once, 256 tokens each (ignore_eos),
      twice (the second burst is the figure); decode tokens/s = median of the scheduler's
      `gen throughput` over full-batch lines. The plugin server runs it before anything is
@@ -33,13 +35,15 @@ merged gpu_serving.json + .png as each ends:
   3. 64 requests at once (prefix + question i, 128 tokens out, ignore_eos): decode step =
      median over full-batch log lines of 64 / gen throughput.
 
-Every GPU server gets `--attention-backend flashinfer` and decode CUDA graphs for the batch
-sizes the run uses (`DECODE_GRAPH_BS`; other sizes pad up); prefill graphs are off
+Every GPU server gets `--attention-backend flashinfer`, decode CUDA graphs for the batch sizes
+the run uses (`DECODE_GRAPH_BS`; other sizes pad up) and `--sleep-on-idle` (an idle scheduler
+otherwise spins a core, and four of them would slow the JIT); prefill graphs are off
 (`--disable-prefill-cuda-graph`: 58 captured sizes cost ~37 s a start and no figure reads
-them). What SGLang reports (`/server_info`, `cuda graph:` on each decode line) is recorded.
-Where torch is not the version SGLang's wheel was built for, the servers use SGLang's
-pure-Python radix tree core (`tree_core_env`): the wheel's compiled core reads tensors of
-another torch at the wrong offsets.
+them). The backend is what SGLang builds (`served_backend`); `cuda_graphs` is read from the
+idle bursts' decode lines (a batch on a compacted prefix runs eagerly, by design: its lines are
+recorded beside). Where torch is not the version SGLang's wheel was built for, the servers use
+SGLang's pure-Python radix tree core (`tree_core_env`): the wheel's compiled core reads tensors
+of another torch at the wrong offsets.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,26 +62,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._gpu_serving_lib import (  # noqa: E402
+    IDENTITY,
     LLAMA3_8B,
-    SMOLLM2,
     GpuServingResult,
     LlamaShape,
     make_model,
     plot_result,
 )
 from benchmarks._gpu_serving_phases import (  # noqa: E402
-    burst,
-    flush_cache,
-    generate_ids,
-    random_ids,
-    score_ids,
-    server_facts,
+    eight_b,
+    eight_b_measure,
+    eight_b_warm,
+    identity,
 )
+from benchmarks.gpu_plan import PHASES, load_timings  # noqa: E402
 
-PHASES = ("identity", "stock8b", "plugin8b")
 DECODE_GRAPH_BS = (1, 2, 4, 8, 16, 32, 64)
-LOGPROB_TOL = 0.05  # nats: identity vs stock, each scored token
-CONTROL_FRACTION = 0.5  # identity's largest shift <= this x the control's mean shift
+MODEL_OF = {"identity": "small", "stock8b": "big", "plugin8b": "big"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Workload:
     identity_doc: int = 2048
     identity_questions: int = 6
     answer_tokens: int = 16
-    small: LlamaShape = SMOLLM2
+    small: LlamaShape = IDENTITY
     big: LlamaShape = LLAMA3_8B
 
 
@@ -136,7 +137,7 @@ def server_args(a: argparse.Namespace) -> list[str]:
         "--attention-backend", "flashinfer", *common,
         "--mem-fraction-static", str(a.mem_fraction),
         "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BS),
-        "--disable-prefill-cuda-graph",
+        "--disable-prefill-cuda-graph", "--sleep-on-idle",
     ]  # fmt: skip
 
 
@@ -160,7 +161,7 @@ def servers(a: argparse.Namespace, phase: str, endpoint: str, model: Path) -> di
                 device=w.device,
                 max_total_tokens=4 * w.identity_doc,
                 extra_args=server_args(a) + extra,
-                startup_timeout=540,
+                startup_timeout=a.startup_timeout,
                 plugin=bool(extra),
                 env=env,
             )
@@ -175,111 +176,32 @@ def servers(a: argparse.Namespace, phase: str, endpoint: str, model: Path) -> di
     return {
         phase: SGLangServer(model, logs / f"sglang-{phase}.log", device=w.device,
                             max_total_tokens=a.max_total_tokens or w.prefix_tokens + 20000,
-                            extra_args=extra, startup_timeout=600, plugin=plugin, env=env)
+                            extra_args=extra, startup_timeout=a.startup_timeout,
+                            plugin=plugin, env=env)
     }  # fmt: skip
 
 
-def _service(a: argparse.Namespace, stack: contextlib.ExitStack, model: Path, name: str) -> Any:
-    from harness.launch import CompactorService, start_all
+def spawn_phase(
+    a: argparse.Namespace, phase: str, model: Path, stack: contextlib.ExitStack
+) -> dict[str, Any]:
+    """Spawn `phase`'s service (its plugin servers' endpoint) and servers without waiting;
+    `stack` stops them. Returns them by name (the service as "service")."""
+    from harness.launch import CompactorService
 
-    svc = CompactorService(model, a.state / "logs" / f"compactor-{name}.log", in_process=True,
-                           extra_args=["--device", a.w.device], startup_timeout=600)  # fmt: skip
-    start_all(stack, [svc])
-    return svc
-
-
-def identity(a: argparse.Namespace, model: Path) -> dict[str, Any]:
-    from harness.launch import start_all
-    from harness.workload import wait_for_compactions
-
-    w: Workload = a.w
-    vocab = w.small.vocab
-    doc, other = random_ids(w.identity_doc, 1, vocab), random_ids(w.identity_doc, 2, vocab)
-    qs = [random_ids(w.question_tokens, 10 + i, vocab) for i in range(w.identity_questions)]
-    answers = [random_ids(w.answer_tokens, 50 + i, vocab) for i in range(len(qs))]
-    with contextlib.ExitStack() as stack:
-        svc = _service(a, stack, model, "identity")
-        srv = servers(a, "identity", svc.endpoint, model)
-        start_all(stack, list(srv.values()))
-        for q in qs[:2]:
-            generate_ids(srv["identity"].url, doc + q, 1)
-        comp = wait_for_compactions(srv["identity"], 1, a.compaction_timeout, progress=True)
-        scores = {
-            name: [score_ids(s.url, doc + q, ans) for q, ans in zip(qs, answers)]
-            for name, s in srv.items()
-        }
-        control = [score_ids(srv["stock"].url, other + q, ans) for q, ans in zip(qs, answers)]
-        greedy = {
-            name: [generate_ids(s.url, doc + q, w.answer_tokens)["output_ids"] for q in qs]
-            for name, s in srv.items()
-        }
-        facts = {name: server_facts(s) for name, s in srv.items()}
-    installed = comp.get("installed_total", 0) >= 1
-    shift = [abs(x - y) for a_, b_ in zip(scores["stock"], scores["identity"])
-             for x, y in zip(a_, b_)]  # fmt: skip
-    ctrl = [abs(x - y) for a_, b_ in zip(scores["stock"], control) for x, y in zip(a_, b_)]
-    max_shift, mean_ctrl = max(shift), sum(ctrl) / len(ctrl)
-    within = max_shift <= LOGPROB_TOL and max_shift <= CONTROL_FRACTION * mean_ctrl
-    log_text = Path(srv["identity"].log_path).read_text(errors="replace")
-    return {
-        "phase": "identity",
-        "model": str(model),
-        "compaction": comp,
-        "logprob_max_abs_diff": max_shift,
-        "control_mean_abs_diff": mean_ctrl,
-        "logprob_tolerance": {"abs": LOGPROB_TOL, "of_control": CONTROL_FRACTION},
-        "scores": scores,
-        "greedy_equal_per_question": [x == y for x, y in zip(*greedy.values())],
-        "greedy": greedy,
-        # None (not measured) unless the identity fit was installed: a fallback serves the
-        # uncompacted prefix, whose scores equal stock's trivially
-        "identity_outputs_equal": within if installed else None,
-        "rejections": [ln for ln in log_text.splitlines() if "compaction result rejected" in ln],
-        "server": facts,
-        "backends": [str(f.get("attention_backend")) for f in facts.values()],
-        "cuda_graphs": [not f.get("disable_cuda_graph", False) for f in facts.values()],
-    }
-
-
-def eight_b(a: argparse.Namespace, model: Path, plugin: bool) -> dict[str, Any]:
-    from harness.launch import start_all
-    from harness.pool import read_pool
-    from harness.workload import wait_for_compactions
-
-    w: Workload = a.w
-    vocab = w.big.vocab
-    name = "plugin8b" if plugin else "stock8b"
-    rec: dict[str, Any] = {"phase": name, "model": str(model), "workload": asdict(w)}
-    with contextlib.ExitStack() as stack:
-        endpoint = _service(a, stack, model, name).endpoint if plugin else "unused:0"
-        srv = servers(a, name, endpoint, model)[name]
-        start_all(stack, [srv])
-        facts = server_facts(srv)
-        rec["server"] = facts
-        # twice, other prompts each time: the first burst pays one-time costs (allocator
-        # growth, lazily compiled kernels), the second is the figure
-        for key, seed in (("idle_first", 1000), ("idle", 2000)):
-            idle = [random_ids(w.idle_prompt, seed + i, vocab) for i in range(w.batch)]
-            rec[key] = burst(srv, idle, w.idle_out)
-        print(f"  [{name}] idle decode {rec['idle']['decode_tokens_per_s']} tok/s", flush=True)
-        flush_cache(srv.url)
-        prefix = random_ids(w.prefix_tokens, 7, vocab)
-        prompts = [prefix + random_ids(w.question_tokens, 100 + i, vocab) for i in range(w.batch)]
-        for p in prompts[:2]:
-            generate_ids(srv.url, p, 1)
-        end = time.monotonic()
-        if plugin:
-            rec["compaction"] = wait_for_compactions(srv, 1, a.compaction_timeout, progress=True)
-            end = time.monotonic()
-        rec["pool_after_warmup"] = read_pool(srv.url, idle_since=end).as_dict()
-        rec["prefix"] = burst(srv, prompts, w.prefix_out)
-        print(f"  [{name}] held {rec['pool_after_warmup']['held']} slots, decode step "
-              f"{rec['prefix']['decode_step_s']} s", flush=True)  # fmt: skip
-    rec["backends"] = [str(facts.get("attention_backend"))]
-    rec["cuda_graphs"] = [not facts.get("disable_cuda_graph", False)] + [
-        rec[k]["cuda_graph_lines"] == rec[k]["full_batch_lines"] > 0 for k in ("idle", "prefix")
-    ]
-    return rec
+    procs: dict[str, Any] = {}
+    if phase != "stock8b":
+        svc = CompactorService(model, a.state / "logs" / f"compactor-{phase}.log",
+                               in_process=True, extra_args=["--device", a.w.device],
+                               startup_timeout=a.startup_timeout)  # fmt: skip
+        stack.callback(svc.stop)
+        svc.spawn()  # its port is picked here: the servers' endpoint
+        procs["service"] = svc
+    endpoint = procs["service"].endpoint if procs else "unused:0"
+    for name, srv in servers(a, phase, endpoint, model).items():
+        stack.callback(srv.stop)
+        srv.spawn()
+        procs[name] = srv
+    return procs
 
 
 def device_name() -> str:
@@ -310,50 +232,110 @@ def report(a: argparse.Namespace) -> GpuServingResult:
     return res
 
 
-def models(a: argparse.Namespace) -> dict[str, Path]:
-    """The two random checkpoints under the state folder, made once."""
-    out = {}
-    for key, shape in (("small", a.w.small), ("big", a.w.big)):
-        path = a.state / f"model-{key}"
-        if not (path / "random_model.json").is_file():
-            make_model(path, None, shape, device=a.w.device, dtype=a.dtype)
-        out[key] = path
-    return out
+def model_path(a: argparse.Namespace, key: str) -> Path:
+    """The random checkpoint `key` ("small" or "big") under the state folder, made once."""
+    path = a.state / f"model-{key}"
+    if not (path / "random_model.json").is_file():
+        shape = a.w.small if key == "small" else a.w.big
+        make_model(path, None, shape, device=a.w.device, dtype=a.dtype)
+    return path
+
+
+def done_before(state: Path, phase: str) -> bool:
+    """Whether `phase` has a record without an error under `state` (a rerun skips it)."""
+    path = state / f"{phase}.json"
+    return path.is_file() and "error" not in json.loads(path.read_text())
 
 
 def run(a: argparse.Namespace) -> int:
-    """Every phase in order within `a.budget_s`; each record and the merged report are
-    written as each phase ends. Returns the number of phases that failed or did not run."""
+    """`a.phases` in order within `a.budget_s`, every service and server started at once
+    (the small model's first, while the big one is written); each record and the merged
+    report are written as each phase ends. Returns the number of phases that failed or did
+    not run."""
     t0 = time.monotonic()
     (a.state / "logs").mkdir(parents=True, exist_ok=True)
-    paths = models(a)
+    todo = [p for p in a.phases if not done_before(a.state, p)]
+    for phase in a.phases:
+        if phase not in todo:
+            print(f"=== {phase}: recorded without error by an earlier run; not run again")
+    if not todo:
+        report(a)
+        return 0
+    needs = load_timings()
     bad = 0
-    for phase in PHASES:
-        left = a.budget_s - (time.monotonic() - t0)
-        if left < a.min_phase_s:
-            print(f"=== {phase}: not run, {left:.0f} s left of --budget-s", flush=True)
-            bad += 1
-            continue
-        print(f"=== {phase} ({time.monotonic() - t0:.0f} s into the run)", flush=True)
-        stopped: SystemExit | None = None
-        try:
-            if phase == "identity":
-                rec = identity(a, paths["small"])
-            else:
-                rec = eight_b(a, paths["big"], plugin=phase == "plugin8b")
-        except (Exception, SystemExit) as exc:  # a failed phase keeps the others' records
-            bad += 1
-            rec = {"phase": phase, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
-            if isinstance(exc, SystemExit):  # SIGTERM (the outer timeout): record, then stop
-                stopped, rec["error"] = exc, "stopped by SIGTERM (the outer timeout)"
-            print(f"  [{phase}] failed: {rec['error'][-1500:]}", flush=True)
-        rec["seconds"] = time.monotonic() - t0
-        (a.state / f"{phase}.json").write_text(json.dumps(rec, indent=1))
-        res = report(a)
-        print(f"  [{phase}] done at {rec['seconds']:.0f} s; checks so far {res.checks()}")
-        if stopped is not None:
-            raise stopped
+    with contextlib.ExitStack() as stack:
+        procs: dict[str, dict[str, Any] | BaseException] = {}
+        for key in ("small", "big"):
+            for phase in (p for p in todo if MODEL_OF[p] == key):
+                try:
+                    procs[phase] = spawn_phase(a, phase, model_path(a, key), stack)
+                except Exception as exc:  # recorded as the phase's error below
+                    procs[phase] = exc
+        print(f"=== every server spawned ({time.monotonic() - t0:.0f} s into the run)", flush=True)
+        later: tuple[Any, dict[str, Any], float, float, float] | None = None
+        for phase in todo:
+            left = a.budget_s - (time.monotonic() - t0)
+            if left < needs[phase]:
+                rec: dict[str, Any] = {"phase": phase, "error": (
+                    f"not started: {left:.0f} s left of --budget-s, its recorded need is "
+                    f"{needs[phase]:.0f} s")}  # fmt: skip
+                bad += 1
+                _write(a, rec, t0)
+                continue
+            print(f"=== {phase} ({time.monotonic() - t0:.0f} s into the run)", flush=True)
+            start = time.monotonic()
+            try:
+                mine = procs[phase]
+                if isinstance(mine, BaseException):
+                    raise mine
+                for proc in mine.values():
+                    proc.wait_ready()
+                ready = time.monotonic()
+                if phase == "stock8b" and "plugin8b" in todo[todo.index(phase) :]:
+                    # stock's idle pool figure is republished ~32 s after it went idle: its
+                    # second half runs after plugin8b instead of waiting (both idle meanwhile)
+                    part, idle_since = eight_b_warm(a, mine[phase], plugin=False)
+                    later = (mine[phase], part, idle_since, start, ready)
+                    continue
+                rec = identity(a, mine) if phase == "identity" else eight_b(
+                    a, mine, plugin=phase == "plugin8b")  # fmt: skip
+                rec["waited_for_servers_s"] = ready - start
+                rec["measured_s"] = time.monotonic() - ready
+            except (Exception, SystemExit) as exc:  # a failed phase keeps the others' records
+                bad += 1
+                rec = _failed(phase, exc)
+            _write(a, rec, t0)
+        if later is not None:  # stock8b's second half
+            srv, part, idle_since, start, ready = later
+            try:
+                rec = eight_b_measure(a, srv, part, idle_since)
+                rec["waited_for_servers_s"] = ready - start
+                rec["measured_s"] = time.monotonic() - ready  # plugin8b's time included
+            except (Exception, SystemExit) as exc:
+                bad += 1
+                rec = _failed("stock8b", exc)
+            _write(a, rec, t0)
     return bad
+
+
+def _failed(phase: str, exc: BaseException) -> dict[str, Any]:
+    """The record of a phase that raised; SIGTERM (the outer timeout) says so."""
+    rec: dict[str, Any] = {"phase": phase, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
+    if isinstance(exc, SystemExit):
+        rec["error"], rec["stopped"] = "stopped by SIGTERM (the outer timeout)", exc.code
+    print(f"  [{phase}] failed: {rec['error'][-1500:]}", flush=True)
+    return rec
+
+
+def _write(a: argparse.Namespace, rec: dict[str, Any], t0: float) -> None:
+    """Write a phase record and the merged report; then, if the outer timeout stopped the
+    phase (`_failed`), exit (the ExitStack stops every server)."""
+    rec["seconds"] = time.monotonic() - t0
+    (a.state / f"{rec['phase']}.json").write_text(json.dumps(rec, indent=1))
+    res = report(a)
+    print(f"  [{rec['phase']}] done at {rec['seconds']:.0f} s; checks so far {res.checks()}")
+    if "stopped" in rec:
+        raise SystemExit(rec["stopped"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,8 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", default=None, help="report: the machine's name")
         p.add_argument("--cpu-smoke", action="store_true", help="toy models, a CPU server")
         p.add_argument("--budget-s", type=float, default=540.0, help="run: all phases within")
-        p.add_argument("--min-phase-s", type=float, default=60.0,
-                       help="run: a phase starts only with this much of the budget left")  # fmt: skip
+        p.add_argument("--phases", default=",".join(PHASES),
+                       help="run: these phases, in this order (comma-separated)")  # fmt: skip
+        p.add_argument("--startup-timeout", type=float, default=600.0,
+                       help="run: seconds a service or server may take to answer")  # fmt: skip
         p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--mem-fraction", type=float, default=0.88)
         p.add_argument("--max-total-tokens", type=int, default=None)
@@ -382,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` sends SIGTERM: exit through the ExitStacks so the servers' groups are killed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.w = CPU_SMOKE if a.cpu_smoke else GPU
+    a.phases = [p for p in a.phases.split(",") if p]
+    if unknown := set(a.phases) - set(PHASES):
+        ap.error(f"--phases: unknown {sorted(unknown)}; choose from {list(PHASES)}")
     if a.cmd == "report":
         res = report(a)
         print(

@@ -1,9 +1,11 @@
 """scripts/gpu_serving.sh's run, all three phases, on CPU SGLang servers with toy random
-models (`--cpu-smoke`): the plumbing a GPU run depends on, checked without a GPU."""
+models (`--cpu-smoke`): the plumbing a GPU run depends on (every service and server started
+at once, the compacted-rows counter, resumable phases), checked without a GPU."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,12 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_all_three_phases_run_in_one_call(tmp_path: Path) -> None:
+def test_all_three_phases_run_in_one_call_and_resume(tmp_path: Path) -> None:
     state, out = tmp_path / "state", tmp_path / "out"
     cmd = [sys.executable, "-m", "benchmarks.gpu_serving", "run", "--cpu-smoke",
            "--state", str(state), "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # as scripts/gpu_serving.sh runs it
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads((out / "gpu_serving.json").read_text())
     assert list(res["details"]) == ["identity", "stock8b", "plugin8b"]
@@ -28,10 +31,21 @@ def test_all_three_phases_run_in_one_call(tmp_path: Path) -> None:
 
     ident = res["details"]["identity"]
     assert ident["compaction"]["installed_total"] == 1  # the identity fit was installed
+    # ... and every scored request was served from it (the plugin's counter on /metrics)
+    assert ident["compacted_rows_scored"] >= ident["scored_requests"] == 3
     assert res["identity_outputs_equal"] is True
     assert ident["logprob_max_abs_diff"] < 0.5 * ident["control_mean_abs_diff"]
     assert res["prefix_slots_ratio"] > 1 and res["idle_plugin_throughput_ratio"] > 0
     assert res["provenance"]["command"].startswith("python -m benchmarks.gpu_serving run")
+
+    # what SGLang runs: the plugin's servers wrap torch_native, the stock ones are it
+    assert res["backend"] == "torch_native" and res["cuda_graphs"] is False  # CPU: no graphs
+    assert res["details"]["plugin8b"]["prefix"]["full_batch_lines"] > 0
+
+    # a second call runs nothing again: every phase is recorded without error
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert again.stdout.count("recorded without error by an earlier run") == 3
 
     # the plugin is loaded only where a server has --compaction-endpoint
     logs = {p.stem: p.read_text(errors="replace") for p in (state / "logs").glob("sglang-*.log")}

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -282,6 +282,23 @@ def test_compactor_serve_device_flag() -> None:
     assert PoolConfig(model_dir="m").device == "cpu"
 
 
+def _no_servers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """`run` without models or servers: each phase's processes are none; returns the phases
+    whose processes were spawned."""
+    from benchmarks import gpu_serving as gs
+
+    spawned: list[str] = []
+
+    def spawn(a: Any, phase: str, model: Path, stack: Any) -> dict[str, Any]:
+        spawned.append(phase)
+        return {phase: SimpleNamespace(wait_ready=lambda: None)}  # ready at once
+
+    monkeypatch.setattr(gs, "model_path", lambda a, key: tmp_path)
+    monkeypatch.setattr(gs, "spawn_phase", spawn)
+    monkeypatch.setattr(gs.signal, "signal", lambda *args: None)
+    return spawned
+
+
 def test_a_phase_stopped_by_sigterm_leaves_its_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,12 +309,88 @@ def test_a_phase_stopped_by_sigterm_leaves_its_record(
     def stopped(*args: Any) -> Any:
         raise SystemExit(143)
 
-    monkeypatch.setattr(gs, "models", lambda a: {"small": tmp_path, "big": tmp_path})
+    _no_servers(monkeypatch, tmp_path)
     monkeypatch.setattr(gs, "identity", stopped)
-    monkeypatch.setattr(gs.signal, "signal", lambda *args: None)
     state, out = tmp_path / "state", tmp_path / "out"
     with pytest.raises(SystemExit):
         gs.main(["run", "--cpu-smoke", "--state", str(state), "--out", str(out)])
     assert "SIGTERM" in json.loads((state / "identity.json").read_text())["error"]
     assert not (state / "stock8b.json").exists()  # nothing ran after the stop
     assert json.loads((out / "gpu_serving.json").read_text())
+
+
+def test_a_rerun_skips_phases_recorded_without_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resumable phases: a second call runs only the phases whose record is missing or holds
+    an error, and starts no server for the others."""
+    from benchmarks import gpu_serving as gs
+
+    spawned = _no_servers(monkeypatch, tmp_path)
+    ran: list[str] = []
+    tries = {"plugin8b": 0}
+
+    def phase(name: str) -> Any:
+        def run(a: Any, procs: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            ran.append(name if name == "identity" else ("plugin8b" if kw["plugin"] else "stock8b"))
+            if ran[-1] == "plugin8b":
+                tries["plugin8b"] += 1
+                if tries["plugin8b"] == 1:
+                    raise RuntimeError("the first try fails")
+            readings = {"idle": {"decode_tokens_per_s": 1.0}, "prefix": {"decode_step_s": 1.0},
+                        "pool_after_warmup": {"held": 1}}  # fmt: skip
+            return _phase(ran[-1], **({} if name == "identity" else readings))
+
+        return run
+
+    monkeypatch.setattr(gs, "identity", phase("identity"))
+    monkeypatch.setattr(gs, "eight_b", phase("8b"))
+    # stock8b beside plugin8b: its first half, plugin8b, then its second half
+    monkeypatch.setattr(
+        gs, "eight_b_warm", lambda a, srv, plugin: (ran.append("stock8b:warm"), 1.0)
+    )
+    monkeypatch.setattr(gs, "eight_b_measure", lambda a, srv, part, since: (
+        ran.append("stock8b:measure"), phase("8b")(a, {}, plugin=False))[1])  # fmt: skip
+    state, out = tmp_path / "state", tmp_path / "out"
+    argv = ["run", "--cpu-smoke", "--state", str(state), "--out", str(out)]
+    assert gs.main(argv) == 1  # plugin8b failed
+    assert ran == ["identity", "stock8b:warm", "plugin8b", "stock8b:measure", "stock8b"]
+    assert spawned == ["identity", "stock8b", "plugin8b"]
+    assert "the first try fails" in json.loads((state / "plugin8b.json").read_text())["error"]
+    ran.clear(), spawned.clear()
+    assert gs.main(argv) == 0
+    assert ran == spawned == ["plugin8b"]  # only the failed phase, only its servers
+    assert gs.main([*argv, "--phases", "stock8b"]) == 0 and ran == ["plugin8b"]
+    with pytest.raises(SystemExit):
+        gs.main([*argv, "--phases", "identity,nope"])
+
+
+def test_a_phase_is_not_started_without_its_recorded_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import gpu_serving as gs
+    from benchmarks.gpu_plan import need_s
+
+    _no_servers(monkeypatch, tmp_path)
+    monkeypatch.setattr(gs, "identity", lambda a, procs: _phase("identity"))
+    state, out = tmp_path / "state", tmp_path / "out"
+    budget = need_s("identity") + 1  # identity fits; stock8b's need is over what is left
+    argv = ["run", "--cpu-smoke", "--state", str(state), "--out", str(out), "--budget-s"]
+    assert gs.main([*argv, str(budget), "--phases", "identity,stock8b"]) == 1
+    assert "error" not in json.loads((state / "identity.json").read_text())
+    err = json.loads((state / "stock8b.json").read_text())["error"]
+    assert err.startswith("not started:") and f"recorded need is {need_s('stock8b'):.0f} s" in err
+
+
+def test_identity_needs_the_scored_requests_served_from_the_compacted_prefix() -> None:
+    """The identity figure cannot pass vacuously: scores equal to stock's count only when the
+    plugin's counter says every scored request read the compacted prefix."""
+    from benchmarks._gpu_serving_phases import LOGPROB_TOL, identity_verdict
+
+    close = LOGPROB_TOL / 2
+    assert identity_verdict(True, close, 1.0, rows_served=6, scored=6) is True
+    assert identity_verdict(True, close, 1.0, rows_served=0, scored=6) is False  # none read it
+    assert identity_verdict(True, close, 1.0, rows_served=5, scored=6) is False
+    assert identity_verdict(True, 2 * LOGPROB_TOL, 1.0, rows_served=6, scored=6) is False
+    assert identity_verdict(True, close, close, rows_served=6, scored=6) is False  # control
+    assert identity_verdict(False, 0.0, 1.0, rows_served=0, scored=6) is None  # not installed
