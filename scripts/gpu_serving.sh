@@ -26,7 +26,8 @@
 #
 # Call 1 installs once (a warm machine keeps /tmp/site and the phase records), starts the GPU
 # tests (`pytest -m gpu`, niced) beside the serving run, and gives the phases what is left of
-# BUDGET_S (default 540: the plan's command limit). PHASES=a,b runs only those; a phase whose
+# BUDGET_S (default 540: the plan's command limit); GPU_SERVING_ARGS adds flags of
+# `python -m benchmarks.gpu_serving run` (e.g. --compaction-timeout 90). PHASES=a,b runs only those; a phase whose
 # record in /tmp/gpu_serving/state holds no error is not run again. What comes back in $OUT:
 # gpu_serving.json + .png, logs.tar.gz (every log and phase record).
 set -u
@@ -128,7 +129,8 @@ tests=$!
 # each phase ends)
 left=$((${BUDGET_S:-540} - ($(date +%s) - T0)))
 timeout $((left + 15)) "$PY" -m benchmarks.gpu_serving run --state "$WORK/state" --out "$OUT" \
-    --budget-s $((left - 15)) ${PHASES:+--phases "$PHASES"} 2>&1 | grep -v "it/s]" \
+    --budget-s $((left - 15)) ${PHASES:+--phases "$PHASES"} ${GPU_SERVING_ARGS:-} 2>&1 \
+    | grep -v "it/s]" \
     | tee "$WORK/state/logs/run.log" | tail -60
 status=${PIPESTATUS[0]}
 wait "$tests"
