@@ -76,6 +76,7 @@ from benchmarks._gpu_serving_phases import (  # noqa: E402
     identity,
 )
 from benchmarks.gpu_plan import PHASES, load_timings  # noqa: E402
+from harness.pool import IDLE_REPUBLISH_S  # noqa: E402
 
 DECODE_GRAPH_BS = (1, 2, 4, 8, 16, 32, 64)
 MODEL_OF = {"identity": "small", "stock8b": "big", "plugin8b": "big"}
@@ -305,15 +306,22 @@ def run(a: argparse.Namespace) -> int:
                 bad += 1
                 rec = _failed(phase, exc)
             _write(a, rec, t0)
-        if later is not None:  # stock8b's second half
+        if later is not None:  # stock8b's second half, if what is left covers it
             srv, part, idle_since, start, ready = later
+            wait = max(0.0, IDLE_REPUBLISH_S - (time.monotonic() - idle_since))
+            left = a.budget_s - (time.monotonic() - t0)
             try:
+                if left < wait + needs["stock8b"]:
+                    raise TimeoutError(
+                        f"second half not started: {left:.0f} s left of --budget-s, it needs "
+                        f"{wait:.0f} s for SGLang's idle pool figure + {needs['stock8b']:.0f} s"
+                    )
                 rec = eight_b_measure(a, srv, part, idle_since)
                 rec["waited_for_servers_s"] = ready - start
                 rec["measured_s"] = time.monotonic() - ready  # plugin8b's time included
             except (Exception, SystemExit) as exc:
                 bad += 1
-                rec = _failed("stock8b", exc)
+                rec = {**part, **_failed("stock8b", exc)}  # the first half's readings kept
             _write(a, rec, t0)
     return bad
 

@@ -140,6 +140,46 @@ def _compaction_speed_gpu(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("gpu_serving", "gpu_serving.json")
+def _gpu_serving(data: list[dict[str, Any]]) -> list[list[str]]:
+    """The GPU serving run's figures against their bounds (`checks`); n/a: not measured."""
+    r = data[0]
+    figures = (
+        ("attention backend SGLang runs", r["backend"], "flashinfer", "flashinfer"),
+        ("decode CUDA graphs on", r["cuda_graphs"], "on", None),
+        ("identity: keep-only at ratio 1 vs stock", r["identity_outputs_equal"], "equal",
+         "identity_equal"),
+        ("idle decode, plugin / stock", r["idle_plugin_throughput_ratio"], ">= 0.97",
+         "idle_within_3pct"),
+        ("32k prefix KV slots, stock / compacted", r["prefix_slots_ratio"], ">= 8",
+         "prefix_slots_8x"),
+        ("decode step at 64 requests, compacted / stock", r["decode_step_ratio"], "<= 0.2",
+         "decode_step_0.2x"),
+    )  # fmt: skip
+    rows = [["figure", "measured", "bound", "met"]]
+    for name, value, bound, check in figures:
+        shown = "n/a" if value is None else (f"{value:.3g}" if isinstance(value, float) else
+                                             str(value))  # fmt: skip
+        met = r["checks"].get(check) if check else value
+        rows.append([name, shown, bound, "n/a" if met is None else ("yes" if met else "no")])
+    ident = r["details"].get("identity", {})
+    if "logprob_max_abs_diff" in ident:  # what the identity figure rests on
+        tol = ident["logprob_tolerance"]
+        ctrl = ident["control_mean_abs_diff"]
+        scored = ident["scores"]["stock"]
+        rows.insert(4, [
+            f"identity: largest log-prob shift, {len(scored)} x {len(scored[0])} tokens (nats)",
+            f"{ident['logprob_max_abs_diff']:.3g}",
+            f"<= {tol['abs']:g} and <= {tol['of_control']:g} x control ({ctrl:.3g})", "",
+        ])  # fmt: skip
+        rows.insert(5, [
+            "identity: scored requests served from the compacted prefix",
+            f"{ident['compacted_rows_scored']:.0f} / {ident['scored_requests']}",
+            "all", "",
+        ])  # fmt: skip
+    return rows
+
+
 @table("kernels", "kernels.json")
 def _kernels(data: list[dict[str, Any]]) -> list[list[str]]:
     res = data[0]["results"]

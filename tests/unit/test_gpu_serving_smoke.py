@@ -374,12 +374,13 @@ def test_a_phase_is_not_started_without_its_recorded_need(
     _no_servers(monkeypatch, tmp_path)
     monkeypatch.setattr(gs, "identity", lambda a, procs: _phase("identity"))
     state, out = tmp_path / "state", tmp_path / "out"
-    budget = need_s("identity") + 1  # identity fits; stock8b's need is over what is left
+    budget = need_s("identity") + 1  # identity fits; plugin8b's need is over what is left
+    assert need_s("plugin8b") > budget
     argv = ["run", "--cpu-smoke", "--state", str(state), "--out", str(out), "--budget-s"]
-    assert gs.main([*argv, str(budget), "--phases", "identity,stock8b"]) == 1
+    assert gs.main([*argv, str(budget), "--phases", "identity,plugin8b"]) == 1
     assert "error" not in json.loads((state / "identity.json").read_text())
-    err = json.loads((state / "stock8b.json").read_text())["error"]
-    assert err.startswith("not started:") and f"recorded need is {need_s('stock8b'):.0f} s" in err
+    err = json.loads((state / "plugin8b.json").read_text())["error"]
+    assert err.startswith("not started:") and f"recorded need is {need_s('plugin8b'):.0f} s" in err
 
 
 def test_identity_needs_the_scored_requests_served_from_the_compacted_prefix() -> None:
@@ -394,3 +395,27 @@ def test_identity_needs_the_scored_requests_served_from_the_compacted_prefix() -
     assert identity_verdict(True, 2 * LOGPROB_TOL, 1.0, rows_served=6, scored=6) is False
     assert identity_verdict(True, close, close, rows_served=6, scored=6) is False  # control
     assert identity_verdict(False, 0.0, 1.0, rows_served=0, scored=6) is None  # not installed
+
+
+def test_stock8b_second_half_needs_the_idle_figure_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stock8b's second half waits up to 32 s for SGLang's idle pool figure: without that time
+    left it is not started, and its record keeps the first half's readings."""
+    import time
+
+    from benchmarks import gpu_serving as gs
+
+    _no_servers(monkeypatch, tmp_path)
+    idle = {"decode_tokens_per_s": 1.0}
+    monkeypatch.setattr(
+        gs,
+        "eight_b_warm",
+        lambda a, srv, plugin: ({"phase": "stock8b", "idle": idle}, time.monotonic()),  # fmt: skip
+    )
+    state, out = tmp_path / "state", tmp_path / "out"
+    argv = ["run", "--cpu-smoke", "--state", str(state), "--out", str(out), "--budget-s", "40"]
+    assert gs.main([*argv, "--phases", "stock8b,plugin8b"]) == 1
+    rec = json.loads((state / "stock8b.json").read_text())
+    assert "second half not started" in rec["error"] and rec["idle"] == idle
+    assert json.loads((state / "plugin8b.json").read_text())["error"].startswith("not started")
