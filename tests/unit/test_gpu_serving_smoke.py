@@ -408,11 +408,10 @@ def test_stock8b_second_half_needs_the_idle_figure_time(
 
     _no_servers(monkeypatch, tmp_path)
     idle = {"decode_tokens_per_s": 1.0}
-    monkeypatch.setattr(
-        gs,
-        "eight_b_warm",
-        lambda a, srv, plugin: ({"phase": "stock8b", "idle": idle}, time.monotonic()),  # fmt: skip
-    )
+    def warm(a: Any, srv: Any, plugin: bool) -> tuple[dict[str, Any], float]:
+        return {"phase": "stock8b", "idle": idle}, time.monotonic()
+
+    monkeypatch.setattr(gs, "eight_b_warm", warm)
     state, out = tmp_path / "state", tmp_path / "out"
     argv = ["run", "--cpu-smoke", "--state", str(state), "--out", str(out), "--budget-s", "40"]
     assert gs.main([*argv, "--phases", "stock8b,plugin8b"]) == 1
