@@ -408,6 +408,7 @@ def test_stock8b_second_half_needs_the_idle_figure_time(
 
     _no_servers(monkeypatch, tmp_path)
     idle = {"decode_tokens_per_s": 1.0}
+
     def warm(a: Any, srv: Any, plugin: bool) -> tuple[dict[str, Any], float]:
         return {"phase": "stock8b", "idle": idle}, time.monotonic()
 
