@@ -38,7 +38,7 @@ test-fast: setup kvpress-venv
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy compactor sglang_ext kernels harness
+	$(VENV)/bin/mypy compactor sglang_ext compaction_kernels harness
 
 demo: setup
 	$(PY) -m harness.demo

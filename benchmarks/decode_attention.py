@@ -4,7 +4,7 @@ For each prefix length L (default 1k..128k) and batch size B it times one decode
 (``q [B, H_q, D]`` over B requests of L slots each, page size 1) for:
 
     flashinfer_stock   FlashInfer's stock BatchDecodeWithPagedKVCacheWrapper, no beta
-    triton_beta        kernels.biased_attention.triton paged decode, with beta (the plugin's)
+    triton_beta        compaction_kernels.biased_attention.triton paged decode, with beta (the plugin's)
     triton_beta_ragged the same kernel over the same entries per request, split unevenly over
                        the KV heads (head h keeps a share proportional to h + 1) and stored
                        ragged head by head: what a packed compacted prefix with per-head
@@ -90,7 +90,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     """Factories ``(pool, q) -> run`` for every kernel that can be built here."""
-    from kernels.biased_attention import triton as tri
+    from compaction_kernels.biased_attention import triton as tri
 
     def triton_beta(pool: dict[str, torch.Tensor], q: torch.Tensor) -> Callable[[], Any]:
         w = tri.BiasedPagedAttention()

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from compaction_kernels.biased_attention.reference import biased_attention_lse
 from compactor._boxqp import GramOps, box, fixed_work, nnls_data, pdas, polish
-from kernels.biased_attention.reference import biased_attention_lse
 
 __all__ = [
     "NNLS_SOLVERS",
@@ -309,7 +309,7 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention with a logit bias: out = softmax(q k' * sm_scale + beta) v.
 
-    A thin adapter over :func:`kernels.biased_attention.reference.biased_attention` (fp32,
+    A thin adapter over :func:`compaction_kernels.biased_attention.reference.biased_attention` (fp32,
     with the LSE) that folds the padding ``mask`` into beta.
 
     Args:

@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
     | tee -a "$OUT/gpu.txt"
 
 timeout 300 "${PYTEST[@]}" -m gpu \
-    tests/kernels tests/unit/test_sglang_ext_attention_triton.py \
+    tests/compaction_kernels tests/unit/test_sglang_ext_attention_triton.py \
     tests/unit/test_sglang_ext_cascade.py tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
 status=${PIPESTATUS[0]}
 

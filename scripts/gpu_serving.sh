@@ -121,7 +121,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$WOR
 # JIT comes first), stopped after GPU_TESTS_S (default 190) so that they are over before the
 # servers are ready and the first figure is read
 nice -n 10 timeout "${GPU_TESTS_S:-190}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/kernels tests/unit/test_sglang_ext_attention_triton.py \
+    tests/compaction_kernels tests/unit/test_sglang_ext_attention_triton.py \
     tests/unit/test_sglang_ext_cascade.py > "$WORK/state/logs/gpu_tests.log" 2>&1 &
 tests=$!
 

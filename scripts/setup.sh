@@ -41,6 +41,6 @@ if ! log="$("${PIP[@]}" install -q --no-deps -e . --config-settings editable_mod
   exit 1
 fi
 
-"$VENV/bin/python" -c "import torch, sglang, sgl_kernel, compactor, sglang_ext, kernels, harness"
+"$VENV/bin/python" -c "import torch, sglang, sgl_kernel, compactor, sglang_ext, compaction_kernels"
 echo "$want" > "$STAMP"
 echo "setup: done"

@@ -6,12 +6,12 @@ D head dim, S pool slots, R x W the `req_to_token` table. Request b owns table r
 q_b = `q_lens[b]` of them are its new tokens (decode: q_b = 1). New token i sits at position
 p_b + i (p_b = n_b - q_b) and sees entries [0, p_b + i], each with logit q.k * scale + beta.
 
-The kernels (`kernels/biased_attention/triton.py`, paged layout, page size 1) attend every
+The kernels (`compaction_kernels/biased_attention/triton.py`, paged layout, page size 1) attend every
 query of a kernel request to that request's whole KV set, so causality is built from the
 slot tables: the new tokens of b are cut into blocks of C = `causal_block` tokens and
     blocks    block j of b is one kernel request whose tokens share entries [0, p_b + jC);
     diagonal  token i of block j is one kernel request over entries [p_b + jC, p_b + i];
-the two partial results are merged by their LSE (`kernels/merge_state`). When every request
+the two partial results are merged by their LSE (`compaction_kernels/merge_state`). When every request
 has one new token (decode) a single call over the rows [0, n_b) does it all.
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.biased_attention._common import AttentionOutput
-from kernels.biased_attention.triton import BiasedPagedAttention
-from kernels.merge_state.triton import merge_state
+from compaction_kernels.biased_attention._common import AttentionOutput
+from compaction_kernels.biased_attention.triton import BiasedPagedAttention
+from compaction_kernels.merge_state.triton import merge_state
 
 __all__ = [
     "BatchPlan",

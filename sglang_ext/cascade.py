@@ -12,7 +12,7 @@ head; `sglang_ext.packing`) has the row
     [T, n_b)     its own tail, ending in its q_b new tokens;
 
 a plain request has none. Every new token sees the whole prefix, so the batch is
-attended as a cascade whose parts are merged by LSE (`kernels.merge_state`):
+attended as a cascade whose parts are merged by LSE (`compaction_kernels.merge_state`):
 
     prefix  one kernel request per node group (the requests whose rows start on the same
             N slots with the same (N, T)): all the group's new tokens are its queries and
@@ -36,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.biased_attention.triton import BiasedPagedAttention
-from kernels.merge_state.triton import merge_state
+from compaction_kernels.biased_attention.triton import BiasedPagedAttention
+from compaction_kernels.merge_state.triton import merge_state
 from sglang_ext.attention_triton import (
     Lengths,
     check_batch,

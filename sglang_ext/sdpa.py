@@ -1,7 +1,7 @@
 """Causal attention with a per-entry, per-KV-head logit bias (beta), in torch SDPA.
 
 The CPU path of the plugin (`sglang_ext.attention`) and the reference the Triton path is
-tested against: a layout adapter over `kernels.biased_attention.reference.biased_attention`
+tested against: a layout adapter over `compaction_kernels.biased_attention.reference.biased_attention`
 (which owns the maths). Free of SGLang imports, so the kernel tests run without it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.biased_attention.reference import biased_attention
+from compaction_kernels.biased_attention.reference import biased_attention
 
 __all__ = ["biased_sdpa"]
 

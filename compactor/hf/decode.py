@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from compaction_kernels.biased_attention.reference import attention_bias, biased_attention
 from compactor.hf.model import PrefillResult, _attn_modules, model_info, use_attention
 from compactor.hf.shared_prefix import SharedPrefixRows
 from compactor.types import CompactedPrefix
-from kernels.biased_attention.reference import attention_bias, biased_attention
 
 _GQA_SDPA = "compactor_gqa_sdpa"
 # Largest attention mask one forward call of a one-sequence PrefixState.forward builds
@@ -54,7 +54,7 @@ def _gqa_sdpa(
     query [B, H_q, q, D], key/value [B, H_kv, kv, D], float mask [B, 1|H_q, q, kv] (beta,
     padding and causal tail, from :func:`prefix_mask`) -> output [B, q, H_q, D] (the layout
     transformers' attention functions return). A layout adapter over
-    :func:`kernels.biased_attention.reference.biased_attention`.
+    :func:`compaction_kernels.biased_attention.reference.biased_attention`.
     """
     out = biased_attention(query, key, value, sm_scale=scaling, bias=attention_mask)
     return out.transpose(1, 2).contiguous(), None

@@ -7,9 +7,9 @@ query / KV heads, G = H_q // H_kv, D head dim, V vocabulary, R = B*G*q query row
 The prefix's keys / values [H_kv, S, D] and beta [H_kv, S] of each layer are shared by all
 rows, never expanded or copied per row; the transformers ``DynamicCache`` of a batch holds
 only the rows' own tokens, [B, H_kv, n, D] per layer. Each attention layer computes two
-partial results with :func:`kernels.biased_attention.reference.biased_attention`
+partial results with :func:`compaction_kernels.biased_attention.reference.biased_attention`
 (``biased_attention_lse``, fp32) and merges them by their log-sum-exp
-(:func:`kernels.merge_state.reference.merge_state`):
+(:func:`compaction_kernels.merge_state.reference.merge_state`):
 
 1. every row's queries against the prefix, beta as the logit bias (-inf on padding slots);
    the rows and the G query heads of a KV head are folded into one query dim
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from compaction_kernels.biased_attention.reference import attention_bias, biased_attention_lse
+from compaction_kernels.merge_state.reference import merge_state
 from compactor.hf.model import model_info, use_attention
-from kernels.biased_attention.reference import attention_bias, biased_attention_lse
-from kernels.merge_state.reference import merge_state
 
 __all__ = ["SharedPrefixRows", "shared_prefix_attention"]
 

@@ -15,7 +15,7 @@ COPY third_party/sgl-kernel-cpu/ third_party/sgl-kernel-cpu/
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
-COPY kernels/ kernels/
+COPY compaction_kernels/ compaction_kernels/
 RUN pip install --no-deps ./third_party/sgl-kernel-cpu . && compactor --version
 COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
 

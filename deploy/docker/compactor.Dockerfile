@@ -21,7 +21,7 @@ RUN pip install -r requirements/base.txt \
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
-COPY kernels/ kernels/
+COPY compaction_kernels/ compaction_kernels/
 RUN pip install --no-deps . && compactor --version
 COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
 

@@ -19,7 +19,7 @@ COPY third_party/sgl-kernel-cpu/ third_party/sgl-kernel-cpu/
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
-COPY kernels/ kernels/
+COPY compaction_kernels/ compaction_kernels/
 # The pure-torch sgl_kernel stand-in: CPU images only.
 RUN pip install --no-deps ./third_party/sgl-kernel-cpu . \
     && python -c "import sgl_kernel, sglang_ext, sglang.srt.server_args"

@@ -22,7 +22,7 @@ RUN pip install -r requirements/base.txt "$(grep '^sglang==' requirements/nodeps
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
-COPY kernels/ kernels/
+COPY compaction_kernels/ compaction_kernels/
 # The plugin registers through the sglang.srt.plugins entry point of this distribution.
 RUN pip install --no-deps . && python -c "import sglang_ext, sglang.srt.server_args"
 

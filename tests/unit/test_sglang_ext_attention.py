@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.biased_attention.reference import biased_attention_lse
+from compaction_kernels.biased_attention.reference import biased_attention_lse
 from sglang_ext.adapter.compacted_node import beta_store_of
 from sglang_ext.attention import PrefixPart, attend_rows, biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.biased_attention.triton import BiasedPagedAttention
-from kernels.merge_state.triton import merge_state
+from compaction_kernels.biased_attention.triton import BiasedPagedAttention
+from compaction_kernels.merge_state.triton import merge_state
 from sglang_ext.cascade import (
     CascadePlan,
     Prefixes,

@@ -3,7 +3,7 @@
 :func:`make_plan` reads the indptrs on the host once and decides the tiling (``BLOCK_M``
 packed query rows x ``BLOCK_N`` keys), the split-K factor and the per-tile request tables;
 :class:`AttentionPlan` carries that (device tensors included) to ``run()``. Shape legend:
-:mod:`kernels.biased_attention._common`.
+:mod:`compaction_kernels.biased_attention._common`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.biased_attention._common import check_indptr, default_sm_scale
+from compaction_kernels.biased_attention._common import check_indptr, default_sm_scale
 
 __all__ = ["AttentionPlan", "make_plan"]
 

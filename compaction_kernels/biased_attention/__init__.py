@@ -4,10 +4,10 @@ Backends, imported on demand (this package does not import triton):
     reference   torch, fp32, the truth (:mod:`.reference`)
     triton      Triton kernels, GPU or ``TRITON_INTERPRET=1`` on CPU (:mod:`.triton`)
 
-Shape legend and layouts: :mod:`kernels.biased_attention._common`.
+Shape legend and layouts: :mod:`compaction_kernels.biased_attention._common`.
 """
 
-from kernels.biased_attention._common import (
+from compaction_kernels.biased_attention._common import (
     AttentionOutput,
     PagedKV,
     RaggedKV,

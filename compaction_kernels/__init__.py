@@ -2,7 +2,7 @@
 
 Every op has a torch ``reference`` (fp32, the truth) and a Triton implementation. Importing
 this package does not import triton: pick a backend explicitly, e.g.
-``from kernels.biased_attention import triton`` or through :func:`get_backend`.
+``from compaction_kernels.biased_attention import triton`` or through :func:`get_backend`.
 
 Ops:
     biased_attention   attention with a per-key bias ``beta`` over ragged per-head KV
@@ -25,9 +25,9 @@ BACKENDS = {
 
 
 def get_backend(op: str, backend: str = "reference") -> ModuleType:
-    """Import and return ``kernels.<op>.<backend>`` (lazily: triton loads here)."""
+    """Import and return ``compaction_kernels.<op>.<backend>`` (lazily: triton loads here)."""
     if op not in BACKENDS:
         raise ValueError(f"unknown op {op!r}; known: {sorted(BACKENDS)}")
     if backend not in BACKENDS[op]:
         raise ValueError(f"op {op!r} has no backend {backend!r}; known: {BACKENDS[op]}")
-    return importlib.import_module(f"kernels.{op}.{backend}")
+    return importlib.import_module(f"compaction_kernels.{op}.{backend}")

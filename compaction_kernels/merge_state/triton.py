@@ -2,7 +2,7 @@
 
 Shape legend: n query tokens, H heads, D head dim; ``v_a, v_b [n, H, D]`` (any float
 dtype), ``s_a, s_b [n, H]`` fp32 natural-log LSE (-inf = empty side). Same maths as
-:mod:`kernels.merge_state.reference`; both sides -inf gives v = 0, s = -inf.
+:mod:`compaction_kernels.merge_state.reference`; both sides -inf gives v = 0, s = -inf.
 
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.biased_attention._common import AttentionOutput, check_triton_device
-from kernels.merge_state.reference import check_states
+from compaction_kernels.biased_attention._common import AttentionOutput, check_triton_device
+from compaction_kernels.merge_state.reference import check_states
 
 __all__ = ["merge_state"]
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from kernels import biased_attention
+from compaction_kernels import biased_attention
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,7 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and "tests/kernels" in str(item.fspath).replace(os.sep, "/"):
+        if "gpu" in item.keywords and "tests/compaction_kernels" in str(item.fspath).replace(
+            os.sep, "/"
+        ):
             item.add_marker(skip)
 
 

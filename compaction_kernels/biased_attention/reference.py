@@ -12,7 +12,7 @@ ragged/paged loops below, which the Triton kernels are tested against.
 :func:`attention_bias` builds the additive float mask (beta expanded to the query heads,
 causal tail) that the HF path also hands to transformers.
 
-Shape legend and layouts: see :mod:`kernels.biased_attention._common` (B requests, n query
+Shape legend and layouts: see :mod:`compaction_kernels.biased_attention._common` (B requests, n query
 tokens, H_q/H_kv heads with G = H_q // H_kv, D head dim, ragged ``indptr [B*H_kv+1]``
 int32 over ``keys/values [N, D]`` and ``beta [N]``; paged ``k_cache/v_cache [S, H_kv, D]``,
 ``beta_cache [S, H_kv]``, ``kv_indptr [B+1]``, ``kv_indices [nnz]``); m query rows and t
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from kernels.biased_attention._common import (
+from compaction_kernels.biased_attention._common import (
     AttentionOutput,
     PagedKV,
     RaggedKV,

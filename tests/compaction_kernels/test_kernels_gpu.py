@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels.biased_attention import ragged_to_paged
-from kernels.biased_attention import reference as ref
+from compaction_kernels.biased_attention import ragged_to_paged
+from compaction_kernels.biased_attention import reference as ref
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def _ragged(make_ragged, counts, seed=0):
 
 @pytest.mark.parametrize(("num_req", "max_len"), [(1, 131072), (4, 32768), (32, 4096)])
 def test_triton_decode_long_ragged(make_ragged, num_req, max_len):
-    from kernels.biased_attention import triton as tri
+    from compaction_kernels.biased_attention import triton as tri
 
     kv = _ragged(make_ragged, _counts(num_req, max_len, 1))
     q = torch.randn(num_req, H_Q, D, device="cuda", dtype=torch.bfloat16)
@@ -53,7 +53,7 @@ def test_triton_decode_long_ragged(make_ragged, num_req, max_len):
 
 
 def test_triton_extend_and_paged(make_ragged):
-    from kernels.biased_attention import triton as tri
+    from compaction_kernels.biased_attention import triton as tri
 
     kv = _ragged(make_ragged, _counts(3, 8192, 2), seed=2)
     qo = torch.tensor([0, 37, 38, 101], dtype=torch.int32, device="cuda")
@@ -67,8 +67,8 @@ def test_triton_extend_and_paged(make_ragged):
 
 
 def test_triton_merge_state_bf16():
-    from kernels.merge_state import reference as merge_ref
-    from kernels.merge_state import triton as merge_tri
+    from compaction_kernels.merge_state import reference as merge_ref
+    from compaction_kernels.merge_state import triton as merge_tri
 
     v_a, v_b = (torch.randn(64, H_Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     s_a, s_b = (torch.randn(64, H_Q, device="cuda") * 4 for _ in range(2))

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
-from kernels.biased_attention import reference as ref
-from kernels.merge_state import reference as merge_ref
+from compaction_kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
+from compaction_kernels.biased_attention import reference as ref
+from compaction_kernels.merge_state import reference as merge_ref
 
 D, H_KV, G = 64, 3, 3
 H_Q = H_KV * G
@@ -185,9 +185,9 @@ def test_merge_state_rejects_mismatched_shapes():
 def test_importing_kernels_loads_no_triton_flashinfer_or_project_code():
     # kernels is a leaf package: compactor and sglang_ext import it, never the reverse
     code = (
-        "import sys, kernels, kernels.biased_attention, kernels.merge_state\n"
-        "from kernels.biased_attention import reference\n"
-        "from kernels.merge_state import reference\n"
+        "import sys, kernels, compaction_kernels.biased_attention, compaction_kernels.merge_state\n"
+        "from compaction_kernels.biased_attention import reference\n"
+        "from compaction_kernels.merge_state import reference\n"
         "bad = [m for m in ('triton', 'flashinfer', 'compactor', 'sglang_ext') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

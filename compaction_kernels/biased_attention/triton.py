@@ -13,7 +13,7 @@ chunk of the KV segment (split-K / flash-decoding) and a second kernel merges th
 states by LSE. Decode is extend with one token per request; plan() picks splits so long
 prefixes with small batches still fill the GPU.
 
-Shape legend and layouts: :mod:`kernels.biased_attention._common` (B requests, n query
+Shape legend and layouts: :mod:`compaction_kernels.biased_attention._common` (B requests, n query
 tokens, H_q = G * H_kv, D, ragged ``indptr [B*H_kv+1]`` int32 over ``keys/values [N, D]``,
 ``beta [N]`` fp32; paged ``k_cache/v_cache [S, H_kv, D]``, ``beta_cache [S, H_kv]``,
 ``kv_indptr [B+1]``, ``kv_indices [nnz]`` int32).
@@ -30,7 +30,7 @@ from typing import TypedDict, Unpack
 import torch
 import triton
 
-from kernels.biased_attention._common import (
+from compaction_kernels.biased_attention._common import (
     AttentionOutput,
     PagedKV,
     RaggedKV,
@@ -44,8 +44,8 @@ from kernels.biased_attention._common import (
     decode_qo_indptr,
     ragged_pool,
 )
-from kernels.biased_attention._kernels import _biased_attn_fwd, _combine_splits
-from kernels.biased_attention._plan import AttentionPlan, make_plan
+from compaction_kernels.biased_attention._kernels import _biased_attn_fwd, _combine_splits
+from compaction_kernels.biased_attention._plan import AttentionPlan, make_plan
 
 __all__ = [
     "AttentionPlan",

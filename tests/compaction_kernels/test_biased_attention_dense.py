@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kernels.biased_attention.reference import (
+from compaction_kernels.biased_attention.reference import (
     attention_bias,
     biased_attention,
     biased_attention_lse,

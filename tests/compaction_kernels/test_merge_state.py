@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels.merge_state import reference as merge_ref
-from kernels.merge_state import triton as merge_tri
+from compaction_kernels.merge_state import reference as merge_ref
+from compaction_kernels.merge_state import triton as merge_tri
 
 
 def _states(seed):

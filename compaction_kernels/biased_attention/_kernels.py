@@ -1,4 +1,4 @@
-"""Triton JIT kernels behind :mod:`kernels.biased_attention.triton` (launch code lives there).
+"""Triton JIT kernels behind :mod:`compaction_kernels.biased_attention.triton` (launch code lives there).
 
 ``_biased_attn_fwd``: grid ``(tiles, H_kv, splits)``; a program loads ``BLOCK_M`` packed
 (query token, group q head) rows of one request, walks its KV head's chunk

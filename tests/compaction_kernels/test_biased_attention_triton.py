@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
-from kernels.biased_attention import reference as ref
-from kernels.biased_attention import triton as tri
-from kernels.merge_state import triton as merge_tri
+from compaction_kernels.biased_attention import PagedKV, RaggedKV, ragged_to_paged
+from compaction_kernels.biased_attention import reference as ref
+from compaction_kernels.biased_attention import triton as tri
+from compaction_kernels.merge_state import triton as merge_tri
 
 D, H_KV, G = 64, 3, 3
 H_Q = H_KV * G

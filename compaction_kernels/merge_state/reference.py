@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kernels.biased_attention._common import AttentionOutput
+from compaction_kernels.biased_attention._common import AttentionOutput
 
 __all__ = ["check_states", "merge_state"]
 
