@@ -226,8 +226,8 @@ def main() -> int:
     import torch
 
     from compactor import hf
+    from compactor.eval.niah import make_niah
     from compactor.models import resolve_model
-    from compactor.niah import make_niah
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.service.engine import auto_chunk_size
     from compactor.spec import CompactionSpec

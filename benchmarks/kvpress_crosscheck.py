@@ -220,8 +220,8 @@ def main() -> int:
         print("kvpress venv missing: run scripts/setup_kvpress_venv.sh", file=sys.stderr)
         return 2
     from compactor import hf
+    from compactor.eval.niah import make_niah
     from compactor.models import prepare_model
-    from compactor.niah import make_niah
 
     t0 = time.perf_counter()
     model_dir = prepare_model("smollm2-135m")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from compactor.budgets import head_budgets
+from compactor.head_budgets.curves import head_budgets
 from compactor.methods import SelectingMethod, get_method
 from compactor.solvers import attend
 

@@ -1,13 +1,21 @@
 """Compaction of shared-prefix KV caches (Attention Matching and friends).
 
 Importing this package has no side effects: no torch import, no torch thread changes, no
-model loading. The public surface below is imported lazily on first attribute access:
+model loading. The public surface below is imported lazily on first attribute access; the
+SGLang plugin (`sglang_ext`) uses nothing else of this package:
 
     CompactionSpec, QueryConfig       what a compaction computes (compactor.spec; torch-free)
-    CompactedPrefix, prefix_hash      the result and the prefix identity (compactor.types)
-    fingerprint                       a model directory's identity (compactor.models)
+    add_spec_args, add_field_args,    the spec as command-line flags (compactor.spec)
+    spec_from_args, field_values,
+    usage_error
+    CompactedPrefix, CompactedLayer,  the result and the prefix identity (compactor.types)
+    prefix_hash
+    fingerprint, resolve_checkpoint   a model directory's identity and location (compactor.models)
     CompactJob, run_compaction,       one compaction as the service runs it, and the model
     Worker                            replica that runs it (compactor.workers)
+    AsyncCompactorClient, TlsFiles    the service's client (compactor.client)
+    TokenFile, TOKEN_HEADER           the bearer token a client sends (compactor.service.auth)
+    max_result_bytes                  the largest valid result of a request (compactor.service.convert)
 """
 
 from __future__ import annotations
@@ -20,30 +28,65 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "CompactionSpec": "compactor.spec",
     "QueryConfig": "compactor.spec",
+    "add_field_args": "compactor.spec",
+    "add_spec_args": "compactor.spec",
+    "field_values": "compactor.spec",
+    "spec_from_args": "compactor.spec",
+    "usage_error": "compactor.spec",
+    "CompactedLayer": "compactor.types",
     "CompactedPrefix": "compactor.types",
     "prefix_hash": "compactor.types",
     "fingerprint": "compactor.models",
+    "resolve_checkpoint": "compactor.models",
     "CompactJob": "compactor.workers.job",
     "run_compaction": "compactor.workers.worker",
     "Worker": "compactor.workers.worker",
+    "AsyncCompactorClient": "compactor.client",
+    "TlsFiles": "compactor.client",
+    "TokenFile": "compactor.service.auth",
+    "TOKEN_HEADER": "compactor.service.auth",
+    "max_result_bytes": "compactor.service.convert",
 }
 
 __all__ = [
+    "TOKEN_HEADER",
+    "AsyncCompactorClient",
     "CompactJob",
+    "CompactedLayer",
     "CompactedPrefix",
     "CompactionSpec",
     "QueryConfig",
+    "TlsFiles",
+    "TokenFile",
     "Worker",
     "__version__",
+    "add_field_args",
+    "add_spec_args",
+    "field_values",
     "fingerprint",
+    "max_result_bytes",
     "prefix_hash",
+    "resolve_checkpoint",
     "run_compaction",
+    "spec_from_args",
+    "usage_error",
 ]
 
 if TYPE_CHECKING:
-    from compactor.models import fingerprint
-    from compactor.spec import CompactionSpec, QueryConfig
-    from compactor.types import CompactedPrefix, prefix_hash
+    from compactor.client import AsyncCompactorClient, TlsFiles
+    from compactor.models import fingerprint, resolve_checkpoint
+    from compactor.service.auth import TOKEN_HEADER, TokenFile
+    from compactor.service.convert import max_result_bytes
+    from compactor.spec import (
+        CompactionSpec,
+        QueryConfig,
+        add_field_args,
+        add_spec_args,
+        field_values,
+        spec_from_args,
+        usage_error,
+    )
+    from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
     from compactor.workers.job import CompactJob
     from compactor.workers.worker import Worker, run_compaction
 

@@ -1,7 +1,7 @@
 """The `compactor` command line: `compactor <command> [...]`; `compactor -h` lists commands.
 
 A command's argument checks (the compaction spec, input files, the model name) raise
-:class:`~compactor.spec_args.UsageError` before any model is loaded: it is printed as one
+:class:`~compactor.spec.cli_args.UsageError` before any model is loaded: it is printed as one
 ``compactor <command>: error: <why>`` line on stderr and the exit status is 2 (as argparse
 does for its own errors). Any other exception keeps its traceback.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from compactor import __version__
 from compactor.commands import COMMANDS
-from compactor.spec_args import UsageError
+from compactor.spec.cli_args import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:

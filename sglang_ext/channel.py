@@ -163,7 +163,7 @@ def check_channel(
     ):
         _check_file(flag, path)
     if token_file is not None:
-        from compactor.service.auth import TokenFile
+        from compactor import TokenFile
 
         try:
             TokenFile(token_file).read()

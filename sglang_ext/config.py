@@ -12,8 +12,9 @@ import argparse
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
-from compactor.spec import CompactionSpec, QueryConfig
-from compactor.spec_args import (
+from compactor import (
+    CompactionSpec,
+    QueryConfig,
     add_field_args,
     add_spec_args,
     field_values,
@@ -38,7 +39,7 @@ ATTENTION_BACKEND = "compaction"
 # The backend `compaction` wraps on CPU when --attention-backend is unset (the engine this
 # project serves on there; SGLang's own CPU default would be intel_amx).
 CPU_INNER_BACKEND = "torch_native"
-# The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec_args).
+# The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec.cli_args).
 SPEC_PREFIX = "compaction-"
 # The plugin's defaults. Reference queries: the sharing requests' questions with the model's
 # own answers, chosen on questions the fit never saw (benchmarks/next_question.py, 3 needle +
@@ -69,7 +70,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def _flag(flag: str, help: str, kind: str = "int", **extra: Any) -> dict[str, Any]:
-    """Field metadata making the flag ``--compaction-<flag>`` (``compactor.spec_args.
+    """Field metadata making the flag ``--compaction-<flag>`` (``compactor.spec.cli_args.
     add_field_args``: argparse's own metavar, no default in the help). Optional: `parse`
     (text -> value), `at_least` / `above` (the bound `__post_init__` checks) and `limits`
     (the group named in that error)."""
@@ -96,7 +97,7 @@ class CompactionConfig:
     and bound live in the field (`_setting`); `add_cli_args` generates the flags, and
     `config_from_namespace` reads them back, from these fields. `spec` (what every
     compaction computes; checked when SGLang parses its arguments) has one flag per knob
-    (``compactor.spec_args``). The gRPC channel options `tls` .. `insecure`
+    (``compactor.spec.cli_args``). The gRPC channel options `tls` .. `insecure`
     are flags of ``sglang_ext.channel`` (checked at startup there); `token` is set from
     ``$SGLANG_COMPACTION_TOKEN`` (never a flag) and masked in repr and as_dict, and
     `token_file` is re-read by the compactor when the file changes.
@@ -283,7 +284,7 @@ def _check_bound(f: Field[Any], value: Any) -> None:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add the `--compaction-*` flags to SGLang's parser (mutates `parser`): the endpoint,
-    one flag per spec knob (``compactor.spec_args``, defaults PLUGIN_SPEC), the serving
+    one flag per spec knob (``compactor.spec.cli_args``, defaults PLUGIN_SPEC), the serving
     settings (generated from CompactionConfig's fields) and the channel options."""
     g = parser.add_argument_group("compaction (sglang_ext plugin)")
     add_field_args(g, CompactionConfig, SPEC_PREFIX, fields=["endpoint"])

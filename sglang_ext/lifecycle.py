@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
-from compactor.types import CompactedPrefix, prefix_hash
+from compactor import CompactedPrefix, prefix_hash
 from sglang_ext.guard import HookGuard
 from sglang_ext.installer import PendingInstall, budget_of, fmt, original_bounds
 from sglang_ext.kv_store import BetaStore, head_counts
@@ -36,8 +36,8 @@ from sglang_ext.prefix_tree import CompactionInfo, N, TreeOps
 from sglang_ext.trigger import CompactionTrigger
 
 if TYPE_CHECKING:
-    from sglang_ext.compactors import PoolShape
     from sglang_ext.config import CompactionConfig
+    from sglang_ext.pool_shape import PoolShape
     from sglang_ext.tp import TpSync
 
 __all__ = ["InstallLifecycle"]

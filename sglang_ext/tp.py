@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from compactor.types import CompactedLayer, CompactedPrefix
+from compactor import CompactedLayer, CompactedPrefix
 from sglang_ext.trigger import CompactionTrigger, Submission
 
 __all__ = [

@@ -7,7 +7,7 @@ masks), softmax over the keys a query sees, and the natural-log LSE of those log
 (explicit fp32, with the LSE) are the op on dense, batched, per-head tensors (GQA, causal
 tail, float mask); everything else in the project that computes biased attention in torch
 calls them: the solvers (``compactor.solvers.attend``), the plugin's CPU path
-(``sglang_ext.sdpa.biased_sdpa``), the HF decode paths (``compactor.hf``) and the
+(``sglang_ext.attention.sdpa.biased_sdpa``), the HF decode paths (``compactor.hf``) and the
 ragged/paged loops below, which the Triton kernels are tested against.
 :func:`attention_bias` builds the additive float mask (beta expanded to the query heads,
 causal tail) that the HF path also hands to transformers.

@@ -1,7 +1,7 @@
 """Arguments and helpers shared by the `compactor` subcommands.
 
 Argument problems found before any model is loaded (a bad spec knob, a missing input file,
-an unknown model) raise :class:`~compactor.spec_args.UsageError`: `compactor.cli` prints it
+an unknown model) raise :class:`~compactor.spec.cli_args.UsageError`: `compactor.cli` prints it
 as one ``compactor <command>: error: ...`` line and exits 2.
 """
 
@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compactor.spec_args import UsageError
+from compactor.spec.cli_args import UsageError
 
 if TYPE_CHECKING:
     from compactor.spec import CompactionSpec

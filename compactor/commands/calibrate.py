@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compresskv",
         help="Semantic-Retrieval-Head scores + per-layer errors, saved next to the model",
         description=(
-            "Run single-needle cases (compactor.niah) through the model teacher-forced with the "
+            "Run single-needle cases (compactor.eval.niah) through the model teacher-forced with the "
             "right answer; score each query head by the attention mass it puts on the answer "
             "span while the model predicts correct answer tokens, and each layer by its "
             "normalized attention-output error under a minimal budget. Writes "
@@ -36,7 +36,7 @@ def _compresskv(args: argparse.Namespace) -> int:
     import torch
 
     from compactor import hf
-    from compactor.calibrate import calibrate_compresskv, save_calibration
+    from compactor.head_budgets.compresskv_calibration import calibrate_compresskv, save_calibration
     from compactor.models import resolve_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

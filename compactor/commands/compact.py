@@ -14,7 +14,7 @@ from compactor.commands._common import (
     read_lines,
     require_file,
 )
-from compactor.spec_args import add_spec_args, spec_from_args
+from compactor.spec.cli_args import add_spec_args, spec_from_args
 
 HELP = "compact a text prefix into a .safetensors CompactedPrefix"
 

@@ -17,7 +17,7 @@ from compactor.commands._common import (
     require_file,
 )
 from compactor.spec import CompactionSpec
-from compactor.spec_args import add_spec_args, spec_from_args
+from compactor.spec.cli_args import add_spec_args, spec_from_args
 
 DEFAULT_QUESTIONS = (
     "\n\nQuestion: What is the text above about?\nAnswer:",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from compactor.commands._common import require_file
 from compactor.spec import CompactionSpec, QueryConfig
-from compactor.spec_args import add_spec_args, spec_from_args, usage_error
+from compactor.spec.cli_args import add_spec_args, spec_from_args, usage_error
 
 # The request's defaults: the spec's, with repeat-prefill queries only and budget auto
 # (neither --ratio nor --tokens: the server's auto ratio).

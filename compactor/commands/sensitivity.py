@@ -15,7 +15,7 @@ import sys
 
 from compactor.commands._common import add_model_args, add_progress_arg, parse_floats
 from compactor.spec import CompactionSpec, QueryConfig
-from compactor.spec_args import add_spec_args, spec_from_args
+from compactor.spec.cli_args import add_spec_args, spec_from_args
 
 # What is measured by default: am-highest fitted to repeat-prefill queries (the budget,
 # chunking, policy and head budgets of the spec are not used).
@@ -62,9 +62,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from compactor import hf
-    from compactor.budgets import save_sensitivity_json, sensitivity_path
+    from compactor.head_budgets.curves import save_sensitivity_json, sensitivity_path
+    from compactor.head_budgets.sensitivity import (
+        check_fractions,
+        measure_sensitivity,
+        sensitivity_case,
+    )
     from compactor.models import ModelNotAvailableError, resolve_model
-    from compactor.sensitivity import check_fractions, measure_sensitivity, sensitivity_case
 
     try:
         spec = spec_from_args(args)  # unknown method / parameter: fail before loading

@@ -14,8 +14,8 @@ import signal
 import socket
 from pathlib import Path
 
-from compactor.limits import WorkLimits
 from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
+from compactor.spec.limits import WorkLimits
 
 log = logging.getLogger("compactor.serve")
 

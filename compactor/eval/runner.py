@@ -58,7 +58,7 @@ def make_niah_cases(
     Each case gets its needle questions (scored) plus one open question (unscored) so the
     held-out future tokens include free-form text about the document.
     """
-    from compactor.niah import make_niah, question_text
+    from compactor.eval.niah import make_niah, question_text
 
     generic = question_text(tokenizer, "What is the text above about? Describe it in detail.")
     cases = []

@@ -5,25 +5,31 @@
     result = method.compact(LayerInput(keys, values, queries, budgets))  # .layer, .report
     layer = method.compact_layer(keys, values, queries, budgets)  # the same layer
 
-Importing this package imports no method module; :func:`get_method` does on demand.
+Every method's name is in one table (:data:`METHODS`, :mod:`.registry`); importing this
+package imports no method module: :func:`get_method` / :func:`method_class` do on demand.
 """
 
 from compactor.methods.base import (
     CompactionMethod,
     LayerInput,
-    MethodInfo,
     MethodResult,
     Picked,
     ScoreMethod,
     SelectingMethod,
     Selection,
+)
+from compactor.methods.registry import (
+    METHODS,
+    MethodInfo,
     describe_methods,
     get_method,
     list_methods,
+    method_class,
     register_method,
 )
 
 __all__ = [
+    "METHODS",
     "CompactionMethod",
     "LayerInput",
     "MethodInfo",
@@ -35,5 +41,6 @@ __all__ = [
     "describe_methods",
     "get_method",
     "list_methods",
+    "method_class",
     "register_method",
 ]

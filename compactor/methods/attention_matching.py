@@ -32,11 +32,10 @@ from compactor.methods.base import (
     ScoreMethod,
     SelectingMethod,
     Selection,
-    get_method,
-    register_method,
     topk_selection,
 )
 from compactor.methods.refit import Targets
+from compactor.methods.registry import get_method, register_method
 
 __all__ = [
     "AMOMP",

@@ -1,4 +1,4 @@
-"""Method registry, the method base classes, and the one input/result types of a layer.
+"""The method base classes, and the one input/result types of a layer.
 
 Shape legend: T prefix tokens, t kept (t_max = max over heads), n reference queries,
 H_q/H_kv heads, D head dim, indptr [H_kv+1] int32.
@@ -6,10 +6,8 @@ H_q/H_kv heads, D head dim, indptr [H_kv+1] int32.
 Device: methods compute on the device of the keys they are given (CPU or CUDA) and return
 their CompactedLayer there; every tensor they allocate follows an input's device.
 
-A method is a ``@dataclass`` of hyper-parameters registered by name with
-:func:`register_method`; :func:`get_method` builds one, importing the module that
-defines it on first use (modules under ``compactor.methods`` are discovered lazily).
-Methods are stateless: :meth:`CompactionMethod.compact` takes a :class:`LayerInput` and
+A method is a ``@dataclass`` of hyper-parameters, named in the one table of
+:mod:`compactor.methods.registry` (which builds them). Methods are stateless: :meth:`CompactionMethod.compact` takes a :class:`LayerInput` and
 returns a :class:`MethodResult` (the layer + a report dict); nothing is stored on the method.
 
 Class hierarchy (each level has exactly one abstract method, taking only a LayerInput):
@@ -24,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
-import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, final
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 
 import torch
 
@@ -44,121 +40,17 @@ if TYPE_CHECKING:
 __all__ = [
     "CompactionMethod",
     "LayerInput",
-    "MethodInfo",
     "MethodResult",
-    "ParamInfo",
     "Picked",
     "RefitSpec",
     "ScoreMethod",
     "SelectingMethod",
     "Selection",
     "check_layer_inputs",
-    "describe_methods",
-    "get_method",
-    "list_methods",
     "pack_layer",
-    "register_method",
     "resolve_sm_scale",
     "topk_selection",
 ]
-
-_REGISTRY: dict[str, type[CompactionMethod]] = {}
-# Known names -> defining module, so the common case imports exactly one module.
-_BUILTIN: dict[str, str] = {
-    "am-highest": "compactor.methods.attention_matching",
-    "am-omp": "compactor.methods.attention_matching",
-    "am-omp-fast": "compactor.methods.attention_matching",
-    "keep-only": "compactor.methods.attention_matching",
-}
-
-M = TypeVar("M", bound="type[CompactionMethod]")
-
-
-def register_method(name: str) -> Callable[[M], M]:
-    """Class decorator: register a CompactionMethod dataclass under ``name``."""
-
-    def deco(cls: M) -> M:
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"method {cls.__name__} must be a @dataclass")
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"method name {name!r} already registered by {existing.__name__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def get_method(name: str, **params: Any) -> CompactionMethod:
-    """Build the method registered as ``name`` with hyper-parameters ``params``.
-
-    Raises ValueError for an unknown name, an unknown parameter, or a bad value.
-    """
-    cls = _lookup(name)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(params) - fields)
-    if unknown:
-        raise ValueError(f"method {name!r} has no parameter(s) {unknown}; known: {sorted(fields)}")
-    return cls(**params)
-
-
-def list_methods() -> list[str]:
-    """Names of all available methods (imports the method modules to discover them)."""
-    _discover()
-    return sorted(set(_REGISTRY) | set(_BUILTIN))
-
-
-class ParamInfo(NamedTuple):
-    """One hyper-parameter: its name, its annotated type (as written) and default
-    (``required`` when it has none)."""
-
-    name: str
-    type: str
-    default: Any
-    required: bool = False
-
-
-class MethodInfo(NamedTuple):
-    """A registered method: name, one line of doc, parameters, whether it picks a key
-    subset (``selects``) and whether it needs a LayerContext (``needs_context``)."""
-
-    name: str
-    doc: str
-    params: tuple[ParamInfo, ...]
-    selects: bool
-    needs_context: bool
-
-
-def describe_methods(names: Sequence[str] | None = None) -> list[MethodInfo]:
-    """MethodInfo of every registered method (or of ``names``; ValueError if unknown),
-    read from the dataclasses: their init fields and the first paragraph of their doc."""
-    out = []
-    for name in list_methods() if names is None else names:
-        cls = _lookup(name)
-        params = []
-        for f in dataclasses.fields(cls):
-            if not f.init:
-                continue
-            if f.default is not dataclasses.MISSING:
-                default, required = f.default, False
-            elif f.default_factory is not dataclasses.MISSING:
-                default, required = f.default_factory(), False
-            else:
-                default, required = None, True
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            params.append(ParamInfo(f.name, kind, default, required))
-        doc = (cls.__doc__ or "").strip().split("\n\n")[0]
-        out.append(
-            MethodInfo(
-                name,
-                " ".join(doc.split()),
-                tuple(params),
-                issubclass(cls, SelectingMethod),
-                cls.needs_context,
-            )
-        )
-    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -385,25 +277,3 @@ def check_layer_inputs(
         if not 1 <= x <= T:
             raise ValueError(f"budget of head {h} is {x}; must be in [1, T={T}]")
     return b
-
-
-# ---- private helpers -------------------------------------------------------------------
-
-
-def _lookup(name: str) -> type[CompactionMethod]:
-    if name not in _REGISTRY and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-    if name not in _REGISTRY:
-        _discover()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown compaction method {name!r}; available: {list_methods()}")
-    return _REGISTRY[name]
-
-
-def _discover() -> None:
-    """Import every module of compactor.methods (they register themselves)."""
-    import compactor.methods as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("_") and info.name != "base":
-            importlib.import_module(f"{pkg.__name__}.{info.name}")

@@ -29,14 +29,8 @@ from compactor.methods._scoring import (
     global_topk_budgets,
     topk_selection,
 )
-from compactor.methods.base import (
-    LayerInput,
-    Picked,
-    ScoreMethod,
-    SelectingMethod,
-    Selection,
-    register_method,
-)
+from compactor.methods.base import LayerInput, Picked, ScoreMethod, SelectingMethod, Selection
+from compactor.methods.registry import register_method
 
 __all__ = ["H2O", "KVzip", "SnapKV", "StreamingLLM", "snapkv_scores"]
 

@@ -29,8 +29,9 @@ from typing import ClassVar
 import torch
 
 from compactor.methods._scoring import RefitOption, check_positive_int
-from compactor.methods.base import LayerInput, Picked, SelectingMethod, Selection, register_method
+from compactor.methods.base import LayerInput, Picked, SelectingMethod, Selection
 from compactor.methods.context import LayerContext, apply_rope, rope_cos_sin
+from compactor.methods.registry import register_method
 
 __all__ = ["GVote", "nucleus_size"]
 

@@ -67,15 +67,9 @@ from compactor.methods._scoring import (
     global_topk_budgets,
     topk_selection,
 )
-from compactor.methods.base import (
-    LayerInput,
-    Picked,
-    RefitSpec,
-    ScoreMethod,
-    register_method,
-    resolve_sm_scale,
-)
+from compactor.methods.base import LayerInput, Picked, RefitSpec, ScoreMethod, resolve_sm_scale
 from compactor.methods.context import LayerBudgetPlanner, PlannerInput
+from compactor.methods.registry import register_method
 
 __all__ = ["REFIT_VALUES", "KVCompress", "kv_compress_scores", "round_layer_shares"]
 

@@ -29,8 +29,9 @@ from compactor.methods._scoring import (
     check_positive_int,
     group_view,
 )
-from compactor.methods.base import LayerInput, ScoreMethod, register_method, resolve_sm_scale
+from compactor.methods.base import LayerInput, ScoreMethod, resolve_sm_scale
 from compactor.methods.context import LayerBudgetPlanner, PlannerInput
+from compactor.methods.registry import register_method
 
 __all__ = ["KVCompose", "kvcompose_scores"]
 

@@ -4,7 +4,7 @@ Shape legend: T prefix tokens, s sink tokens, t_h kept entries of KV head h (sin
 included), n reference queries, H_kv KV heads, D head dim.
 
 Stages (one module each): :mod:`.inputs` (prefill, query plan, off-policy queries, the
-``reuse`` cache), :mod:`.budgets` (uniform / sensitivity / per-layer planned budgets per
+``reuse`` cache), :mod:`.budget_plan` (uniform / sensitivity / per-layer planned budgets per
 layer and chunk), :mod:`.target` (``spec.target_error``: the ratio chosen by held-out
 error, then a refit), :mod:`.layers` (the layer loop: chunks, sinks, on-policy stream),
 :mod:`.timing` (StageTimes and the wall/CPU stopwatch).
@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from compactor import hf
-from compactor.pipeline.budgets import BudgetPlan, head_budget_curves, plan_budgets, split_budget
+from compactor.pipeline.budget_plan import (
+    BudgetPlan,
+    head_budget_curves,
+    plan_budgets,
+    split_budget,
+)
 from compactor.pipeline.inputs import prepare_inputs, resolve_fingerprint
 from compactor.pipeline.layers import assemble_layer, compact_layers
 from compactor.pipeline.target import RatioChoice, choose_ratio

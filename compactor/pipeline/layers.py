@@ -25,7 +25,7 @@ import torch
 
 from compactor import hf
 from compactor.methods import LayerInput
-from compactor.pipeline.budgets import BudgetPlan
+from compactor.pipeline.budget_plan import BudgetPlan
 from compactor.pipeline.inputs import Inputs
 from compactor.pipeline.timing import Stopwatch
 from compactor.queries import pool_queries

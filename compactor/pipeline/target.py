@@ -11,7 +11,7 @@ error of the held-out queries against the full prefix:
 
     err(r) = mean_l mean_h mean_q ||o_c(q) - o(q)|| / ||o(q)||
 
-(``compactor.eval.metrics.attention_errors``' ``output_rel_err``: over the prefix block, so
+(``compactor.attention_errors.attention_errors``' ``output_rel_err``: over the prefix block, so
 it is what decides the whole attention with the new tokens added; see
 ``compactor.pipeline``), the held-out queries being recorded on the full prefix: one cheap
 attention per layer, no extra forward pass. The smallest candidate with err <= target is
@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.pipeline.budgets import plan_budgets
+from compactor.attention_errors import attention_errors
+from compactor.pipeline.budget_plan import plan_budgets
 from compactor.pipeline.inputs import Inputs
 from compactor.pipeline.layers import compact_layers
 from compactor.pipeline.timing import Stopwatch
@@ -136,8 +137,6 @@ def held_out_error(
     """Mean over layers and KV heads of the relative attention-output error of `queries`
     ({layer: [H_kv, n, D]}) on the compacted `layers` vs the full prefix (`keys`, `values`:
     per layer [H_kv, T, D])."""
-    from compactor.eval.metrics import attention_errors  # not at import: eval imports us
-
     errs = [
         attention_errors(queries[li], keys[li].float(), values[li].float(), layer, sm_scale)
         .output_rel_err.mean()

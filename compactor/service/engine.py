@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from compactor.limits import WorkLimits
 from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
+from compactor.spec.limits import WorkLimits
 from compactor.types import CompactedPrefix, dtype_from_name, prefix_hash
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch, QueueFull
@@ -55,10 +55,10 @@ def auto_chunk_size(spec: CompactionSpec, num_tokens: int, limit: int | None) ->
         return spec.chunk_size
     if spec.head_budgets != "uniform":
         return None
-    from compactor.methods import get_method
+    from compactor.methods import method_class
     from compactor.methods.context import LayerBudgetPlanner
 
-    if isinstance(get_method(spec.method, **spec.method_params), LayerBudgetPlanner):
+    if issubclass(method_class(spec.method), LayerBudgetPlanner):
         return None
     return limit
 

@@ -6,8 +6,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from compactor.limits import WorkLimits
 from compactor.spec import DEFAULT_AUTO_RATIO, HEAD_BUDGET_CHOICES, CompactionSpec, SpecError
+from compactor.spec.limits import WorkLimits
 from compactor.types import CompactedPrefix, prefix_hash
 from compactor.workers.errors import InvalidRequest
 

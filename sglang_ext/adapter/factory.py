@@ -99,10 +99,12 @@ def create_compaction_cache(ctx: Any, *, verify: Callable[[], None]) -> Any:
             model/cache layout the plugin does not serve (hybrid SWA/SSM, paging), or the
             checkpoint cannot be found or fingerprinted (see `resolve_model_dir`).
     """
-    from compactor.models import fingerprint
+    from compactor import fingerprint
     from sglang_ext.adapter.radix_cache import CompactionRadixCache
-    from sglang_ext.compactors import CompactionRunner, PoolShape, make_compactor
+    from sglang_ext.clients import make_compactor
     from sglang_ext.metrics import PrometheusExporter
+    from sglang_ext.pool_shape import PoolShape
+    from sglang_ext.runner import CompactionRunner
 
     verify()  # done at configure_logger already, unless that hook is missing
     cfg = get_config(ctx.server_args)
@@ -170,7 +172,7 @@ def resolve_model_dir(server_args: Any) -> Path:
     Raises:
         ValueError: not a directory, and no snapshot in the cache (names where it looked).
     """
-    from compactor.models import resolve_checkpoint
+    from compactor import resolve_checkpoint
 
     return resolve_checkpoint(
         str(server_args.model_path),
@@ -190,7 +192,7 @@ def check_model(server_args: Any) -> str | None:
         ValueError: the checkpoint has no config.json or no weight file SGLang loads, or it is
             a Hub ID missing from the cache with HF_HUB_OFFLINE set.
     """
-    from compactor.models import fingerprint
+    from compactor import fingerprint
 
     if not getattr(server_args, "model_path", None):
         return None

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from compactor.types import CompactedPrefix
+from compactor import CompactedPrefix
 from sglang_ext.adapter.compacted_node import (
     CompactionInfo,
     beta_store_of,
@@ -59,12 +59,12 @@ from sglang_ext.adapter.compacted_node import (
     physical_size,
 )
 from sglang_ext.adapter.tree_ops import RadixTreeOps
-from sglang_ext.compactors import PoolShape
 from sglang_ext.config import CompactionConfig
 from sglang_ext.guard import HookGuard
 from sglang_ext.kv_store import BetaStore
 from sglang_ext.lifecycle import InstallLifecycle
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
+from sglang_ext.pool_shape import PoolShape
 from sglang_ext.trigger import CompactionTrigger
 
 __all__ = ["CompactionInfo", "CompactionRadixCache"]

@@ -49,7 +49,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.adapter.compacted_node import beta_store_of, compacted_ancestor
-from sglang_ext.attention import PrefixPart, attend_rows
+from sglang_ext.attention.rows import PrefixPart, attend_rows
 from sglang_ext.config import ATTENTION_BACKEND
 from sglang_ext.kv_store import BetaStore
 from sglang_ext.packing import PackedLayout
@@ -320,7 +320,12 @@ class CompactionBackend(AttentionBackend):
                 [None if p is None else parts[id(p)] for p in batch.prefixes], layer.scaling,
             )  # fmt: skip
             return out.reshape(-1, h_q * dim)
-        from sglang_ext.cascade import PrefixPlans, plan_cascade, run_cascade, stack_groups
+        from sglang_ext.attention.cascade import (
+            PrefixPlans,
+            plan_cascade,
+            run_cascade,
+            stack_groups,
+        )
 
         key = (layer.scaling, h_q, h_kv, dim)
         plan = batch.plans.get(key)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def loaded(prepared_model: Path):
     torch.set_num_threads(1)
     model, tok = hf.load_model(prepared_model)
-    from compactor.niah import make_niah
+    from compactor.eval.niah import make_niah
 
     case = make_niah(tok, 256, "single", seed=1)
     ids = tok(case.prefix, add_special_tokens=False)["input_ids"]
@@ -59,7 +59,7 @@ def test_gvote_and_baselines_on_real_layers(loaded) -> None:
 
 
 def test_compresskv_calibration_and_selection(loaded, tmp_path: Path) -> None:
-    from compactor.calibrate import calibrate_compresskv
+    from compactor.head_budgets.compresskv_calibration import calibrate_compresskv
 
     model, tok, ids, pre, _ = loaded
     data = calibrate_compresskv(model, tok, num_cases=2, num_tokens=192)

@@ -15,7 +15,7 @@ import torch
 
 from compactor import hf
 from compactor.cli import main as cli_main
-from compactor.niah import make_niah
+from compactor.eval.niah import make_niah
 from compactor.pipeline import Hooks, compact_prefix
 from compactor.spec import CompactionSpec, QueryConfig
 

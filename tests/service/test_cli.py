@@ -131,7 +131,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("command", ["compact", "request"])
 def test_cli_flags_cover_every_spec_knob(command: str) -> None:
     """The spec's flags are generated: the CLI and the plugin cannot drift from the spec."""
-    from compactor.spec_args import spec_flags
+    from compactor.spec.cli_args import spec_flags
 
     options = _subparser(command)._option_string_actions
     for path, flag in spec_flags().items():
@@ -141,7 +141,7 @@ def test_cli_flags_cover_every_spec_knob(command: str) -> None:
 
 def test_plugin_flags_cover_every_spec_knob() -> None:
     from compactor.spec import spec_fields
-    from compactor.spec_args import spec_flags
+    from compactor.spec.cli_args import spec_flags
     from sglang_ext.config import add_cli_args
 
     parser = argparse.ArgumentParser()
@@ -159,7 +159,7 @@ def test_plugin_flags_cover_every_spec_knob() -> None:
 
 def test_cli_spec_defaults_are_the_spec_defaults() -> None:
     from compactor.spec import CompactionSpec
-    from compactor.spec_args import spec_from_args
+    from compactor.spec.cli_args import spec_from_args
 
     ns = _subparser("compact").parse_args(
         ["--model", "m", "--input", "i", "--output", "o", "--ratio", "0.2"]

@@ -248,7 +248,7 @@ def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp
     with INVALID_ARGUMENT naming the field and the cap; GetModelInfo lists the caps."""
     from dataclasses import replace
 
-    from compactor.limits import WorkLimits
+    from compactor.spec.limits import WorkLimits
 
     busy = _metric(server, "compactor_requests_total", status="OK")
     with CompactorClient(f"127.0.0.1:{server.port}") as c:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compactor.budgets import (
+from compactor.head_budgets.curves import (
     SensitivityCurves,
     allocate,
     head_budgets,
@@ -58,7 +58,7 @@ def test_allocate_moves_budget_to_sensitive_heads_and_keeps_total():
     assert b[0][0] > 100 and all(x < 100 for x in (b[0][1], b[1][0], b[1][1]))
 
     def total_err(bs):
-        from compactor.budgets import _interp
+        from compactor.head_budgets.curves import _interp
 
         xs = [0.0, *c.fractions, 1.0]
         out = 0.0

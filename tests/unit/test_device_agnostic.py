@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from compactor import hf
-from compactor.budgets import sensitivity_curve
+from compactor.head_budgets.curves import sensitivity_curve
 from compactor.methods import CompactionMethod, LayerInput, get_method, list_methods
 from compactor.methods.compresskv import layer_budgets
 from compactor.methods.context import LayerContext

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from compactor.spec import CompactionSpec
-from sglang_ext.compactors import PoolShape, echo_check
+from sglang_ext.pool_shape import PoolShape, echo_check
 from tests.unit.test_result_bounds import make_prefix
 
 

@@ -16,10 +16,10 @@ pytest.importorskip("sglang")
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-from sglang_ext.compactors import JobResult
 from sglang_ext.guard import BREAKER_AFTER, HookGuard
 from sglang_ext.installer import PendingInstall
 from sglang_ext.metrics import CompactionStats
+from sglang_ext.runner import JobResult
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     POOL,
     FakeRunner,

@@ -1,4 +1,4 @@
-"""compactor.limits.WorkLimits: every knob that scales a worker's work has a cap, checked
+"""compactor.spec.limits.WorkLimits: every knob that scales a worker's work has a cap, checked
 before any work is queued, with a message naming the field, its value and the flag."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from compactor.limits import WorkLimits
 from compactor.spec import CompactionSpec, QueryConfig
+from compactor.spec.limits import WorkLimits
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob
 

@@ -20,8 +20,8 @@ from compactor.methods import (
     describe_methods,
     get_method,
     list_methods,
+    method_class,
 )
-from compactor.methods.base import _lookup
 from compactor.methods.refit import refit
 from compactor.solvers import attend
 from compactor.types import CompactedLayer, CompactedPrefix
@@ -83,6 +83,36 @@ def test_omp_exact_recovery_of_duplicated_keys():
         torch.testing.assert_close(layer.values[lo:hi], distinct_v[h, chosen], atol=1e-3, rtol=1e-3)
     out_err, mass_err = errors(layer, keys, values, q_eval)
     assert out_err < 1e-3 and mass_err < 1e-3
+
+
+def test_one_table_names_every_method_and_facts_need_no_instance(monkeypatch):
+    """Every method is in `METHODS`, each name imports only its own module, class-level facts
+    are read without building a method, and a table name cannot be taken by another class."""
+    import subprocess
+    import sys
+
+    from compactor.methods import METHODS, register_method
+
+    assert set(METHODS) <= set(list_methods()) and len(METHODS) == 12
+    code = ("import sys; from compactor.methods import method_class; "
+            "c = method_class('kv-compress'); "
+            "print(c.own_budget, sorted(m for m in sys.modules if m.startswith('compactor.methods.')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "compactor.methods.kv_compress" in out.stdout
+    assert "compactor.methods.baselines" not in out.stdout  # no discovery of the others
+    built = []
+    monkeypatch.setattr(CompactionMethod, "__init__", lambda *a, **k: built.append(a))
+    for name in METHODS:
+        cls = method_class(name)
+        assert cls.name == name and isinstance(cls.needs_context, bool)
+    assert built == []
+    with pytest.raises(ValueError, match=r"belongs to compactor\.methods\.attention_matching"):
+
+        @register_method("am-highest")
+        @dataclasses.dataclass
+        class Impostor(CompactionMethod):
+            def compact(self, x):  # pragma: no cover - never called
+                raise AssertionError
 
 
 def test_registry():
@@ -279,13 +309,13 @@ def test_compact_result_equals_compact_layer(name):
 def test_callers_conveniences_are_defined_once():
     """compact_layer / select / SelectingMethod.compact live in the base, never overridden."""
     for name in list_methods():
-        cls = _lookup(name)
+        cls = method_class(name)
         assert cls.compact_layer is CompactionMethod.compact_layer
         if issubclass(cls, SelectingMethod):
             assert cls.compact is SelectingMethod.compact
             assert cls.select is SelectingMethod.select
     for name in ("snapkv", "kvzip", "kvcompose", "compresskv", "am-highest"):
-        assert issubclass(_lookup(name), ScoreMethod)
+        assert issubclass(method_class(name), ScoreMethod)
 
 
 def test_keep_only_needs_a_selecting_inner():

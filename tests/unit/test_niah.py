@@ -1,10 +1,10 @@
-"""compactor.niah: deterministic needle cases."""
+"""compactor.eval.niah: deterministic needle cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from compactor.niah import filler_text, make_niah, score_answer
+from compactor.eval.niah import filler_text, make_niah, score_answer
 from tests.unit._tiny import real_model
 
 

@@ -1,4 +1,4 @@
-"""The plugin's CPU biased attention (`sglang_ext.attention`) against the reference, on SGLang's
+"""The plugin's CPU biased attention (`sglang_ext.attention.rows`) against the reference, on SGLang's
 real CPU pools (`real_runner`, `mixed_rows`: reused by the wrapped-backend tests)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from compaction_kernels.biased_attention.reference import biased_attention_lse
 from sglang_ext.adapter.compacted_node import beta_store_of
-from sglang_ext.attention import PrefixPart, attend_rows, biased_sdpa
+from sglang_ext.attention.rows import PrefixPart, attend_rows, biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT
 from sglang_ext.packing import PackedLayout
 

@@ -1,4 +1,4 @@
-"""The Triton path for compacted prefixes: `attention_triton` against `biased_sdpa` per
+"""The Triton path for compacted prefixes: `attention.paged` against `biased_sdpa` per
 request (CPU under TRITON_INTERPRET=1, and on CUDA; no SGLang needed). The backend that runs
 compacted batches on CUDA (`wrapped_backend`, through `cascade`) is tested in
 test_sglang_ext_wrapped_backend.py and test_sglang_ext_cascade.py."""
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_ext.attention_triton import paged_biased_attention, plan_batch
+from sglang_ext.attention.paged import paged_biased_attention, plan_batch
+from sglang_ext.attention.sdpa import biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT
-from sglang_ext.sdpa import biased_sdpa
 
 S, H_KV, G, D = 96, 2, 3, 32
 H_Q = H_KV * G

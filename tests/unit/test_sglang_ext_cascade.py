@@ -1,4 +1,4 @@
-"""`sglang_ext.cascade` on mixed batches (compacted + plain requests) against `biased_sdpa`
+"""`sglang_ext.attention.cascade` on mixed batches (compacted + plain requests) against `biased_sdpa`
 over each compacted node's own entries + the request's tail, and plain requests' whole rows
 (CPU under TRITON_INTERPRET=1, and CUDA)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from compaction_kernels.biased_attention.triton import BiasedPagedAttention
 from compaction_kernels.merge_state.triton import merge_state
-from sglang_ext.cascade import (
+from sglang_ext.attention.cascade import (
     CascadePlan,
     Prefixes,
     PrefixKV,
@@ -21,9 +21,9 @@ from sglang_ext.cascade import (
     run_cascade,
     stack_groups,
 )
+from sglang_ext.attention.sdpa import biased_sdpa
 from sglang_ext.kv_store import ALIAS_SLOT
 from sglang_ext.packing import PackedLayout, slots_needed
-from sglang_ext.sdpa import biased_sdpa
 
 S, H_KV, G, D = 80, 2, 2, 24
 H_Q = H_KV * G

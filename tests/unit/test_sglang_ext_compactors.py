@@ -12,7 +12,7 @@ import pytest
 
 from compactor import CompactionSpec, QueryConfig, Worker
 from compactor.workers.errors import ModelMismatch
-from sglang_ext import compactors
+from sglang_ext import clients
 from sglang_ext.config import PLUGIN_SPEC
 from tests.unit._tiny import tiny_llama
 
@@ -29,8 +29,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
 
 def _compact(monkeypatch: pytest.MonkeyPatch, worker: Worker, spec: CompactionSpec,
              follow_ups: list[list[int]], fp: str | None = None) -> Any:  # fmt: skip
-    monkeypatch.setattr(compactors, "_WORKER", worker)
-    return compactors._worker_compact(spec, fp or worker.fingerprint, IDS, follow_ups)
+    monkeypatch.setattr(clients, "_WORKER", worker)
+    return clients._worker_compact(spec, fp or worker.fingerprint, IDS, follow_ups)
 
 
 def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Worker) -> None:
@@ -69,18 +69,37 @@ def test_other_model_is_refused(monkeypatch: pytest.MonkeyPatch, worker: Worker)
 
 
 def test_worker_used_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compactors, "_WORKER", None)
+    monkeypatch.setattr(clients, "_WORKER", None)
     with pytest.raises(RuntimeError, match="before its initializer"):
-        compactors._worker_compact(PLUGIN_SPEC, "fp", IDS, [])
+        clients._worker_compact(PLUGIN_SPEC, "fp", IDS, [])
 
 
 def test_plugin_uses_only_the_public_surface() -> None:
-    """sglang_ext reaches compactor through its lazy top-level names (and the client), not
-    compactor.hf / compactor.workers internals; the config module imports no torch."""
+    """Every module of sglang_ext reaches compactor through the names `compactor/__init__`
+    exports (no submodule), and compaction_kernels through its public modules only; the config
+    module imports no torch."""
+    import ast
+
+    import compactor
+
     root = Path(__file__).resolve().parents[2]
-    for name in ("compactors.py", "config.py", "adapter/factory.py"):
-        text = (root / "sglang_ext" / name).read_text()
-        for internal in ("compactor.hf", "compactor.workers", "compactor.pipeline"):
-            assert internal not in text, (name, internal)
+    wrong = []
+    for path in sorted((root / "sglang_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom | ast.Import) or getattr(node, "level", 0):
+                continue
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names]  # fmt: skip
+            for mod in mods:
+                top, *rest = mod.split(".")
+                where = f"{path.relative_to(root)}:{node.lineno} {mod}"
+                if top == "compactor" and (rest or isinstance(node, ast.Import)):
+                    wrong.append(where)  # a submodule
+                elif top == "compactor":
+                    names = [a.name for a in node.names]
+                    wrong += [f"{where}.{n}" for n in names if n not in compactor.__all__]
+                elif top == "compaction_kernels" and any(p.startswith("_") for p in rest):
+                    wrong.append(where)  # a private module
+    assert wrong == []
     code = "import sys, sglang_ext.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -1,5 +1,5 @@
 """CompactionConfig's `--compaction-*` serving flags are generated from its fields
-(`compactor.spec_args.add_field_args`): one definition per setting, flag, default, help, bound."""
+(`compactor.spec.cli_args.add_field_args`): one definition per setting, flag, default, help, bound."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from compactor.spec_args import add_field_args, field_values
+from compactor.spec.cli_args import add_field_args, field_values
 from sglang_ext.config import SPEC_PREFIX, CompactionConfig, add_cli_args, config_from_namespace
 
 FLAGGED = [f for f in dataclasses.fields(CompactionConfig) if "flag" in f.metadata]

@@ -19,11 +19,11 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from compactor.types import CompactedPrefix
 from sglang_ext.adapter.hooks import weights_fingerprint
-from sglang_ext.compactors import CompactionRunner, JobResult
 from sglang_ext.guard import HookGuard
 from sglang_ext.installer import BETA_SLACK, KEY_SLACK, VALUE_SLACK, PendingInstall
 from sglang_ext.kv_store import head_counts
 from sglang_ext.packing import PackedLayout, slots_needed
+from sglang_ext.runner import CompactionRunner, JobResult
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     POOL,
     FakeRunner,

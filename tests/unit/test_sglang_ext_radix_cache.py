@@ -21,10 +21,10 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from compactor.types import CompactedPrefix
 from sglang_ext.adapter.radix_cache import CompactionRadixCache
-from sglang_ext.compactors import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import ALIAS_SLOT, head_counts
 from sglang_ext.packing import slots_needed
+from sglang_ext.runner import JobResult
 
 POOL = 512
 T = 96

@@ -14,9 +14,9 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 
 from compactor.workers.job import CompactJob
 from sglang_ext.adapter.compacted_node import child_key
-from sglang_ext.compactors import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import head_counts
+from sglang_ext.runner import JobResult
 from sglang_ext.trigger import CompactionTrigger
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     POOL,

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from compactor.types import CompactedPrefix
 from sglang_ext.adapter.radix_cache import CompactionRadixCache
-from sglang_ext.compactors import JobResult
+from sglang_ext.runner import JobResult
 from tests.unit.test_sglang_ext_radix_cache import (  # the same real CPU pools
     ORIGINAL_KV,
     FakeRunner,

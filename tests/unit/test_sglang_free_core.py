@@ -75,7 +75,8 @@ except ImportError:
 
 import torch
 from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
-from sglang_ext.compactors import JobResult, PoolShape
+from sglang_ext.pool_shape import PoolShape
+from sglang_ext.runner import JobResult
 from sglang_ext.config import CompactionConfig
 from sglang_ext.kv_store import BetaStore
 from sglang_ext.lifecycle import InstallLifecycle

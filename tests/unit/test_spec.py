@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from compactor.spec import CompactionSpec, QueryConfig, SpecError, spec_fields
-from compactor.spec_args import UsageError, add_spec_args, spec_flags, spec_from_args
+from compactor.spec.cli_args import UsageError, add_spec_args, spec_flags, spec_from_args
 
 FULL = CompactionSpec(
     method="am-omp-fast",
@@ -104,7 +104,7 @@ def test_budget_per_head() -> None:
 
 def test_import_is_torch_free() -> None:
     code = (
-        "import sys, compactor, compactor.spec, compactor.spec_args\n"
+        "import sys, compactor, compactor.spec, compactor.spec.cli_args\n"
         "compactor.CompactionSpec().to_dict()\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

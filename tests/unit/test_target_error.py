@@ -16,7 +16,7 @@ from compactor.pipeline import Hooks, compact_prefix
 from compactor.pipeline.target import split_held_out
 from compactor.queries import Continuation, QueryPlan
 from compactor.spec import TARGET_ERROR_RATIOS, CompactionSpec, QueryConfig, SpecError
-from compactor.spec_args import UsageError, add_spec_args, spec_from_args
+from compactor.spec.cli_args import UsageError, add_spec_args, spec_from_args
 from compactor.types import CompactedPrefix
 from compactor.workers.errors import InvalidRequest
 from compactor.workers.job import CompactJob

@@ -22,9 +22,9 @@ import torch
 pytest.importorskip("sglang")
 
 from compactor.types import CompactedLayer, CompactedPrefix
-from sglang_ext.compactors import PoolShape
 from sglang_ext.kv_store import head_counts
 from sglang_ext.packing import slots_needed
+from sglang_ext.pool_shape import PoolShape
 from sglang_ext.tp import RankReport, agree, head_range, slice_heads
 from tests.unit.test_sglang_ext_radix_cache import compacted
 
@@ -81,8 +81,9 @@ def _rank_cache(rank: int, fp: str, compactor: Any, heads: int) -> Any:
 
     from sglang_ext.adapter.factory import attach_tp
     from sglang_ext.adapter.radix_cache import CompactionRadixCache
-    from sglang_ext.compactors import CompactionRunner, PoolShape
     from sglang_ext.config import CompactionConfig
+    from sglang_ext.pool_shape import PoolShape
+    from sglang_ext.runner import CompactionRunner
     from tests.unit.test_sglang_ext_radix_cache import POOL
 
     kv = MHATokenToKVPool(POOL, 1, torch.float32, heads // TP, 64, 30, "cpu", False)

@@ -1,6 +1,6 @@
 """The CPU biased path of `sglang_ext.adapter.wrapped_backend.CompactionBackend`: torch SDPA per request.
 
-A batch that touches a compacted prefix runs here on CPU (on CUDA it runs `sglang_ext.cascade`).
+A batch that touches a compacted prefix runs here on CPU (on CUDA it runs `sglang_ext.attention.cascade`).
 A compacted request's KV row is the node's T entries (N physical slots, then T - N aliases of
 `ALIAS_SLOT`) and then its own tail. The prefix's entries are packed in the cells of its N
 slots (`sglang_ext.packing`); the caller gathers this layer's once per prefix (`PrefixPart`:
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_ext.sdpa import biased_sdpa
+from sglang_ext.attention.sdpa import biased_sdpa
 
 __all__ = ["PrefixPart", "attend_rows", "biased_sdpa"]
 

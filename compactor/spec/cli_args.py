@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compactor.knobs import LabelledError
-from compactor.spec import CompactionSpec, SpecError, spec_fields
+from compactor.spec.compaction import CompactionSpec, SpecError, spec_fields
+from compactor.spec.fields import LabelledError
 
 __all__ = [
     "UsageError",

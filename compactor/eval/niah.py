@@ -7,7 +7,7 @@ Kinds:
 
 Every case is a pure function of (tokenizer, num_tokens, kind, seed, ...): the same
 arguments always give the same text, needles and questions. The haystack is cut from
-``compactor/data/filler.txt`` at a seeded paragraph, needles are inserted between sentences
+``compactor/eval/data/filler.txt`` at a seeded paragraph, needles are inserted between sentences
 at seeded depths. The prefix is formatted as the start of a chat user turn (when the
 tokenizer has a chat template) so that a question + end of turn can follow it.
 """
@@ -81,7 +81,7 @@ class NiahCase:
 @lru_cache(maxsize=1)
 def filler_text() -> str:
     """The shipped filler prose (about 35 KB)."""
-    return resources.files("compactor").joinpath("data/filler.txt").read_text(encoding="utf-8")
+    return resources.files("compactor.eval").joinpath("data/filler.txt").read_text(encoding="utf-8")
 
 
 def score_answer(answer: str, expected: tuple[str, ...]) -> float:

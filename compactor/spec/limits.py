@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from compactor.spec import SpecError
+from compactor.spec.fields import SpecError
 
 if TYPE_CHECKING:
-    from compactor.spec import CompactionSpec
+    from compactor.spec.compaction import CompactionSpec
 
 __all__ = ["WorkLimits"]
 

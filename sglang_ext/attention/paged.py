@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compaction_kernels.biased_attention._common import AttentionOutput
+from compaction_kernels.biased_attention import AttentionOutput
 from compaction_kernels.biased_attention.triton import BiasedPagedAttention
 from compaction_kernels.merge_state.triton import merge_state
 

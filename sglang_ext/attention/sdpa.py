@@ -1,6 +1,6 @@
 """Causal attention with a per-entry, per-KV-head logit bias (beta), in torch SDPA.
 
-The CPU path of the plugin (`sglang_ext.attention`) and the reference the Triton path is
+The CPU path of the plugin (`sglang_ext.attention.rows`) and the reference the Triton path is
 tested against: a layout adapter over `compaction_kernels.biased_attention.reference.biased_attention`
 (which owns the maths). Free of SGLang imports, so the kernel tests run without it.
 """

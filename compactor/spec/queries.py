@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compactor.knobs import SpecError, is_int, is_number, knob
+from compactor.spec.fields import SpecError, is_int, is_number, knob
 
 __all__ = ["QUERY_SOURCES", "SELF_STUDY_PROMPTS", "QueryConfig"]
 

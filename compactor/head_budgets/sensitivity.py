@@ -8,8 +8,8 @@ One document (a needle-in-a-haystack case cut from the shipped filler, see
 compacted at every kept fraction with queries from the *fit* sources (default
 repeat-prefill) and scored on DIFFERENT, held-out queries: the eval harness's future
 queries (:func:`compactor.eval.harness.build_reference`: the full model's greedy answers to
-the document's questions). The resulting :class:`~compactor.budgets.SensitivityCurves`
-feed :func:`compactor.budgets.allocate` through ``compact_prefix(head_budgets=...)``.
+the document's questions). The resulting :class:`~compactor.head_budgets.curves.SensitivityCurves`
+feed :func:`compactor.head_budgets.curves.allocate` through ``compact_prefix(head_budgets=...)``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from compactor import hf
-from compactor.budgets import SensitivityCurves, sensitivity_curve
 from compactor.eval.harness import EvalCase, build_reference
+from compactor.head_budgets.curves import SensitivityCurves, sensitivity_curve
 from compactor.queries import collect_queries, plan_queries
 from compactor.spec import CompactionSpec
 

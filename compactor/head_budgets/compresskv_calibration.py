@@ -3,7 +3,7 @@
 Shape legend: L layers, P tokens of one calibration sequence (prefix + question + answer),
 T prefix tokens, n query positions, H_q / H_kv query / KV heads, G = H_q // H_kv, D head dim.
 
-On needle cases from :func:`compactor.niah.make_niah` (teacher-forced with the right
+On needle cases from :func:`compactor.eval.niah.make_niah` (teacher-forced with the right
 answer ``" <key> is <value>."``):
 
 * ``srh_scores[l][j]``: mean over (case, answer-value token that the model predicts
@@ -93,7 +93,7 @@ def calibrate_compresskv(
     Raises ValueError when no case produced a correct answer token (no SRH signal).
     """
     from compactor import hf
-    from compactor.niah import make_niah
+    from compactor.eval.niah import make_niah
 
     if num_cases < 1 or min_budget < 1:
         raise ValueError(f"need num_cases >= 1 and min_budget >= 1, got {num_cases}, {min_budget}")

@@ -20,7 +20,7 @@ attended as a cascade whose parts are merged by LSE (`compaction_kernels.merge_s
             head (`PrefixKV`, `PackedLayout.read_ragged`), so KV head h reads its t_{l,h}
             entries and no padding; planned per layer (the lengths differ per layer), read
             once per group; aliases are never read;
-    tail    request b over its entries [T, n_b), causal, built like `attention_triton`
+    tail    request b over its entries [T, n_b), causal, built like `attention.paged`
             (blocks + diagonal); plain requests attend their whole row here.
 
 A token of a plain request has no prefix part: its prefix state is out = 0, lse = -inf,
@@ -38,7 +38,7 @@ import torch
 
 from compaction_kernels.biased_attention.triton import BiasedPagedAttention
 from compaction_kernels.merge_state.triton import merge_state
-from sglang_ext.attention_triton import (
+from sglang_ext.attention.paged import (
     Lengths,
     check_batch,
     gather_slots,
@@ -129,7 +129,7 @@ class CascadePlan:
     per node group over its `PrefixKV` rows, ragged per KV head; `prefix_tokens` [n_p] int64
     (q's device) are the batch token ids of its query rows, group by group; `groups` are the
     requests of each group, in batch order, and `layouts` their prefixes. `blocks` and
-    `diagonal` are the tail calls as in `attention_triton.BatchPlan`.
+    `diagonal` are the tail calls as in `paged.BatchPlan`.
     """
 
     num_tokens: int

@@ -3,7 +3,7 @@
 :class:`CompactionSpec` is what ``compact_prefix`` runs, what a ``CompactJob`` carries, what
 travels over gRPC (``CompactRequest.spec_json`` = :meth:`CompactionSpec.to_dict` as JSON),
 what the ``compactor`` CLI and the SGLang plugin build from their flags
-(:mod:`compactor.spec_args` generates those flags from the field metadata here: each knob's
+(:mod:`compactor.spec.cli_args` generates those flags from the field metadata here: each knob's
 flag name and help text). Adding a knob = one field here (with its flag metadata) plus its use.
 
 Importing this module imports no torch: the SGLang plugin reads it in SGLang's CLI process.
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from compactor.knobs import SpecError, is_int, is_number, knob, meta
-from compactor.query_config import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
+from compactor.spec.fields import SpecError, is_int, is_number, knob, meta
+from compactor.spec.queries import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
 
 __all__ = [
     "AUTO_CHUNK_TOKENS",
@@ -93,7 +93,7 @@ class CompactionSpec:
         keep_sink_tokens: the first s tokens are kept verbatim with beta 0.
         chunk_size: compact the non-sink KV in chunks of this many tokens (None: one chunk).
         head_budgets: "uniform", "auto" (the model's sensitivity curves for the method) or a
-            sensitivity-curves JSON path (see ``compactor.budgets``).
+            sensitivity-curves JSON path (see ``compactor.head_budgets.curves``).
     """
 
     method: str = knob("am-omp-fast", "method", "registered compaction method name", "str")
@@ -257,11 +257,9 @@ class CompactionSpec:
         L * H_kv * min(T, 2t) entries in all, see ``compactor.service.convert.max_result_bytes``):
         the spec's own, or its ratio ceiling with a target_error; None when the service picks
         it (budget auto) or the method does (``own_budget``)."""
-        from compactor.methods import get_method
+        from compactor.methods import method_class
 
-        if (self.ratio is None and self.tokens is None) or get_method(
-            self.method, **self.method_params
-        ).own_budget:
+        if (self.ratio is None and self.tokens is None) or method_class(self.method).own_budget:
             return None
         return self.budget_per_head(T, self.keep_sink_tokens)
 

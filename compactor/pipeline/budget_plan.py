@@ -5,7 +5,7 @@ Shape legend: T prefix tokens, s sink tokens, L layers, H_kv KV heads.
 Uniform: every KV head keeps t entries (sinks included), the T - s non-sink tokens split
 into chunks whose budgets add up to t - s (:func:`split_budget`). Sensitivity head budgets
 (``spec.head_budgets`` "auto" or a curves path) move budget between (layer, head) pairs with
-the same total (:func:`compactor.budgets.allocate`). A ``LayerBudgetPlanner`` method
+the same total (:func:`compactor.head_budgets.curves.allocate`). A ``LayerBudgetPlanner`` method
 (KVCompose) sets its own per-layer budgets once the queries are drawn.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.budgets import SensitivityCurves, allocate, resolve_curves
+from compactor.head_budgets.curves import SensitivityCurves, allocate, resolve_curves
 from compactor.pipeline.inputs import resolve_fingerprint
 from compactor.spec import CompactionSpec
 

@@ -1,5 +1,5 @@
 """The knob machinery of the spec dataclasses (torch-free): `SpecError`, and the field
-metadata that :mod:`compactor.spec_args` turns into flags."""
+metadata that :mod:`compactor.spec.cli_args` turns into flags."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def is_number(x: Any) -> bool:
 
 
 def meta(flag: str, help: str, kind: str, **extra: Any) -> dict[str, Any]:
-    """Field metadata that drives :mod:`compactor.spec_args`: the flag name (without
+    """Field metadata that drives :mod:`compactor.spec.cli_args`: the flag name (without
     ``--`` and prefix), its help text and how it parses: kind is one of str | int | float |
     opt_int | bool | csv (comma-separated tuple) | params (repeatable KEY=JSON -> dict) |
     lines (repeatable string -> tuple) | ratio | tokens (the exclusive budget pair)."""
