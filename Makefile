@@ -44,7 +44,7 @@ demo: setup
 	$(PY) -m harness.demo
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.report.run_all
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,7 @@ SGLang plugin (`sglang_ext`) uses nothing else of this package:
     Worker                            replica that runs it (compactor.workers)
     AsyncCompactorClient, TlsFiles    the service's client (compactor.client)
     TokenFile, TOKEN_HEADER           the bearer token a client sends (compactor.service.auth)
-    max_result_bytes                  the largest valid result of a request (compactor.service.convert)
+    max_result_bytes                  the largest valid result of a request (compactor.service.result_stream)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _LAZY: dict[str, str] = {
     "TlsFiles": "compactor.client",
     "TokenFile": "compactor.service.auth",
     "TOKEN_HEADER": "compactor.service.auth",
-    "max_result_bytes": "compactor.service.convert",
+    "max_result_bytes": "compactor.service.result_stream",
 }
 
 __all__ = [
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from compactor.client import AsyncCompactorClient, TlsFiles
     from compactor.models import fingerprint, resolve_checkpoint
     from compactor.service.auth import TOKEN_HEADER, TokenFile
-    from compactor.service.convert import max_result_bytes
+    from compactor.service.result_stream import max_result_bytes
     from compactor.spec import (
         CompactionSpec,
         QueryConfig,

@@ -33,9 +33,10 @@ import grpc
 import torch
 
 from compactor.service.auth import TOKEN_HEADER
-from compactor.service.convert import Assembler, ChecksumError, compact_request
+from compactor.service.convert import compact_request
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.service.result_stream import Assembler, ChecksumError
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedPrefix, dtype_name
 

@@ -6,6 +6,7 @@
   `CompactorService`) for the tests, the benchmarks and the demo.
 - `harness.workload`: the shared needle documents, their questions, and clients for a live
   server.
+- `harness.provenance`: what produced a result file (command, commit, machine, date).
 
 The plugin (`sglang_ext`) never imports this package; importing it has no side effects.
 """

@@ -210,9 +210,9 @@ def _before_install(server: SGLangServer, idle_since: float) -> PoolReading | No
 
 
 def _provenance(argv: list[str] | None) -> dict[str, Any]:
-    """`benchmarks._meta.provenance` when run from the repository (the demo's usual home)."""
+    """`harness.provenance.provenance` when run from the repository (the demo's usual home)."""
     try:
-        from benchmarks._meta import provenance
+        from harness.provenance import provenance
     except ImportError:
         return {"command": "python -m harness.demo " + " ".join(sys.argv[1:])}
     return provenance(sys.argv[1:] if argv is None else argv, module="harness.demo")

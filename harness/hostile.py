@@ -46,9 +46,9 @@ from typing import Any
 import grpc
 import torch
 
-from compactor.service.convert import result_digest
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.service.result_stream import result_digest
 
 __all__ = ["HUGE_FACTOR", "MODES", "OVERSIZE_FACTOR", "Call", "HostileProxy", "Result"]
 

@@ -50,12 +50,12 @@ status=${PIPESTATUS[0]}
 if [ "$WHAT" != triton ] && "$PY" -c "import flashinfer" 2>/dev/null; then
     # Triton + beta (uniform and ragged per head) beside stock FlashInfer (no beta); the first
     # plan() JIT-compiles FlashInfer.
-    timeout 500 "$PY" -m benchmarks.decode_attention \
+    timeout 500 "$PY" -m benchmarks.gpu.decode_attention \
         --kernels flashinfer_stock triton_beta triton_beta_ragged \
         --reps 30 --out "$OUT/kernels.json" --plot "$OUT/kernels.png" >"$OUT/bench_all.log" 2>&1
     echo "benchmark exit $?" >>"$OUT/bench_all.log"
 else
-    timeout 330 "$PY" -m benchmarks.decode_attention --kernels triton_beta triton_beta_ragged \
+    timeout 330 "$PY" -m benchmarks.gpu.decode_attention --kernels triton_beta triton_beta_ragged \
         --reps 30 \
         --out "$OUT/kernels_triton.json" --plot "$OUT/kernels_triton.png" >"$OUT/bench_triton.log" 2>&1
     echo "benchmark exit $?" >>"$OUT/bench_triton.log"

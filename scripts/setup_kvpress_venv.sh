@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) third_party/.kvpress-venv: NVIDIA kvpress, the peer implementation that
-# benchmarks/kvpress_crosscheck.py compares our SnapKV / StreamingLLM / KVCompose / KVzip
+# benchmarks/offline/kvpress_crosscheck.py compares our SnapKV / StreamingLLM / KVCompose / KVzip
 # against. It lives in its own venv because kvpress 0.5.5 pins transformers < 5.3 while the
 # project runs transformers 5.19. `make test` runs this first: the cross-check test
 # (tests/integration/test_methods_real_model.py) fails without the venv. Idempotent (stamp

@@ -42,7 +42,7 @@ CPU_INNER_BACKEND = "torch_native"
 # The spec flags are `--compaction-<flag>` of compactor.spec's knobs (compactor.spec.cli_args).
 SPEC_PREFIX = "compaction-"
 # The plugin's defaults. Reference queries: the sharing requests' questions with the model's
-# own answers, chosen on questions the fit never saw (benchmarks/next_question.py, 3 needle +
+# own answers, chosen on questions the fit never saw (benchmarks/server/next_question.py, 3 needle +
 # 2 prose documents; the "next question" table of docs/results.md): adding repeat-prefill halves the
 # unseen logppl gap of a first fit on 2 questions (0.118 -> 0.055) but lowers strict 16-token
 # agreement (unseen 0.40 -> 0.27, fitted 0.70 -> 0.20); with the refits the questions bring

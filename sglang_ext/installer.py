@@ -7,19 +7,19 @@ A result reaches the scheduler already checked for structure (`CompactedPrefix.v
 against the pool's shape, on the runner's thread). The radix cache then installs it at its
 poll point in three steps:
 
-1. `PendingInstall` is made by the cache after the echo checks (T, prefix hash; the client
-   checked the fingerprint) with N freshly allocated slots (its `PackedLayout`) and the
-   magnitude bounds read
-   from the original prefix's KV, still in the pool (`original_bounds`).
+1. `PendingInstall` is made by the cache after the echo checks (`check_echo`: fingerprint,
+   T, prefix hash) with N freshly allocated slots (its `PackedLayout`) and the magnitude
+   bounds read from the original prefix's KV, still in the pool (`original_bounds`).
 2. `step(max_bytes)` casts, checks and writes the next layers, at most `max_bytes` of pool
    writes per call (one layer at least), so a large result does not stall every running
    request for one long copy. `check_layer` runs on the cast tensors: finite in the pool's
    dtype (fp32 -> fp16 overflows to inf), |K| <= KEY_SLACK x and |V| <= VALUE_SLACK x the
    original's max in that layer, beta <= ln T + BETA_SLACK. A failed check raises ValueError
    and the cache frees the slots: nothing of the result was reachable by a request.
-3. once every layer is written the cache adds the node.
+3. once every layer is written the cache adds the node. `advance_installs` runs steps 2-3 for
+   every pending install at each poll, within the install budgets.
 
-The slack is measured (`benchmarks/magnitudes.py`, SmolLM2-135M, T=600, ratios 0.05-0.3,
+The slack is measured (`benchmarks/server/magnitudes.py`, SmolLM2-135M, T=600, ratios 0.05-0.3,
 four methods): kept keys are original keys (1.00x) for every method; least-squares values
 reach 9.9x the original max (am-highest); beta stays below ln T. The bounds (2x keys, 24x
 values, ln T + 4) keep about twice that headroom and stop overflow-class damage (values x 3e4
@@ -32,13 +32,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compactor import CompactedPrefix
+from compactor import CompactedPrefix, prefix_hash
 from sglang_ext.kv_store import BetaStore, write_layers
 from sglang_ext.packing import PackedLayout
+
+if TYPE_CHECKING:
+    from sglang_ext.lifecycle import InstallLifecycle
+    from sglang_ext.pool_shape import PoolShape
 
 __all__ = [
     "BETA_SLACK",
@@ -46,8 +50,11 @@ __all__ = [
     "VALUE_SLACK",
     "LayerBounds",
     "PendingInstall",
+    "advance_installs",
     "budget_of",
+    "check_echo",
     "check_layer",
+    "check_structure",
     "fmt",
     "original_bounds",
 ]
@@ -201,3 +208,72 @@ def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
 def fmt(x: float | None) -> str:
     """`x` in 3 significant digits, "-" for None."""
     return "-" if x is None else f"{x:.3g}"
+
+
+def check_structure(prefix: CompactedPrefix, fingerprint: str | None, pool: PoolShape) -> None:
+    """Structure checks of a result (every KV head of the model, not only this rank's)
+    against the pool and the weights served (`fingerprint`; None: compaction is off);
+    ValueError naming what differs."""
+    if fingerprint is None:
+        raise ValueError("compaction is off since the weights were updated")
+    prefix.validate(
+        expected_fingerprint=fingerprint,
+        num_layers=pool.num_layers,
+        num_kv_heads=pool.num_kv_heads,
+        head_dim=pool.head_dim,
+    )
+
+
+def check_echo(prefix: CompactedPrefix, fingerprint: str | None, ids: list[int]) -> str:
+    """A result is for the weights served (`fingerprint`) and for the tokens `ids` asked:
+    its fingerprint, logical length and prefix hash; returns the hash (ValueError naming
+    what differs)."""
+    if fingerprint is None or prefix.model_fingerprint != fingerprint:
+        raise ValueError(
+            f"model fingerprint {prefix.model_fingerprint!r} != {fingerprint!r} served"
+        )
+    if prefix.logical_length != len(ids):
+        raise ValueError(f"logical length {prefix.logical_length} != {len(ids)} requested tokens")
+    phash = prefix_hash(ids)
+    if prefix.prefix_hash != phash:
+        raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
+    return phash
+
+
+def advance_installs(lc: InstallLifecycle[Any], idle: bool) -> int:
+    """Write `lc`'s pending installs in order, `install_chunk_mb` and about `install_step_ms` at
+    most (no bound when `idle`); returns how many finished. With `tp`, a written or
+    failed install waits for the ranks' agreement (`TpSync.poll`)."""
+    budget, done = lc.config.install_chunk_mb << 20, 0
+    deadline = time.perf_counter() + lc.config.install_step_ms / 1000
+    if idle:
+        budget, deadline = 1 << 62, float("inf")
+    wrote, tp = False, lc.tp  # one layer at least per call, then within the budgets
+    for pending in list(lc.pending):
+        if budget <= 0 or (wrote and time.perf_counter() >= deadline):
+            break
+        if pending.done or (tp is not None and tp.is_failed(pending)):
+            continue
+        wrote = True
+        try:
+            budget -= pending.step(lc.kvcache, lc.beta_store, budget, deadline)
+        except Exception as e:  # a failed check, or a device error (CUDA OOM) mid-copy
+            if not isinstance(e, ValueError):
+                lc.install_error(e)
+            if tp is not None:
+                tp.failed_install(pending, e)
+                continue
+            lc.pending.remove(pending)
+            lc.abort(pending)
+            lc.fallback(pending.token_ids, e)
+            continue
+        if pending.done and tp is None:
+            lc.pending.remove(pending)
+            try:
+                lc.finish(pending)
+            except Exception as e:  # counted as not installed (`finish` says when)
+                lc.install_error(e)
+                lc.fallback(pending.token_ids, e)
+                continue
+            done += 1
+    return done

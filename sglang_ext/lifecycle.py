@@ -28,7 +28,15 @@ import torch
 
 from compactor import CompactedPrefix, prefix_hash
 from sglang_ext.guard import HookGuard
-from sglang_ext.installer import PendingInstall, budget_of, fmt, original_bounds
+from sglang_ext.installer import (
+    PendingInstall,
+    advance_installs,
+    budget_of,
+    check_echo,
+    check_structure,
+    fmt,
+    original_bounds,
+)
 from sglang_ext.kv_store import BetaStore, head_counts
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.packing import PackedLayout
@@ -107,14 +115,11 @@ class InstallLifecycle(Generic[N]):
             else:
                 for job in jobs:
                     self._take(job)
-        done += self._advance_installs(idle)
+        done += advance_installs(self, idle)
         self._reap()
         tree, free, size = self.tree.slot_counts()
         tree -= sum(int(p.slots.numel()) for p in self.pending)
-        store = self.beta_store
-        self.stats.host_mark_mismatches = store.mark_mismatches
-        self.stats.compacted_forwards = store.compacted_forwards
-        self.stats.compacted_rows = store.compacted_rows
+        self.stats.read_store(self.beta_store)
         self.stats.read_pool(free, tree, size)
         if self.stats != before:  # an install failing in the poll that began it counts too
             self.export()
@@ -146,18 +151,9 @@ class InstallLifecycle(Generic[N]):
         return self.finish(pending)
 
     def check_result(self, prefix: CompactedPrefix) -> None:
-        """Structure checks of a result (every KV head of the model, not only this rank's)
-        against this pool and model (ValueError); run on the compaction runner's thread for
-        results that arrive through it."""
-        if self.fingerprint is None:
-            raise ValueError("compaction is off since the weights were updated")
-        pool = self.pool_shape
-        prefix.validate(
-            expected_fingerprint=self.fingerprint,
-            num_layers=pool.num_layers,
-            num_kv_heads=pool.num_kv_heads,
-            head_dim=pool.head_dim,
-        )
+        """`installer.check_structure` against the weights served now; run on the compaction
+        runner's thread for results that arrive through it."""
+        check_structure(prefix, self.fingerprint, self.pool_shape)
 
     def submit_next(self, path_tokens: Callable[[Any], list[int] | None]) -> None:
         """Send the trigger's pick (a refit first) to the runner, unless `max_in_flight`
@@ -262,13 +258,8 @@ class InstallLifecycle(Generic[N]):
 
     def refresh_gauges(self) -> None:
         """Logical and physical tokens, bytes saved and beta slots of the compacted prefixes."""
-        kv, store = self.kvcache, self.beta_store
-        k0 = kv.get_key_buffer(kv.start_layer)
-        slot_bytes = 2 * kv.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
-        infos = [self.tree.info(n) for n in self._compacted.values()]
-        lengths = [(i.logical_length, i.num_slots, i.kept_entries) for i in infos if i is not None]
-        beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
-        self.stats.read_prefixes(lengths, slot_bytes, beta_slots)
+        infos = [i for n in self._compacted.values() if (i := self.tree.info(n)) is not None]
+        self.stats.read_prefixes(infos, self.kvcache, self.beta_store)
 
     def export(self, latency_s: float | None = None) -> None:
         if self.exporter is not None:
@@ -289,15 +280,7 @@ class InstallLifecycle(Generic[N]):
         one. Raises ValueError (a check) or RuntimeError (no slots)."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
-        if self.fingerprint is None or prefix.model_fingerprint != self.fingerprint:
-            raise ValueError(
-                f"model fingerprint {prefix.model_fingerprint!r} != {self.fingerprint!r} served"
-            )
-        if prefix.logical_length != T:
-            raise ValueError(f"logical length {prefix.logical_length} != {T} requested tokens")
-        phash = prefix_hash(ids)
-        if prefix.prefix_hash != phash:
-            raise ValueError(f"prefix hash {prefix.prefix_hash!r} != {phash!r} of the tokens")
+        phash = check_echo(prefix, self.fingerprint, ids)
         current = self._compacted.get(phash)
         info = None if current is None else self.tree.info(current)
         newer = info is not None and fit_round > info.fit_round
@@ -395,44 +378,6 @@ class InstallLifecycle(Generic[N]):
                     self.install_error(e)
                 self.fallback(job.token_ids, e, job.fit_round)
         self.export(job.latency_s)
-
-    def _advance_installs(self, idle: bool) -> int:
-        """Write pending installs in order, `install_chunk_mb` and about `install_step_ms` at
-        most (no bound when `idle`); returns how many finished. With `tp`, a written or
-        failed install waits for the ranks' agreement (`TpSync.poll`)."""
-        budget, done = self.config.install_chunk_mb << 20, 0
-        deadline = time.perf_counter() + self.config.install_step_ms / 1000
-        if idle:
-            budget, deadline = 1 << 62, float("inf")
-        wrote, tp = False, self.tp  # one layer at least per call, then within the budgets
-        for pending in list(self.pending):
-            if budget <= 0 or (wrote and time.perf_counter() >= deadline):
-                break
-            if pending.done or (tp is not None and tp.is_failed(pending)):
-                continue
-            wrote = True
-            try:
-                budget -= pending.step(self.kvcache, self.beta_store, budget, deadline)
-            except Exception as e:  # a failed check, or a device error (CUDA OOM) mid-copy
-                if not isinstance(e, ValueError):
-                    self.install_error(e)
-                if tp is not None:
-                    tp.failed_install(pending, e)
-                    continue
-                self.pending.remove(pending)
-                self.abort(pending)
-                self.fallback(pending.token_ids, e)
-                continue
-            if pending.done and tp is None:
-                self.pending.remove(pending)
-                try:
-                    self.finish(pending)
-                except Exception as e:  # counted as not installed (`finish` says when)
-                    self.install_error(e)
-                    self.fallback(pending.token_ids, e)
-                    continue
-                done += 1
-        return done
 
     def _reap(self) -> None:
         """Free superseded, dropped and retired nodes that are now unlocked leaves (repeats

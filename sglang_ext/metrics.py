@@ -87,18 +87,25 @@ class CompactionStats:
         self.tree_slots = int(tree_total) - self.physical_tokens
         self.free_slots, self.pool_slots = int(free), int(pool)
 
-    def read_prefixes(
-        self, lengths: list[tuple[int, int, int]], slot_bytes: int, beta_slots: int
-    ) -> None:
-        """Set the compacted-prefix gauges from each installed prefix's (T, N slots,
-        kept entries), the bytes one KV slot holds over all layers, and the slots with a beta.
-        Mutates `logical_tokens`, `physical_tokens`, `kept_entries`, `bytes_saved` and
-        `beta_slots`."""
-        self.logical_tokens = sum(T for T, _, _ in lengths)
-        self.physical_tokens = sum(t for _, t, _ in lengths)
-        self.kept_entries = sum(k for _, _, k in lengths)
+    def read_store(self, store: Any) -> None:
+        """Copy the counters the attention backend keeps on the `BetaStore` (mark
+        mismatches, forwards and rows served from a compacted prefix). Mutates those three."""
+        self.host_mark_mismatches = store.mark_mismatches
+        self.compacted_forwards = store.compacted_forwards
+        self.compacted_rows = store.compacted_rows
+
+    def read_prefixes(self, infos: list[Any], kvcache: Any, store: Any) -> None:
+        """Set the compacted-prefix gauges from the installed prefixes' `CompactionInfo`s
+        (T, N slots, kept entries), the KV pool (bytes one slot holds over all layers) and
+        the `BetaStore` (slots with a beta, the alias aside). Mutates `logical_tokens`,
+        `physical_tokens`, `kept_entries`, `bytes_saved` and `beta_slots`."""
+        k0 = kvcache.get_key_buffer(kvcache.start_layer)
+        slot_bytes = 2 * kvcache.layer_num * k0.shape[1] * k0.shape[2] * k0.element_size()
+        self.logical_tokens = sum(i.logical_length for i in infos)
+        self.physical_tokens = sum(i.num_slots for i in infos)
+        self.kept_entries = sum(i.kept_entries for i in infos)
         self.bytes_saved = (self.logical_tokens - self.physical_tokens) * slot_bytes
-        self.beta_slots = beta_slots
+        self.beta_slots = int(store.compacted.sum()) - int(store.alias_ready)
 
 
 class PrometheusExporter:

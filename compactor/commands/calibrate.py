@@ -36,7 +36,7 @@ def _compresskv(args: argparse.Namespace) -> int:
     import torch
 
     from compactor import hf
-    from compactor.head_budgets.compresskv_calibration import calibrate_compresskv, save_calibration
+    from compactor.eval.compresskv_calibration import calibrate_compresskv, save_calibration
     from compactor.models import resolve_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

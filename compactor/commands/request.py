@@ -44,7 +44,7 @@ def _request(args: argparse.Namespace) -> int:
     import grpc
 
     from compactor.client import CompactorClient, TlsFiles
-    from compactor.service.convert import ChecksumError
+    from compactor.service.result_stream import ChecksumError
     from compactor.workers.job import CompactJob
 
     spec = spec_from_args(args)

@@ -62,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from compactor import hf
-    from compactor.head_budgets.curves import save_sensitivity_json, sensitivity_path
-    from compactor.head_budgets.sensitivity import (
+    from compactor.eval.sensitivity import (
         check_fractions,
         measure_sensitivity,
         sensitivity_case,
     )
+    from compactor.head_budgets.curves import save_sensitivity_json, sensitivity_path
     from compactor.models import ModelNotAvailableError, resolve_model
 
     try:

@@ -1,8 +1,7 @@
-"""Budgets that differ per (layer, KV head), measured offline:
+"""Budgets that differ per (layer, KV head):
 
-- `curves`: sensitivity curves (error vs kept fraction per head) and the greedy allocation
-  that moves budget between heads at a fixed total;
-- `sensitivity`: measuring a model's curves (`compactor sensitivity`);
-- `compresskv_calibration`: CompressKV's offline calibration (Semantic-Retrieval-Head scores
-  and per-layer errors, `compactor calibrate`).
+- `curves`: sensitivity curves (error vs kept fraction per head), measured on a layer and kept
+  as JSON beside the model (`compactor.eval.sensitivity` measures a whole model's);
+- `allocate`: uniform per-head budgets, and the greedy allocation that moves budget between
+  heads at a fixed total along the curves.
 """

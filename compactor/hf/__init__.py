@@ -8,15 +8,16 @@ Everything here runs the model in eval mode under ``torch.inference_mode`` and i
 model's dtype (fp32 on CPU). Keys, values and queries are post-RoPE, exactly as the model's
 ``DynamicCache`` holds keys.
 
-Modules: ``model`` (load, geometry, prefill, query recording) and ``decode``
+Modules: ``model`` (load, geometry, prefill, query recording), ``decode``
 (:class:`PrefixState`: decoding after a full or compacted prefix with beta as an SDPA float
-mask and logical positions; greedy and batched generation), ``shared_prefix`` (a batch of
+mask and logical positions), ``generate`` (greedy and batched generation), ``shared_prefix`` (a batch of
 rows over one prefix held once: attention over the prefix and over each row's own tokens,
 merged by log-sum-exp) and ``stream`` (:class:`LayerStream`: continuations advanced one
 layer at a time, for on-policy fitting).
 """
 
-from compactor.hf.decode import PrefixState, batched_generate, greedy_generate
+from compactor.hf.decode import PrefixState
+from compactor.hf.generate import batched_generate, greedy_generate
 from compactor.hf.model import (
     ModelInfo,
     PrefillResult,

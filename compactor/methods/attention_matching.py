@@ -34,8 +34,8 @@ from compactor.methods.base import (
     Selection,
     topk_selection,
 )
-from compactor.methods.refit import Targets
 from compactor.methods.registry import get_method, register_method
+from compactor.methods.targets import Targets
 
 __all__ = [
     "AMOMP",

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 
 import torch
 
-from compactor.methods.refit import Targets, reference_targets
 from compactor.methods.refit import refit as am_refit
 from compactor.methods.selection import Selection, keep_selected, pack_layer, topk_selection
+from compactor.methods.targets import Targets, reference_targets
 from compactor.types import CompactedLayer
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Shape legend: L layers, T prefix tokens (of the keys handed in), n reference queries per
 query head, H_q / H_kv query / KV heads, G = H_q // H_kv, D head dim, indptr [H_kv+1] int32.
 
-Offline (``compactor calibrate compresskv --model M``, see :mod:`compactor.head_budgets.compresskv_calibration`), per
+Offline (``compactor calibrate compresskv --model M``, see :mod:`compactor.eval.compresskv_calibration`), per
 model: ``srh_scores`` [L][H_q] — the attention mass each query head puts on the answer span
 while the model produces correct answer tokens on needle cases — and ``layer_errors`` [L]
 — each layer's normalized attention-output error when it alone is cut to a minimal budget.

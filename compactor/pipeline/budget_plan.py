@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.head_budgets.curves import SensitivityCurves, allocate, resolve_curves
+from compactor.head_budgets.allocate import allocate
+from compactor.head_budgets.curves import SensitivityCurves, resolve_curves
 from compactor.pipeline.inputs import resolve_fingerprint
 from compactor.spec import CompactionSpec
 

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from compactor.service.convert import EncodedPrefix, encode_prefix
 from compactor.service.metrics import ServiceMetrics
+from compactor.service.result_stream import EncodedPrefix, encode_prefix
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
 from compactor.spec.limits import WorkLimits
 from compactor.types import CompactedPrefix, dtype_from_name, prefix_hash

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from compactor.service.auth import TokenFile, tenant_of, token_bytes
-from compactor.service.convert import job_from_request, sign
+from compactor.service.convert import job_from_request
 from compactor.service.drain import DrainGate
 from compactor.service.engine import CompactionService
 from compactor.service.errors import status_for
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.service.result_stream import sign
 from compactor.workers.job import safe_log_id
 
 __all__ = ["CompactorServicer"]

@@ -50,7 +50,7 @@ TARGET_ERROR_RATIOS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3)
 # chunks of this many tokens (``compactor.service.engine.auto_chunk_size``; `compactor
 # serve --auto-chunk-tokens`). A fit's cost grows faster than its chunk (NNLS and value
 # solves on t = ratio x chunk kept keys, OMP re-reading every key per step), so chunks keep it
-# linear in T. benchmarks/chunk_quality.py (SmolLM2, am-highest, ratio 0.1): 2 x 4096 at 8k
+# linear in T. benchmarks/offline/chunk_quality.py (SmolLM2, am-highest, ratio 0.1): 2 x 4096 at 8k
 # kept the attention error within 7% and the logppl gap and agreement no worse than one
 # chunk; 2048 at 4k cost 15% attention error (benchmarks/results/chunk_quality.json).
 AUTO_CHUNK_TOKENS = 4096

@@ -29,7 +29,7 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
   compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
   prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
 
-Refused with a ValueError naming the flag (`check_runner` at construction, `check_layer` at a
+Refused with a ValueError naming the flag (`backend_checks.check_runner` at construction, `check_layer` at a
 biased forward): MLA, decode context parallelism, KV caches other than fp16/bf16/fp32 (fp8),
 encoder-decoder models, sliding-window, cross, non-causal, soft-capped or scaled-KV layers,
 and speculative / dLLM forward modes on compacted rows.
@@ -45,9 +45,9 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_ext.adapter.backend_checks import check_layer, check_runner
 from sglang_ext.adapter.compacted_node import beta_store_of, compacted_ancestor
 from sglang_ext.attention.rows import PrefixPart, attend_rows
 from sglang_ext.config import ATTENTION_BACKEND
@@ -57,8 +57,6 @@ from sglang_ext.packing import PackedLayout
 __all__ = [
     "CompactionBackend",
     "HostMarks",
-    "check_layer",
-    "check_runner",
     "graph_gate",
     "mark_forward_batch",
 ]
@@ -96,7 +94,6 @@ def mark_forward_batch(forward_batch: Any, schedule_batch: Any) -> None:
         logger.info("sglang_ext: compacted requests are marked on the host from now on")
 
 
-_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _B = TypeVar("_B", bound=type)
 # AttentionBackend attributes SGLang sets on the backend it built: kept on the wrapper
 _OWN = frozenset({"prefill_attention_backend_str", "decode_attention_backend_str"})
@@ -361,52 +358,6 @@ def graph_gate(
     ):
         return False
     return None
-
-
-def check_runner(model_runner: Any, inner: Any, inner_name: str) -> None:
-    """ValueError naming `--attention-backend` for a layout the biased path cannot serve."""
-    pool = model_runner.token_to_kv_pool
-    dtype = pool.get_key_buffer(pool.start_layer).dtype
-    model_config = getattr(model_runner, "model_config", None)
-    problems = [
-        what
-        for what, bad in (
-            ("MLA", bool(getattr(model_runner, "use_mla_backend", False))),
-            ("decode context parallelism", (getattr(inner, "dcp_size", 1) or 1) > 1),
-            (f"KV cache dtype {dtype}", dtype not in _KV_DTYPES),
-            ("encoder-decoder model", bool(getattr(model_config, "is_encoder_decoder", False))),
-        )
-        if bad
-    ]
-    if problems:
-        raise ValueError(
-            f"--attention-backend {inner_name!r} with --compaction-endpoint: compacted prefixes "
-            f"need plain MHA/GQA with an fp16/bf16/fp32 KV cache; got {', '.join(problems)}"
-        )
-
-
-def check_layer(layer: Any, forward_batch: Any, extras: dict[str, Any]) -> None:
-    """ValueError for the attention variants the biased path does not implement."""
-    problems = [
-        name
-        for name, bad in (
-            ("encoder", getattr(forward_batch, "encoder_lens", None) is not None),
-            ("cross attention", bool(layer.is_cross_attention)),
-            ("sliding window", (layer.sliding_window_size or -1) > -1),  # as RadixAttention
-            ("non-causal", layer.attn_type != AttentionType.DECODER),
-            ("logit soft cap", (layer.logit_cap or 0) > 0),
-            ("xai temperature", getattr(layer, "xai_temperature_len", -1) > 0),
-            ("kv scales", layer.k_scale is not None),
-            ("v head dim != qk head dim", layer.v_head_dim != layer.qk_head_dim),
-            (f"extra inputs {sorted(extras)}", any(x is not None for x in extras.values())),
-        )
-        if bad
-    ]
-    if problems:
-        raise ValueError(
-            "compacted prefixes support neither encoder nor sliding-window attention nor "
-            f"these variants; layer {layer.layer_id} has: {', '.join(problems)}"
-        )
 
 
 def _host(forward_batch: Any, name: str) -> torch.Tensor:

@@ -376,7 +376,7 @@ def test_healthcheck_script_against_a_real_health_server() -> None:
 
 def test_runbook_cites_cluster_sim_command_and_failure_modes() -> None:
     text = (DEPLOY / "README.md").read_text()
-    assert "python benchmarks/cluster_sim.py" in text
+    assert "python -m benchmarks.offline.cluster_sim" in text
     for needle in (
         "UNAUTHENTICATED",
         "UNAVAILABLE",

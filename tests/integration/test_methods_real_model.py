@@ -59,7 +59,7 @@ def test_gvote_and_baselines_on_real_layers(loaded) -> None:
 
 
 def test_compresskv_calibration_and_selection(loaded, tmp_path: Path) -> None:
-    from compactor.head_budgets.compresskv_calibration import calibrate_compresskv
+    from compactor.eval.compresskv_calibration import calibrate_compresskv
 
     model, tok, ids, pre, _ = loaded
     data = calibrate_compresskv(model, tok, num_cases=2, num_tokens=192)
@@ -100,7 +100,8 @@ def test_kvpress_crosscheck(tmp_path: Path, prepared_model: Path) -> None:
     run = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "kvpress_crosscheck.py"),
+            "-m",
+            "benchmarks.offline.kvpress_crosscheck",
             "--tokens",
             "200",
             "--out",

@@ -89,5 +89,5 @@ def test_shared_document_is_compacted_and_answers_hold(
     # questions plus the model's own 32-token answers (the plugin's query defaults): strict
     # 16-token agreement 5/6, stock's answer text reproduced 5/6. The default am-highest gives
     # 3/6 and 5/6 here (its two misses go on where stock emitted its stop token); replayed
-    # offline (benchmarks/agreement.py --docs 1 --held-out 0) the strict counts are the same.
+    # offline (benchmarks/server/agreement.py --docs 1 --held-out 0) the strict counts are the same.
     assert reproduced >= 4 and agree >= 4, (agree, reproduced)

@@ -1,29 +1,23 @@
 """A short soak on the real CPU server: install / flush cycles leave nothing behind, and a
 weight update drops the compacted prefix.
 
-`benchmarks/soak.py --cycles 300` is the long run (benchmarks/results/soak.json); this
+`benchmarks/server/soak.py --cycles 300` is the long run (benchmarks/results/soak.json); this
 test runs the same cycles a few times and asserts the same invariants.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.server import soak
 from harness.launch import SGLangServer
 from harness.workload import metric, prompt
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-_spec = importlib.util.spec_from_file_location("soak", _PATH)
-assert _spec is not None and _spec.loader is not None
-soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak)
 
 
 def _weight_update(server: SGLangServer, doc: str) -> None:

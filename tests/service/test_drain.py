@@ -181,7 +181,7 @@ def test_sigterm_with_a_short_drain_cancels_the_compaction_and_leaves_no_process
 def test_metrics_endpoint_counts_a_compaction_a_cache_hit_and_an_error(
     prepared_model: Path, model_fp: str, tmp_path: Path
 ) -> None:
-    from compactor.service.convert import encode_prefix
+    from compactor.service.result_stream import encode_prefix
 
     svc = _start(tmp_path, prepared_model, "--metrics-port", "0")
     try:

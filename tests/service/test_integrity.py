@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 
 from compactor.client import CompactorClient
-from compactor.service.convert import Assembler, ChecksumError, encode_prefix, result_digest, sign
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.service.result_stream import (
+    Assembler,
+    ChecksumError,
+    encode_prefix,
+    result_digest,
+    sign,
+)
 from harness.hostile import HostileProxy
 from tests.service.conftest import FAST, PREFIX, running_server
 from tests.unit.test_result_bounds import make_prefix

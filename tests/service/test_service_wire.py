@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from compactor.client import AsyncCompactorClient, CompactorClient
-from compactor.service.convert import (
+from compactor.service.convert import compact_request
+from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
+from compactor.service.result_stream import (
     ChecksumError,
     ResultTooLarge,
-    compact_request,
     encode_prefix,
     max_result_bytes,
 )
-from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
-from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
 from tests.service.conftest import FAST, PREFIX, assert_same_prefix, running_server
 from tests.unit.test_result_bounds import make_prefix
 

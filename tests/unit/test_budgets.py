@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compactor.head_budgets.allocate import allocate, head_budgets
 from compactor.head_budgets.curves import (
     SensitivityCurves,
-    allocate,
-    head_budgets,
     load_sensitivity_json,
     save_sensitivity_json,
     sensitivity_curve,
@@ -58,7 +57,7 @@ def test_allocate_moves_budget_to_sensitive_heads_and_keeps_total():
     assert b[0][0] > 100 and all(x < 100 for x in (b[0][1], b[1][0], b[1][1]))
 
     def total_err(bs):
-        from compactor.head_budgets.curves import _interp
+        from compactor.head_budgets.allocate import _interp
 
         xs = [0.0, *c.fractions, 1.0]
         out = 0.0

@@ -3,18 +3,9 @@ capacity (the highest rate within the SLO) is what it compares, not drain time."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster_sim.py"
-_spec = importlib.util.spec_from_file_location("cluster_sim", _PATH)
-assert _spec is not None and _spec.loader is not None
-cluster_sim = importlib.util.module_from_spec(_spec)
-sys.modules["cluster_sim"] = cluster_sim
-_spec.loader.exec_module(cluster_sim)
+from benchmarks.offline import cluster_sim
 
 # A small, memory-bound cluster: long documents, little KV memory per replica.
 BASE = dict(rate=6.0, duration=120.0, docs=60, prefix_tokens=32000, replicas=2, kv_tokens=150_000)

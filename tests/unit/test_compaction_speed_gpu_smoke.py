@@ -1,8 +1,7 @@
-"""benchmarks/compaction_speed_gpu.py --smoke: the GPU benchmark's code path, tiny, on the CPU."""
+"""benchmarks/gpu/compaction_speed_gpu.py --smoke: the GPU benchmark's code path, tiny, on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,13 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "compaction_speed_gpu", ROOT / "benchmarks" / "compaction_speed_gpu.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks.gpu import compaction_speed_gpu
+
+    return compaction_speed_gpu
 
 
 def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

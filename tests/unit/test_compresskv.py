@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compactor.head_budgets.compresskv_calibration import answer_span_mass, layer_budget_error
+from compactor.eval.compresskv_calibration import answer_span_mass, layer_budget_error
 from compactor.methods import LayerInput, get_method
 from compactor.methods.compresskv import cached_calibration, layer_budgets, load_calibration
 

@@ -1,11 +1,11 @@
-"""The ragged case of `benchmarks/decode_attention.py` (GPU-only timings): its per-head split
+"""The ragged case of `benchmarks/gpu/decode_attention.py` (GPU-only timings): its per-head split
 keeps each request's entries, uneven over the KV heads."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.decode_attention import KERNELS, ragged_indptr
+from benchmarks.gpu.decode_attention import KERNELS, ragged_indptr
 
 
 def test_ragged_split_keeps_the_entries_of_each_request_uneven_over_heads() -> None:

@@ -289,8 +289,8 @@ def test_worker_compaction_on_cuda_returns_a_cpu_prefix_the_service_encodes(
 ) -> None:
     """The worker path on a CUDA model: a valid prefix on the CPU, picklable for Ray and
     encoded by the service, with the CPU run's head lengths and about its decode quality."""
-    from compactor.service.convert import Assembler, EncodedPrefix, encode_prefix
     from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+    from compactor.service.result_stream import Assembler, EncodedPrefix, encode_prefix
     from compactor.spec import CompactionSpec, QueryConfig
     from compactor.workers.job import CompactJob
     from compactor.workers.worker import run_compaction

@@ -1,4 +1,4 @@
-"""The arithmetic of `benchmarks/equal_memory.py` (its servers run in the benchmark only)."""
+"""The arithmetic of `benchmarks/server/equal_memory.py` (its servers run in the benchmark only)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.equal_memory import RATIO_RANGE, _args, logppl_gap, matched_ratio, summarize
+from benchmarks.server.equal_memory import RATIO_RANGE, _args, logppl_gap, matched_ratio, summarize
 
 
 def test_the_matched_ratio_keeps_gvotes_entries() -> None:

@@ -11,13 +11,13 @@ import torch
 from compactor import hf
 from compactor.cli import main
 from compactor.eval.harness import EvalCase
+from compactor.eval.sensitivity import measure_sensitivity
 from compactor.head_budgets.curves import (
     SensitivityCurves,
     load_sensitivity_json,
     save_sensitivity_json,
     sensitivity_path,
 )
-from compactor.head_budgets.sensitivity import measure_sensitivity
 from compactor.pipeline import Hooks, compact_prefix
 from compactor.spec import CompactionSpec, QueryConfig
 from compactor.types import CompactedPrefix

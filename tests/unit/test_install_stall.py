@@ -1,31 +1,16 @@
-"""benchmarks/install_stall.py's analysis: gaps from streamed chunks, window labels, ratios,
+"""benchmarks/server/install_stall.py's analysis: gaps from streamed chunks, window labels, ratios,
 and the plugin's log lines (no server)."""
 
 from __future__ import annotations
 
 import datetime
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from benchmarks.server import install_stall as bench
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "install_stall", ROOT / "benchmarks" / "install_stall.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
 
 
 def test_gaps_divide_multi_token_chunks_and_skip_empty_ones() -> None:

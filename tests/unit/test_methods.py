@@ -351,7 +351,7 @@ def test_blocked_targets_and_fits_match_the_one_block_path():
     """A tiny work budget (blocks of heads and queries, phi never kept) gives the same
     reference statistics, selections and refit as the one-block path."""
     from compactor.methods.attention_matching import highest_attention_select, omp_select
-    from compactor.methods.refit import Targets
+    from compactor.methods.targets import Targets
 
     keys, values, q, _ = clustered(H=3, T=120, n=150, seed=7)
     scale = 32**-0.5

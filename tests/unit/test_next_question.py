@@ -1,32 +1,18 @@
-"""benchmarks/next_question.py end to end on a short needle and a short prose document with
+"""benchmarks/server/next_question.py end to end on a short needle and a short prose document with
 the plugin's spec, a target_error configuration and GVote: the result file's rows, their
 ranges, provenance and plot; and its configuration registry."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from benchmarks.server import _next_question_report as report
+from benchmarks.server import next_question as bench
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "next_question", ROOT / "benchmarks" / "next_question.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
 
 
 def test_baseline_is_the_old_plugin_spec_and_configs_override_today_s() -> None:
@@ -106,7 +92,7 @@ def test_short_documents_write_rows_in_range(prepared_model: Path, tmp_path: Pat
 
 def test_summary_averages_over_documents_and_shares_targets_met() -> None:
     base = {"method": "am-highest", "sources": ["follow-up"], "k": 2, "kind": "needle"}
-    base |= {m: 0.5 for m in bench._METRICS}
+    base |= {m: 0.5 for m in report.METRICS}
     per_doc = [
         base | {"config": "t", "ratio": 0.1, "chosen_ratio": 0.1, "target_error": 0.2,
                 "target_met": True, "unseen_attn_error": 0.1},
@@ -114,10 +100,10 @@ def test_summary_averages_over_documents_and_shares_targets_met() -> None:
                 "target_met": False, "unseen_attn_error": 0.3, "unseen_needles": None},
         {"config": "full", "doc": 0},
     ]  # fmt: skip
-    (row,) = bench.summarize(per_doc)
+    (row,) = report.summarize(per_doc)
     assert row["docs"] == 2 and row["target_met_share"] == 0.5
     assert row["ratio"] == row["mean_chosen_ratio"] == pytest.approx(0.2)
     assert row["unseen_attn_error"] == pytest.approx(0.2)
     assert row["unseen_needles"] == 0.5  # None is left out of the mean
-    (mem,) = bench.memory_vs_baseline([row], 0.1)
+    (mem,) = report.memory_vs_baseline([row], 0.1)
     assert mem["memory_vs_baseline"] == pytest.approx(2.0)

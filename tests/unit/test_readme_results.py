@@ -1,26 +1,19 @@
 """Figures in the README and docs/ come from committed result files: every marked results
-table in `readme_tables.DOCUMENTS` equals what `benchmarks/readme_tables.py` renders from the
+table in `readme_tables.DOCUMENTS` equals what `benchmarks/report/readme_tables.py` renders from the
 files it names, no other Markdown file holds a marker, and every result file records how it
 was produced (command, commit, machine, date)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.report import readme_tables
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location(
-    "readme_tables", ROOT / "benchmarks" / "readme_tables.py"
-)
-assert _spec is not None and _spec.loader is not None
-readme_tables = importlib.util.module_from_spec(_spec)
-sys.modules["readme_tables"] = readme_tables
-_spec.loader.exec_module(readme_tables)
 
 READMES = tuple(ROOT / doc for doc in readme_tables.DOCUMENTS)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -68,7 +61,7 @@ def test_markers_only_in_the_listed_documents() -> None:
 
 
 def test_check_mode_agrees(capsys: pytest.CaptureFixture[str]) -> None:
-    """`python benchmarks/readme_tables.py --check` passes on the committed documents."""
+    """`python -m benchmarks.report.readme_tables --check` passes on the committed documents."""
     assert readme_tables.check() == []
     assert readme_tables.main(["--check"]) == 0
     assert "agrees" in capsys.readouterr().out
@@ -98,7 +91,7 @@ def test_table_matches_its_result_file(
     expected = [readme_tables.normalize(x) for x in want]
     assert got == expected, (
         f"{readme}: the {name} table differs from its files; "
-        f"`python benchmarks/readme_tables.py {name}` prints it:\n" + "\n".join(want)
+        f"`python -m benchmarks.report.readme_tables {name}` prints it:\n" + "\n".join(want)
     )
 
 

@@ -10,20 +10,22 @@ import pytest
 import torch
 
 from compactor.service.convert import (
+    compact_request,
+    job_from_request,
+    kv_dtype_field,
+    request_from_job,
+)
+from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+from compactor.service.result_stream import (
     METADATA_ALLOWANCE,
     Assembler,
     ChecksumError,
     EncodedPrefix,
     ResultTooLarge,
     cast_prefix,
-    compact_request,
     encode_prefix,
-    job_from_request,
-    kv_dtype_field,
     max_result_bytes,
-    request_from_job,
 )
-from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
 from compactor.workers.errors import InvalidRequest

@@ -98,7 +98,7 @@ def test_the_real_result_passes_the_checks_in_an_fp16_pool(compacted: Any) -> No
 
 
 def test_slack_leaves_room_over_the_measured_magnitudes() -> None:
-    """The range checks' constants against benchmarks/magnitudes.py's figures: at least 2x
+    """The range checks' constants against benchmarks/server/magnitudes.py's figures: at least 2x
     headroom over what real methods produced on the embedded model."""
     measured = json.loads((ROOT / "benchmarks" / "results" / "magnitudes.json").read_text())
     assert 2 * measured["max_key_ratio"] <= KEY_SLACK
@@ -316,7 +316,7 @@ def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
 ) -> None:
     """keep-only of am-highest at ratio 1 (every key, beta 0, original values): N = T slots, no
     alias, and the pool holds the original KV again (what the GPU identity check installs:
-    benchmarks/gpu_serving.py)."""
+    benchmarks/gpu/gpu_serving.py)."""
     from compactor.hf import load_model
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.spec import CompactionSpec, QueryConfig

@@ -1,30 +1,24 @@
 """Why the plugin keeps its own `RadixCache` subclass: SGLang's default `UnifiedRadixCache`
-cannot hold a compacted prefix (`benchmarks/unified_cache_probe.py`).
+cannot hold a compacted prefix (`benchmarks/offline/unified_cache_probe.py`).
 
 Each assertion is one finding of the probe on the installed SGLang. A failure here means
 SGLang changed what its default cache can do: rerun the probe
-(`.venv/bin/python benchmarks/unified_cache_probe.py`), and check whether compacted prefixes
+(`.venv/bin/python -m benchmarks.offline.unified_cache_probe`), and check whether compacted prefixes
 can now move into `UnifiedRadixCache` (ARCHITECTURE.md, why the plugin does not use it).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.offline import unified_cache_probe as probe
+
 _ROOT = Path(__file__).resolve().parents[2]
-_PATH = _ROOT / "benchmarks" / "unified_cache_probe.py"
 _RESULT = _ROOT / "benchmarks" / "results" / "unified_cache_probe.json"
-_spec = importlib.util.spec_from_file_location("unified_cache_probe", _PATH)
-assert _spec is not None and _spec.loader is not None
-probe = importlib.util.module_from_spec(_spec)
-sys.modules["unified_cache_probe"] = probe
-_spec.loader.exec_module(probe)
 
 L, T, K = probe.L, probe.T, probe.K
 RUST = "RustUnifiedTreeCore"

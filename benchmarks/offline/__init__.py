@@ -1,0 +1,1 @@
+"""Benchmarks that need a CPU and the embedded model, no server."""
