@@ -43,8 +43,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
     | tee -a "$OUT/gpu.txt"
 
 timeout 300 "${PYTEST[@]}" -m gpu \
-    tests/compaction_kernels tests/unit/test_sglang_ext_attention_triton.py \
-    tests/unit/test_sglang_ext_cascade.py tests/unit/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
+    tests/compaction_kernels tests/sglang_ext/test_attention_triton.py \
+    tests/sglang_ext/test_cascade.py tests/compactor/test_device_agnostic.py 2>&1 | tee "$OUT/triton_tests.log"
 status=${PIPESTATUS[0]}
 
 if [ "$WHAT" != triton ] && "$PY" -c "import flashinfer" 2>/dev/null; then

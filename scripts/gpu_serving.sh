@@ -121,8 +121,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$WOR
 # JIT comes first), stopped after GPU_TESTS_S (default 190) so that they are over before the
 # servers are ready and the first figure is read
 nice -n 10 timeout "${GPU_TESTS_S:-190}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/compaction_kernels tests/unit/test_sglang_ext_attention_triton.py \
-    tests/unit/test_sglang_ext_cascade.py > "$WORK/state/logs/gpu_tests.log" 2>&1 &
+    tests/compaction_kernels tests/sglang_ext/test_attention_triton.py \
+    tests/sglang_ext/test_cascade.py > "$WORK/state/logs/gpu_tests.log" 2>&1 &
 tests=$!
 
 # 3. the phases, in what is left of BUDGET_S (each record and the merged report written as

@@ -64,3 +64,12 @@ def prepared_model() -> Path:
     from compactor.models import prepare_model
 
     return prepare_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random Llama (`tests._tiny.tiny_llama`, seed 0) saved to a fresh tmp dir, built
+    once per test module."""
+    from tests._tiny import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))

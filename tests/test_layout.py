@@ -140,3 +140,18 @@ def test_benchmarks_run_as_modules_without_path_edits() -> None:
     assert edits == []
     assert all((d / "__init__.py").is_file() for d in (ROOT / "benchmarks").iterdir()
                if d.is_dir() and d.name not in ("results", "__pycache__"))  # fmt: skip
+
+
+def test_tests_share_helpers_through_helper_modules_only() -> None:
+    """A test module imports no other test module: shared helpers live in a folder's `_*.py`
+    modules (or its conftest.py, for fixtures)."""
+    found = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])  # fmt: skip
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests"):
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                      if n.startswith("tests.") and (".test_" in n or n.endswith(".conftest"))]  # fmt: skip
+    assert found == []

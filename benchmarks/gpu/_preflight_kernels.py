@@ -6,7 +6,7 @@
    named sgl_kernel, never answers). The stand-in has no catch-all, so a miss is a real gap.
 2. unavailable packages: a `python -S` subprocess sees only what the GPU machine has (a symlink
    view of site-packages filtered to GPU_IMAGE_PACKAGES, scripts/gpu_wheels.txt and FlashInfer;
-   the stand-in; the stdlib), fakes an H100 as tests/unit/test_gpu_serving_smoke.py does and
+   the stand-in; the stdlib), fakes an H100 as tests/benchmarks/test_gpu_serving_smoke.py does and
    installs the stand-in's `_gpu_shims` (its SHIMS table). It imports CLOSURE_MODULES (their
    module-level closure runs for real, platform branches as on CUDA sm90), then runs every
    function-level import statement of LAYER_PATH_FILES that no try/except ImportError guards.

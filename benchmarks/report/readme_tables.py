@@ -12,7 +12,7 @@ below a marker naming its renderer and its files:
     <!-- results: serving benchmarks/results/serving_3072.json -->
     | config | ... |
 
-`tests/unit/test_readme_results.py` re-renders every marked table and compares it with the
+`tests/benchmarks/test_readme_results.py` re-renders every marked table and compares it with the
 document (bold `**` ignored), checks that every renderer has a table, that markers appear only
 in `DOCUMENTS`, and that each result file records its provenance (command, commit, machine,
 date). Rounding: the renderers', to the digits the documents print.

@@ -63,7 +63,7 @@ from typing import Any
 
 from benchmarks import ROOT
 
-# Gap and LABELS: re-exported for tests/unit/test_install_stall.py
+# Gap and LABELS: re-exported for tests/benchmarks/test_install_stall.py
 from benchmarks.server._install_stall_analysis import (  # noqa: F401
     LABELS,
     LOCAL_GAPS,

@@ -6,7 +6,7 @@ Compacts one document of the embedded SmolLM2 with several methods and ratios an
 over all layers, max |K_compacted| / max |K_original| and the same for values (per layer, the
 largest ratio), and the largest finite beta next to ln T. `sglang_ext.installer` refuses a
 result beyond KEY_SLACK / VALUE_SLACK x the original prefix's max or beta > ln T + BETA_SLACK;
-`tests/unit/test_sglang_ext_install.py` checks those constants against this file's figures.
+`tests/sglang_ext/test_install.py` checks those constants against this file's figures.
 """
 
 from __future__ import annotations

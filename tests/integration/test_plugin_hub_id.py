@@ -17,7 +17,7 @@ import pytest
 from compactor.models import fingerprint
 from harness.launch import SGLangServer
 from harness.workload import compaction_args, document, metric, prompt, questions
-from tests.unit.test_model_paths import make_hub_cache
+from tests.compactor._fixtures import make_hub_cache
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
