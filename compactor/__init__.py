@@ -77,15 +77,15 @@ if TYPE_CHECKING:
     from compactor.models import fingerprint, resolve_checkpoint
     from compactor.service.auth import TOKEN_HEADER, TokenFile
     from compactor.service.result_stream import max_result_bytes
-    from compactor.spec import (
-        CompactionSpec,
-        QueryConfig,
+    from compactor.spec.cli_args import (
         add_field_args,
         add_spec_args,
         field_values,
         spec_from_args,
         usage_error,
     )
+    from compactor.spec.compaction import CompactionSpec
+    from compactor.spec.queries import QueryConfig
     from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
     from compactor.workers.job import CompactJob
     from compactor.workers.worker import Worker, run_compaction

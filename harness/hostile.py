@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -282,12 +281,7 @@ class HostileProxy:
     def __enter__(self) -> HostileProxy:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- the handlers (threads of the gRPC server) ----------------------------------

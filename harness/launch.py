@@ -23,7 +23,6 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from sglang_ext.adapter.hooks import ACTIVE_ENV
@@ -163,12 +162,7 @@ class ManagedProcess:
             self.stop()
             raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def wait_ready(self) -> None:

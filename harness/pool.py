@@ -23,7 +23,6 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
-from types import TracebackType
 from typing import Any
 
 __all__ = ["PoolReading", "PoolSampler", "fetch_metrics", "parse_metrics", "pool_size", "read_pool"]
@@ -154,12 +153,7 @@ class PoolSampler:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
 

@@ -20,17 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.spec.fields import SpecError, is_int, is_number, knob, meta
-from compactor.spec.queries import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
+from compactor.spec.queries import QueryConfig
 
 __all__ = [
     "AUTO_CHUNK_TOKENS",
     "DEFAULT_AUTO_RATIO",
     "HEAD_BUDGET_CHOICES",
-    "QUERY_SOURCES",
-    "SELF_STUDY_PROMPTS",
     "TARGET_ERROR_RATIOS",
     "CompactionSpec",
-    "QueryConfig",
     "SpecError",
     "parse_chunk_tokens",
     "spec_fields",
