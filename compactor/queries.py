@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.spec import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig  # re-exported
+from compactor.spec import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig, SpecError  # re-exported
 
 __all__ = [
     "QUERY_SOURCES",
@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
+# Tokens of one self-study prompt a worker runs (the prompts are batched, so each row is as
+# long as the longest; the service also caps their characters, WorkLimits).
+MAX_SELF_STUDY_PROMPT_TOKENS = 512
 
 Checkpoint = Callable[[str], None]  # called with a stage name; may raise to abort
 
@@ -290,6 +293,13 @@ def _self_study(
 ) -> list[Continuation]:
     """One generated answer per prompt, on the full prefix (greedy or sampled)."""
     prompts = [_encode(tokenizer, f"\n\n{p}\n") for p in config.self_study_prompts]
+    longest = max(map(len, prompts), default=0)
+    if longest > MAX_SELF_STUDY_PROMPT_TOKENS:
+        raise SpecError(
+            f"queries.self_study_prompts: a prompt of {longest} tokens is over the "
+            f"{MAX_SELF_STUDY_PROMPT_TOKENS} a worker runs",
+            "queries.self_study_prompts",
+        )
     answers = _generate(
         model,
         tokenizer,

@@ -2,7 +2,8 @@
 
 A spec is the client's to choose, so every knob that scales a worker's work has a ceiling
 here: the number of reference queries, generated tokens, prompts, follow-ups and their
-lengths, solver iterations, and how finely the KV may be chunked. A request over a cap is
+lengths, solver iterations, and how finely the KV may be chunked; and every method parameter
+a request may set has its type and bounds (`compactor.spec.method_limits`). A request over a cap is
 refused before any work is queued (a ValueError naming the field, its value and the cap,
 which the service answers with INVALID_ARGUMENT).
 Each cap is a `compactor serve --max-*` / `--min-*` flag (generated from the fields below) and
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from compactor.spec.fields import SpecError
+from compactor.spec.method_limits import Caps, check_method_params
 
 if TYPE_CHECKING:
     from compactor.spec.compaction import CompactionSpec
@@ -47,8 +49,11 @@ class WorkLimits:
     max_follow_up_answer_tokens: int = _cap(
         256, "answer tokens generated after each follow-up (queries.follow_up_answer_tokens)"
     )
+    max_self_study_prompt_chars: int = _cap(
+        4096, "characters of one self-study prompt (queries.self_study_prompts)"
+    )
     max_method_iterations: int = _cap(
-        64, "solver rounds a method parameter may ask for (method_params *_iters)"
+        64, "solver rounds a method parameter may ask for (method_params nnls_iters)"
     )
     min_chunk_tokens: int = _cap(256, "smallest KV chunk a spec may ask for (chunk_size)")
 
@@ -62,9 +67,12 @@ class WorkLimits:
         """Name -> cap (what GetModelInfo reports)."""
         return {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def check_spec(self, spec: CompactionSpec) -> None:
+    def check_spec(self, spec: CompactionSpec, prefix_tokens: int | None = None) -> None:
         """Raise SpecError (a ValueError) naming the field of the first cap `spec` asks more
-        than."""
+        than, or of the first method parameter a request may not set as it does
+        (`method_limits`: bounds against `prefix_tokens`, unbounded by the prefix when None)."""
+        caps = Caps(prefix_tokens or 2**62, self.max_queries, self.max_method_iterations)
+        check_method_params(spec.method, dict(spec.method_params), caps)
         q = spec.queries
         asked: list[tuple[str, str, int]] = [
             ("max_queries", "queries.max_queries_per_head", q.max_queries_per_head),
@@ -74,11 +82,8 @@ class WorkLimits:
             ("max_follow_up_answer_tokens", "queries.follow_up_answer_tokens",
              q.follow_up_answer_tokens),
         ]  # fmt: skip
-        asked += [
-            ("max_method_iterations", f"method_params.{k}", v)
-            for k, v in spec.method_params.items()
-            if k.endswith("iters") and isinstance(v, int)
-        ]
+        longest = max(map(len, q.self_study_prompts), default=0)
+        asked.append(("max_self_study_prompt_chars", "queries.self_study_prompts", longest))
         self._over(asked)
         if spec.chunk_size is not None and spec.chunk_size < self.min_chunk_tokens:
             raise SpecError(
@@ -103,8 +108,7 @@ class WorkLimits:
                 )
                 if name.startswith("follow_ups"):
                     raise ValueError(message)
-                field = "method_params" if name.startswith("method_params.") else name
-                raise SpecError(message, field)
+                raise SpecError(message, name)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

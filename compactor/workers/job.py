@@ -83,11 +83,15 @@ class CompactJob:
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
-    def check_spec(spec: CompactionSpec, limits: WorkLimits | None = None) -> None:
-        """The service's policy on a spec: ``spec.validate()`` (builds the method), head
-        budgets only "uniform" / "auto" (no file paths), and the work caps of `limits`
-        (default: `WorkLimits()`'s). Raises a ValueError (SpecError for the spec's own checks)
-        naming the field."""
+    def check_spec(
+        spec: CompactionSpec, limits: WorkLimits | None = None, prefix_tokens: int | None = None
+    ) -> None:
+        """The service's policy on a spec, before any work: the work caps of `limits`
+        (default: `WorkLimits()`'s) and the method parameters a request may set, bounded by
+        `prefix_tokens` when given; then ``spec.validate()`` (builds the method), and head
+        budgets only "uniform" / "auto" (no file paths). Raises a ValueError (SpecError for
+        the spec's own checks) naming the field."""
+        (limits or WorkLimits()).check_spec(spec, prefix_tokens)  # a ValueError naming the field
         spec.validate()
         if spec.head_budgets not in HEAD_BUDGET_CHOICES:
             raise SpecError(
@@ -95,7 +99,6 @@ class CompactJob:
                 f"{spec.head_budgets!r}",
                 "head_budgets",
             )
-        (limits or WorkLimits()).check_spec(spec)  # a ValueError naming the field
 
     def validate(
         self,
@@ -124,7 +127,7 @@ class CompactJob:
             )
         limits = limits or WorkLimits()
         try:
-            self.check_spec(self.spec, limits)
+            self.check_spec(self.spec, limits, n)
             limits.check_follow_ups(self.follow_ups)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None

@@ -81,15 +81,13 @@ def test_status_codes_from_real_bad_requests(server: Any, model_fp: str) -> None
             call(ratio=1.5)
         assert info.value.details() == "ratio must be in (0, 1], got 1.5"
         assert _code(lambda: call(fp="0" * 32)) == grpc.StatusCode.FAILED_PRECONDITION
-        # passes the method's own validation, then fails inside the worker
+        # a float where an integer belongs: refused before the worker (it once got INTERNAL)
         assert (
-            _code(lambda: call(method="am-omp-fast", method_params={"nnls_iters": 2.5}))
-            == grpc.StatusCode.INTERNAL
+            _code(lambda: call(method="am-omp-fast", method_params={"nnls_iters": 2.5})) == INVALID
         )
         assert _code(lambda: call(ids=_prefix(2), timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_idle(server)
-    assert _metric(server, "compactor_requests_total", status="INVALID_ARGUMENT") >= 8
-    assert _metric(server, "compactor_requests_total", status="INTERNAL") >= 1
+    assert _metric(server, "compactor_requests_total", status="INVALID_ARGUMENT") >= 9
 
 
 def test_queue_full_is_resource_exhausted(prepared_model: Path, model_fp: str) -> None:
@@ -260,6 +258,17 @@ def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp
     assert "queries.random_count = 1000000000 is over this server's limit 8192" in (
         info.value.details() or ""
     )
+    # a nested method's parameter, and megabytes of prompts, over the wire
+    for spec, field in (
+        (FAST.replace(method="keep-only", method_params={"inner_params": {"nnls_iters": 10**9}}),
+         "method_params.inner_params.nnls_iters = 1000000000 is outside"),
+        (FAST.replace(queries=replace(FAST.queries, sources=("self-study",),
+                                      self_study_prompts=("x" * (1 << 20),) * 15)),
+         "queries.self_study_prompts = 1048576 is over this server's limit 4096"),
+    ):  # fmt: skip
+        with CompactorClient(f"127.0.0.1:{server.port}") as c, pytest.raises(grpc.RpcError) as info:
+            c.compact(_prefix(7), model_fp, spec, timeout=60)
+        assert info.value.code() == INVALID and field in (info.value.details() or "")
     assert _metric(server, "compactor_requests_total", status="OK") == busy
 
 
