@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from compactor.service.auth import TOKEN_HEADER
+from compactor.service.auth import TOKEN_HEADER, TokenFile, token_bytes
 from compactor.service.convert import compact_request
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
@@ -124,19 +124,25 @@ class _Base(Generic[R]):
         auth_token: str | None = None,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = 16 << 20,
+        signing_key: str | TokenFile | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.tls = tls
         self.retry = retry or RetryPolicy()
-        self.metadata: tuple[tuple[str, str], ...] = (
-            ((TOKEN_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
-        )
-        # with a token, every result must carry its HMAC under that token
-        self._key = auth_token.encode() if auth_token else None
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.set_token(auth_token)
+        # with a signing key (a file is read again when it changes), every result must carry
+        # its HMAC under that key, bound to the request it answers
+        self.signing_key = signing_key
         self.options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+
+    def set_token(self, token: str | None) -> None:
+        """The bearer token sent from the next call on (None: none); a rotation touches
+        nothing else (results are signed with the separate signing key)."""
+        self.metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
 
     def compact(
         self,
@@ -199,7 +205,8 @@ class _Base(Generic[R]):
             raise
 
     def _result(self, asm: Assembler, req: pb.CompactRequest, tries: _Tries) -> CompactResult:
-        prefix = asm.result(expected_fingerprint=req.model_fingerprint, key=self._key)
+        key = token_bytes(self.signing_key)
+        prefix = asm.result(expected_fingerprint=req.model_fingerprint, key=key, request=req)
         want = req.kv_dtype or "float32"
         if dtype_name(prefix.dtype) != want:
             raise ValueError(f"asked for {want} keys/values, got {dtype_name(prefix.dtype)}")

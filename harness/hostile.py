@@ -15,7 +15,8 @@ them. Modes (`MODES`):
 - ``shape``: layer 0's keys and values [N, D] relabelled [2N, D/2] in the tensor table
   (same bytes), resealed;
 - ``swap``: layer 0's keys and values swapped in the tensor table (same bytes, same shapes),
-  resealed: a structurally valid result that only the HMAC (a service with a token) exposes;
+  resealed: a structurally valid result that only the HMAC (a service with a signing key)
+  exposes; every resealed result is signed again with the bearer token the proxy forwards;
 - ``nan``: NaN written into every 7th entry of layer 0's keys, resealed;
 - ``huge``: every layer's keys and values times `HUGE_FACTOR` (finite in fp32), resealed;
 - ``fingerprint`` / ``prefix_hash``: that metadata field replaced, resealed;
@@ -47,7 +48,7 @@ import torch
 
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
-from compactor.service.result_stream import result_digest
+from compactor.service.result_stream import result_digest, sign
 
 __all__ = ["HUGE_FACTOR", "MODES", "OVERSIZE_FACTOR", "Call", "HostileProxy", "Result"]
 
@@ -106,12 +107,15 @@ class Result:
     def names(self) -> list[str]:
         return [info.name for info in self.header.tensors]
 
-    def reseal(self) -> None:
-        """Size and digest recomputed over header, table and payload (the unkeyed part: the
-        proxy has no token, so the HMAC, if any, stays as it was); mutates header, trailer."""
+    def reseal(self, request: pb.CompactRequest, bearer: str | None) -> None:
+        """Size and digest recomputed over header, table and payload; a signed result is
+        signed again for `request` with the bearer token the proxy forwarded (all an on-path
+        attacker has: it reads the header). Mutates header and trailer."""
         self.header.payload_bytes = len(self.payload)
         self.trailer.payload_bytes = len(self.payload)
         self.trailer.sha256 = result_digest(self.header, bytes(self.payload))
+        if self.trailer.hmac_sha256 and bearer:
+            self.trailer.hmac_sha256 = sign(bearer.encode(), self.trailer.sha256, request)
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> list[pb.CompactChunk]:
         """The payload as TensorChunk messages of <= `chunk_bytes` (at least one)."""
@@ -313,7 +317,8 @@ class HostileProxy:
                 tamper = TAMPERS.get(mode)
                 if tamper is not None:
                     tamper(r, rng)
-                    r.reseal()
+                    bearer = dict(_auth(ctx)).get("authorization", "").removeprefix("Bearer ")
+                    r.reseal(req, bearer or None)
                 chunks = r.chunks()
                 yield pb.CompactChunk(header=r.header)
                 if mode == "truncated":

@@ -1,4 +1,5 @@
-"""The plugin's gRPC channel flags (TLS, bearer token) and their startup checks.
+"""The plugin's gRPC channel flags (TLS, bearer token, result signing key) and their startup
+checks.
 
 The token never rides on the command line: SGLang keeps the raw command line
 (`ServerArgs._launch_command`) and the unauthenticated `GET /server_info` returns it, and
@@ -6,8 +7,12 @@ The token never rides on the command line: SGLang keeps the raw command line
 the environment variable `SGLANG_COMPACTION_TOKEN`; `--compaction-token` is kept only to
 refuse it with that advice (argparse stops at it, so its value is stored nowhere).
 
+The key results are signed with is another secret, shared with the service as a file
+(`--compaction-signing-key-file`) and never sent: whoever reads the token off the wire cannot
+sign a result with it.
+
 Checked at startup (:func:`check_channel`, from `config_from_namespace`): TLS needs
-`--compaction-tls-ca`; the CA, cert and key files exist and are readable; cert and key
+`--compaction-tls-ca`; the CA, cert and key files (and the secrets' files) are readable; cert and key
 come together; a plaintext channel (prompts and results in clear, and the token, if any)
 goes only to a loopback host unless `--compaction-insecure` says so.
 """
@@ -77,6 +82,13 @@ def add_channel_args(g: Any) -> None:
         f"Or set the environment variable {TOKEN_ENV}.",
     )
     g.add_argument(
+        "--compaction-signing-key-file",
+        default=None,
+        help="File holding the key the service signs results with (compactor serve "
+        "--signing-key-file); every result must then carry its signature for its request. "
+        "Re-read when it changes.",
+    )
+    g.add_argument(
         "--compaction-insecure",
         action="store_true",
         help="Talk to a non-loopback service without TLS: prompts, results and the token (if "
@@ -142,6 +154,7 @@ def check_channel(
     token: str | None,
     token_file: str | None,
     insecure: bool,
+    signing_key_file: str | None = None,
 ) -> None:
     """Refuse (ValueError naming the flag) a channel set up wrong; `inproc://` has none."""
     if endpoint.startswith("inproc://"):
@@ -162,13 +175,15 @@ def check_channel(
         ("--compaction-tls-key", tls_key),
     ):
         _check_file(flag, path)
-    if token_file is not None:
-        from compactor import TokenFile
+    for flag, secret in (("--compaction-token-file", token_file),
+                         ("--compaction-signing-key-file", signing_key_file)):  # fmt: skip
+        if secret is not None:
+            from compactor import TokenFile
 
-        try:
-            TokenFile(token_file).read()
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--compaction-token-file: {exc}") from None
+            try:
+                TokenFile(secret).read()
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{flag}: {exc}") from None
     if tls or is_loopback(endpoint):
         return
     has_token = token is not None or token_file is not None

@@ -135,7 +135,7 @@ class GrpcCompactor:
     def _make_client(self, token: str | None) -> Any:
         from pathlib import Path
 
-        from compactor import AsyncCompactorClient, TlsFiles
+        from compactor import AsyncCompactorClient, TlsFiles, TokenFile
 
         cfg = self.config
         tls = None
@@ -147,16 +147,15 @@ class GrpcCompactor:
                 Path(cfg.tls_cert) if cfg.tls_cert else None,
                 Path(cfg.tls_key) if cfg.tls_key else None,
             )
-        return AsyncCompactorClient(self.target, tls=tls, auth_token=token)
+        key = TokenFile(cfg.signing_key_file) if cfg.signing_key_file else None
+        return AsyncCompactorClient(self.target, tls=tls, auth_token=token, signing_key=key)
 
     def _client_for(self, token: str | None) -> Any:
         """The client, built on first use; its metadata follows a changed token."""
         if self._client is None:
             self._client = self._make_client(token)
         elif token != self._sent_token:
-            from compactor import TOKEN_HEADER
-
-            self._client.metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
+            self._client.set_token(token)  # the signing key is another secret: untouched
             logger.info("compaction token file changed: the new token is in use")
         self._sent_token = token
         return self._client

@@ -241,6 +241,7 @@ class CompactionConfig:
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
     insecure: bool = False
+    signing_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoint.strip():
@@ -322,6 +323,7 @@ def config_from_namespace(ns: argparse.Namespace) -> CompactionConfig | None:
         token=token_from_env(token_file),
         token_file=token_file,
         insecure=ns.compaction_insecure,
+        signing_key_file=ns.compaction_signing_key_file,
     )
     check_channel(endpoint, **channel)
     return CompactionConfig(spec=spec, **settings, **channel)

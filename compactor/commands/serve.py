@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
 from compactor.spec.limits import WorkLimits
@@ -93,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="require 'authorization: Bearer <token>'; re-read when the file changes",
     )
+    p.add_argument(
+        "--signing-key-file",
+        type=Path,
+        help="sign every result (HMAC-SHA256, bound to its request) with the key in this file, "
+        "shared with the clients and never sent; re-read when the file changes",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
     p.add_argument(
         "--drain-seconds",
@@ -142,15 +149,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.tls_cert and not is_loopback(args.host):
         log.warning("serving plaintext on %s (--insecure): prompts travel in clear", args.host)
     _check_port(args.host, args.port)
-    token = None
-    if args.auth_token_file:
-        from compactor.service.auth import TokenFile
-
-        token = TokenFile(args.auth_token_file)  # read again whenever the file changes
-        try:
-            token.read()
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"compactor serve: error: --auth-token-file: {exc}") from None
+    token, signing_key = (
+        _secret_file(args, flag) for flag in ("auth_token_file", "signing_key_file")
+    )
     try:
         model_dir = resolve_model(args.model)
     except ValueError as exc:
@@ -181,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
             if args.tls_cert
             else None,
             auth_token=token,
+            signing_key=signing_key,
             max_message_bytes=args.max_message_mb << 20,
             metrics_port=args.metrics_port,
             drain_seconds=args.drain_seconds,
@@ -193,6 +195,22 @@ def _serve(args: argparse.Namespace) -> int:
     except PortInUseError as exc:
         raise SystemExit(f"compactor serve: error: {exc}") from exc
     return 0
+
+
+def _secret_file(args: argparse.Namespace, name: str) -> Any:
+    """The `TokenFile` flag `name` gives (read now: a missing or empty file ends the command
+    naming the flag), else None."""
+    path = getattr(args, name)
+    if not path:
+        return None
+    from compactor.service.auth import TokenFile
+
+    secret = TokenFile(path)  # read again whenever the file changes
+    try:
+        secret.read()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"compactor serve: error: --{name.replace('_', '-')}: {exc}") from None
+    return secret
 
 
 async def _run(config: object) -> None:

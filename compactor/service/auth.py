@@ -1,5 +1,6 @@
 """Bearer-token authentication: a grpc.aio server interceptor (health checks are exempt) and
-`TokenFile`, a token file read again when it changes (the service and the SGLang plugin)."""
+`TokenFile`, a secret kept in a file and read again when it changes (the bearer token and the
+result signing key, in the service and the SGLang plugin)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def tenant_of(context: grpc.aio.ServicerContext) -> str:
 
 
 def token_bytes(token: str | TokenFile | None) -> bytes | None:
-    """The current token as bytes (a TokenFile re-read when it changed); None without one.
-    The key results are signed with (`compactor.service.convert.sign`)."""
+    """The current secret as bytes (a TokenFile re-read when it changed); None without one
+    (the bearer token, or the key results are signed with: `result_stream.sign`)."""
     if token is None:
         return None
     return (token.read() if isinstance(token, TokenFile) else token).encode()

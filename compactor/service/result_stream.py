@@ -5,9 +5,11 @@ Wire format of a result: a Header (metadata JSON + tensor table), the payload (e
 of :meth:`CompactedPrefix.tensors`, raw bytes, concatenated in table order) in
 TensorChunks, and a Trailer with the result's digest (:func:`result_digest`: sha256 over the
 whole Header, tensor table included, then the payload) and, when the service has a bearer
-token, `hmac_sha256`: HMAC-SHA256 of that digest keyed with the token (:func:`sign`). The
-digest finds corruption; the HMAC finds tampering by anyone without the token (a client that
-holds a token refuses an unsigned or missigned result).
+signing key, `hmac_sha256`: HMAC-SHA256 of that digest bound to the request it answers, keyed
+with a signing key the service and its clients share as a file and that never travels
+(:func:`sign`). The digest finds corruption; the HMAC finds tampering and replay by anyone
+without the key, the bearer token's readers included (a client that holds a signing key
+refuses an unsigned or missigned result).
 
 Shape legend: L layers, H_kv KV heads, D head dim, T prefix tokens (the logical length),
 N kept rows of one layer (sum over its heads).
@@ -238,10 +240,14 @@ class Assembler:
             self.trailer = msg.trailer
 
     def result(
-        self, expected_fingerprint: str | None = None, key: bytes | None = None
+        self,
+        expected_fingerprint: str | None = None,
+        key: bytes | None = None,
+        request: pb.CompactRequest | None = None,
     ) -> CompactedPrefix:
         """The verified prefix; ChecksumError if incomplete or corrupt (or, with `key`, the
-        service's token, unsigned or signed with another key), ValueError if invalid."""
+        signing key shared with the service, unsigned, or signed for another `request` or
+        with another key), ValueError if invalid."""
         h, tr = self.header, self.trailer
         if h is None or tr is None:
             raise ChecksumError("stream ended before its trailer")
@@ -252,9 +258,13 @@ class Assembler:
             raise ChecksumError("sha256 mismatch (header, tensor table or payload)")
         if key is not None:
             if not tr.hmac_sha256:
-                raise ChecksumError("result is not signed, but this client has a token")
-            if not hmac.compare_digest(sign(key, digest), tr.hmac_sha256):
-                raise ChecksumError("HMAC mismatch: the result was not signed with our token")
+                raise ChecksumError("result is not signed, but this client has a signing key")
+            if request is None or not hmac.compare_digest(
+                sign(key, digest, request), tr.hmac_sha256
+            ):
+                raise ChecksumError(
+                    "HMAC mismatch: the result was not signed with our key for this request"
+                )
         tensors = {}
         for info in h.tensors:
             dtype = _TORCH_DTYPES[info.dtype]
@@ -321,9 +331,14 @@ def result_digest(header: pb.Header, payload: bytes) -> str:
     return h.hexdigest()
 
 
-def sign(key: bytes, digest: str) -> str:
-    """HMAC-SHA256 hex of a result digest (:func:`result_digest`), keyed with `key`."""
-    return hmac.new(key, bytes.fromhex(digest), hashlib.sha256).hexdigest()
+def sign(key: bytes, digest: str, request: pb.CompactRequest) -> str:
+    """HMAC-SHA256 hex, keyed with the signing key `key`, of a result digest
+    (:func:`result_digest`) bound to the request it answers: its nonce (`request_id`), fit
+    round and spec (the sha256 of `spec_json`). A signed result so answers one request only:
+    replayed to another (another caller's, or as another refit) it fails the check."""
+    spec = hashlib.sha256(request.spec_json.encode()).hexdigest()
+    bound = f"{digest}\n{request.request_id}\n{request.fit_round}\n{spec}".encode()
+    return hmac.new(key, bound, hashlib.sha256).hexdigest()
 
 
 def _header_hash(header: pb.Header) -> Any:

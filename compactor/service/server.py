@@ -66,6 +66,7 @@ class ServerConfig:
     port: int = 0
     tls: TlsConfig | None = None
     auth_token: str | TokenFile | None = None  # a TokenFile is re-read when it changes
+    signing_key: str | TokenFile | None = None  # signs every result (never sent)
     max_message_bytes: int = 16 << 20
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     drain_seconds: float = 30.0
@@ -122,7 +123,7 @@ class CompactorServer:
             ],
         )
         gate = DrainGate()
-        servicer = CompactorServicer(service, gate, config.auth_token)
+        servicer = CompactorServicer(service, gate, config.signing_key)
         pb_grpc.add_CompactorServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

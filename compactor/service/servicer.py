@@ -26,18 +26,19 @@ log = logging.getLogger(__name__)
 
 
 class CompactorServicer(pb_grpc.CompactorServicer):
-    """`gate` refuses Compact calls (UNAVAILABLE) once the server drains; with `token` (the
-    bearer token clients present) every result is signed with it (the trailer's HMAC)."""
+    """`gate` refuses Compact calls (UNAVAILABLE) once the server drains; with a
+    `signing_key` (shared with clients as a file, never sent) every result is signed with it,
+    bound to its request (the trailer's HMAC)."""
 
     def __init__(
         self,
         service: CompactionService,
         gate: DrainGate | None = None,
-        token: str | TokenFile | None = None,
+        signing_key: str | TokenFile | None = None,
     ) -> None:
         self.service = service
         self.gate = gate or DrainGate()
-        self.token = token
+        self.signing_key = signing_key
 
     async def Compact(
         self, request: pb.CompactRequest, context: grpc.aio.ServicerContext
@@ -57,10 +58,10 @@ class CompactorServicer(pb_grpc.CompactorServicer):
                 out = await self.gate.run(
                     self.service.compact(job, timeout=context.time_remaining())
                 )
-                key = token_bytes(self.token)
+                key = token_bytes(self.signing_key)
                 trailer = pb.Trailer(
                     sha256=out.encoded.sha256,
-                    hmac_sha256=sign(key, out.encoded.sha256) if key else "",
+                    hmac_sha256=sign(key, out.encoded.sha256, request) if key else "",
                     payload_bytes=len(out.encoded.payload),
                     cache_hit=out.cache_hit,
                     shared=out.shared,

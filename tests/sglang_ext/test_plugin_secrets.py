@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from compactor.service.auth import TOKEN_HEADER, TokenAuthInterceptor, TokenFile
+from compactor.service.auth import TOKEN_HEADER, TokenAuthInterceptor, TokenFile, token_bytes
 from sglang_ext.channel import TOKEN_ENV, endpoint_host, is_loopback
 from sglang_ext.clients import GrpcCompactor
 from sglang_ext.config import CompactionConfig, add_cli_args, config_from_namespace
@@ -190,27 +190,24 @@ def test_token_file_is_read_again_only_when_it_changes(
         TokenFile(token_file).read()
 
 
-class _FakeClient:
-    def __init__(self, token: str | None) -> None:
-        self.metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
-
-
-def test_grpc_compactor_follows_a_rotated_token_file(token_file: Path) -> None:
-    cfg = CompactionConfig(endpoint="127.0.0.1:1", token_file=str(token_file))
+def test_grpc_compactor_follows_a_rotated_token_file(token_file: Path, tmp_path: Path) -> None:
+    """The real async client: a rotated token changes what it sends and nothing else; the
+    results' signing key is another file (a real server's rotation: tests/integration)."""
+    key = tmp_path / "signing-key"
+    key.write_text("k3y\n")
+    cfg = CompactionConfig(endpoint="127.0.0.1:1", token_file=str(token_file),
+                           signing_key_file=str(key))  # fmt: skip
     comp = GrpcCompactor(cfg, "fp")
-    built: list[str | None] = []
-
-    def make(token: str | None) -> _FakeClient:
-        built.append(token)
-        return _FakeClient(token)
-
-    comp._make_client = make  # type: ignore[method-assign]
     client = comp._client_for(comp._token())
-    assert client.metadata == ((TOKEN_HEADER, f"Bearer {SECRET}"),) and built == [SECRET]
+    assert client.metadata == ((TOKEN_HEADER, f"Bearer {SECRET}"),)
+    assert token_bytes(client.signing_key) == b"k3y"
     assert comp._client_for(comp._token()) is client
     _bump(token_file, "rotated\n")
-    assert comp._client_for(comp._token()) is client and built == [SECRET]
+    assert comp._client_for(comp._token()) is client  # the same channel, the new token
     assert client.metadata == ((TOKEN_HEADER, "Bearer rotated"),)
+    assert token_bytes(client.signing_key) == b"k3y"  # untouched by the token's rotation
+    _bump(key, "n3w\n")
+    assert token_bytes(client.signing_key) == b"n3w"  # its own rotation, read at its next use
 
 
 def test_grpc_compactor_uses_the_env_token() -> None:

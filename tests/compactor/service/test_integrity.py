@@ -1,7 +1,9 @@
 """A result's integrity: its digest covers the header and tensor table as well as the payload,
-and a service with a bearer token signs the digest with it (HMAC-SHA256), so a client that
-holds the token refuses a result anyone without the token changed, even one resealed with a
-valid digest (layer 0's keys and values swapped in the table: same bytes, same shapes)."""
+and a service with a signing key signs the digest, bound to the request it answers, with it
+(HMAC-SHA256); the key is shared as a file and never travels. A client that holds the key
+refuses a result anyone without the key changed, even one resealed with a valid digest and
+signed again with the bearer token read off the wire (layer 0's keys and values swapped in
+the table: same bytes, same shapes), and a result replayed to another request."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from harness.hostile import HostileProxy
 from tests._results import make_prefix
 from tests.compactor.service._fixtures import FAST, PREFIX, running_server
 
-KEY = b"t0ken"
+KEY = b"signing-key"
+TOKEN = "bearer-token"  # travels in every request's metadata
+REQ = pb.CompactRequest(request_id="r1", fit_round=0, spec_json='{"method": "am-highest"}')
 
 
 def _stream(header: pb.Header, payload: bytes, trailer: pb.Trailer) -> Assembler:
@@ -42,30 +46,52 @@ def _swap_layer0(header: pb.Header) -> None:
 
 def test_the_digest_covers_the_tensor_table() -> None:
     header, payload, digest = encode_prefix(make_prefix([[2, 3], [1, 2]]))
-    trailer = pb.Trailer(sha256=digest, payload_bytes=len(payload), hmac_sha256=sign(KEY, digest))
-    assert _stream(header, payload, trailer).result(key=KEY).num_layers == 2
+    signed = sign(KEY, digest, REQ)
+    trailer = pb.Trailer(sha256=digest, payload_bytes=len(payload), hmac_sha256=signed)
+    assert _stream(header, payload, trailer).result(key=KEY, request=REQ).num_layers == 2
     _swap_layer0(header)  # same payload, same metadata: only the table changed
     with pytest.raises(ChecksumError, match="sha256 mismatch"):
         _stream(header, payload, trailer).result()
 
 
-def test_a_resealed_swap_needs_the_token() -> None:
+def test_a_resealed_swap_needs_the_key() -> None:
     header, payload, _ = encode_prefix(make_prefix([[2, 3], [1, 2]]))
-    honest = sign(KEY, result_digest(header, payload))
+    honest = sign(KEY, result_digest(header, payload), REQ)
     _swap_layer0(header)
     resealed = result_digest(header, payload)  # what anyone can compute
     trailer = pb.Trailer(sha256=resealed, payload_bytes=len(payload), hmac_sha256=honest)
-    assert _stream(header, payload, trailer).result().num_layers == 2  # no token: passes
+    assert _stream(header, payload, trailer).result().num_layers == 2  # no key: passes
     with pytest.raises(ChecksumError, match="HMAC mismatch"):
-        _stream(header, payload, trailer).result(key=KEY)
+        _stream(header, payload, trailer).result(key=KEY, request=REQ)
+    by_token = sign(TOKEN.encode(), resealed, REQ)  # the wire's reader signs with the token
+    forged = pb.Trailer(sha256=resealed, payload_bytes=len(payload), hmac_sha256=by_token)
+    with pytest.raises(ChecksumError, match="HMAC mismatch"):
+        _stream(header, payload, forged).result(key=KEY, request=REQ)
     unsigned = pb.Trailer(sha256=resealed, payload_bytes=len(payload))
     with pytest.raises(ChecksumError, match="not signed"):
-        _stream(header, payload, unsigned).result(key=KEY)
+        _stream(header, payload, unsigned).result(key=KEY, request=REQ)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pb.CompactRequest(request_id="r2", fit_round=0, spec_json=REQ.spec_json),  # a replay
+        pb.CompactRequest(request_id="r1", fit_round=1, spec_json=REQ.spec_json),  # as a refit
+        pb.CompactRequest(request_id="r1", fit_round=0, spec_json='{"method": "gvote"}'),
+    ],
+)
+def test_a_signed_result_answers_its_own_request_only(other: pb.CompactRequest) -> None:
+    header, payload, digest = encode_prefix(make_prefix([[2, 3], [1, 2]]))
+    trailer = pb.Trailer(sha256=digest, payload_bytes=len(payload),
+                         hmac_sha256=sign(KEY, digest, REQ))  # fmt: skip
+    assert _stream(header, payload, trailer).result(key=KEY, request=REQ).num_layers == 2
+    with pytest.raises(ChecksumError, match="HMAC mismatch"):
+        _stream(header, payload, trailer).result(key=KEY, request=other)
 
 
 @pytest.fixture(scope="module")
 def signed_server(prepared_model: Path) -> Any:
-    with running_server(prepared_model, auth_token=KEY.decode()) as (srv, _lt):
+    with running_server(prepared_model, auth_token=TOKEN, signing_key=KEY.decode()) as (srv, _):
         yield srv
 
 
@@ -73,10 +99,12 @@ def test_a_real_service_signs_and_a_swapping_proxy_is_refused(
     signed_server: Any, model_fp: str
 ) -> None:
     ep = f"127.0.0.1:{signed_server.port}"
-    with CompactorClient(ep, auth_token=KEY.decode()) as c:
+    key = KEY.decode()
+    with CompactorClient(ep, auth_token=TOKEN, signing_key=key) as c:
         res = c.compact(PREFIX, model_fp, FAST, timeout=120)
     assert res.prefix.num_layers == 30
-    with HostileProxy(ep) as proxy, CompactorClient(proxy.address, auth_token=KEY.decode()) as c:
+    with HostileProxy(ep) as proxy, CompactorClient(proxy.address, auth_token=TOKEN,
+                                                    signing_key=key) as c:  # fmt: skip
         proxy.expect("swap")
         with pytest.raises(ChecksumError, match="HMAC mismatch"):
             c.compact(PREFIX, model_fp, FAST, timeout=120)
