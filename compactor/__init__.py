@@ -15,7 +15,8 @@ SGLang plugin (`sglang_ext`) uses nothing else of this package:
     Worker                            replica that runs it (compactor.workers)
     AsyncCompactorClient, TlsFiles    the service's client (compactor.client)
     TokenFile, TOKEN_HEADER           the bearer token a client sends (compactor.service.auth)
-    max_result_bytes                  the largest valid result of a request (compactor.service.result_stream)
+    max_result_bytes, prefix_digest   the largest valid result of a request, and a result's sha256
+                                      (compactor.service.result_stream)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _LAZY: dict[str, str] = {
     "TokenFile": "compactor.service.auth",
     "TOKEN_HEADER": "compactor.service.auth",
     "max_result_bytes": "compactor.service.result_stream",
+    "prefix_digest": "compactor.service.result_stream",
 }
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "field_values",
     "fingerprint",
     "max_result_bytes",
+    "prefix_digest",
     "prefix_hash",
     "resolve_checkpoint",
     "run_compaction",
@@ -76,7 +79,7 @@ if TYPE_CHECKING:
     from compactor.client import AsyncCompactorClient, TlsFiles
     from compactor.models import fingerprint, resolve_checkpoint
     from compactor.service.auth import TOKEN_HEADER, TokenFile
-    from compactor.service.result_stream import max_result_bytes
+    from compactor.service.result_stream import max_result_bytes, prefix_digest
     from compactor.spec.cli_args import (
         add_field_args,
         add_spec_args,

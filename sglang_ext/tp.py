@@ -17,8 +17,10 @@ trees and pools identical (same requests, same steps); the plugin keeps it so:
   keyed on tokens, spec and dtype, make it one compaction); a job any rank failed is dropped
   everywhere (rank 0's trigger records the failure); a job every rank holds starts its
   install everywhere (as many slots on every rank, the most any rank's heads need packed,
-  so the allocators stay equal); a
-  job every rank has written becomes a node everywhere.
+  so the allocators stay equal) if every rank holds the same result (the sha256 each
+  verified, `compactor.prefix_digest`: a result the service's cache evicted between two
+  ranks' fetches and recomputed differently is dropped everywhere, not installed as two
+  trees); a job every rank has written becomes a node everywhere.
 - Each rank writes its own heads (`PoolShape.take`: heads [r*H_kv/N, (r+1)*H_kv/N), or head
   r*H_kv//N when H_kv < N) at its own pace; what changes the tree or the allocator (start,
   node, drop) happens only at agreed polls.
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from compactor import CompactedLayer, CompactedPrefix
+from compactor import CompactedLayer, CompactedPrefix, prefix_digest
 from sglang_ext.trigger import CompactionTrigger, Submission
 
 __all__ = [
@@ -126,6 +128,7 @@ class RankReport:
     rank: int
     submissions: tuple[Announcement, ...] = ()
     ready: tuple[int, ...] = ()
+    digests: tuple[str, ...] = ()  # the sha256 of each `ready` result, in the same order
     written: tuple[int, ...] = ()
     failed: tuple[Failure, ...] = ()
 
@@ -153,7 +156,14 @@ def agree(reports: Sequence[RankReport]) -> Agreement:
         sets = [set(getattr(r, attr)) for r in reports]
         return tuple(j for j in getattr(first, attr) if j not in drop and all(j in s for s in sets))
 
-    return Agreement(first.submissions, drop, everywhere("ready"), everywhere("written"))
+    begin = everywhere("ready")
+    held = {r.rank: dict(zip(r.ready, r.digests, strict=True)) for r in reports}
+    for job in begin:
+        seen = {rank: digests[job] for rank, digests in held.items()}
+        if len(set(seen.values())) > 1:
+            drop[job] = (job, False, f"ranks hold different results (sha256 {seen})")
+    begin = tuple(j for j in begin if j not in drop)
+    return Agreement(first.submissions, drop, begin, everywhere("written"))
 
 
 @dataclass
@@ -174,7 +184,9 @@ class TpSync:
     _outbox: list[Announcement] = field(default_factory=list)
     _tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)  # job -> prefix [T]
     _rounds: dict[int, int] = field(default_factory=dict)  # job -> fit round (refits only)
-    _held: dict[int, tuple[CompactedPrefix, int]] = field(default_factory=dict)  # + slots
+    _held: dict[int, tuple[CompactedPrefix, int, str]] = field(
+        default_factory=dict
+    )  # + slots, sha256
     _begun: dict[int, Any] = field(default_factory=dict)  # job -> PendingInstall
     _failed: dict[int, tuple[bool, str]] = field(default_factory=dict)
     _dropped: set[int] = field(default_factory=set)  # decided before this rank's result came
@@ -268,7 +280,8 @@ class TpSync:
         written = tuple(j for j, p in self._begun.items() if p.done and j not in self._failed)
         failed = tuple((j, inv, msg) for j, (inv, msg) in self._failed.items())
         subs, self._outbox = tuple(self._outbox), []
-        return RankReport(self.rank, subs, tuple(self._held), written, failed)
+        digests = tuple(held[2] for held in self._held.values())
+        return RankReport(self.rank, subs, tuple(self._held), digests, written, failed)
 
     def _exchange(self, report: RankReport) -> list[RankReport]:
         if self.exchange_fn is not None:
@@ -296,14 +309,15 @@ class TpSync:
         if job.prefix is not None:
             try:
                 slots = lc.pool_shape.slots_for(job.prefix)
-                self._held[job.job_id] = (lc.pool_shape.take(job.prefix), slots)
+                mine = lc.pool_shape.take(job.prefix)
+                self._held[job.job_id] = (mine, slots, prefix_digest(job.prefix))
                 return
             except ValueError as e:
                 error = e
         self._failed[job.job_id] = (isinstance(error, ValueError), repr(error))
 
     def _begin(self, lc: Any, job: int) -> None:
-        prefix, slots = self._held.pop(job)
+        prefix, slots, _ = self._held.pop(job)
         try:
             pending = lc.begin(
                 self._tokens[job], prefix, num_slots=slots, fit_round=self._rounds.get(job, 0)

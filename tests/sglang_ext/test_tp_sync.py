@@ -216,14 +216,49 @@ def test_two_ranks_install_their_heads_at_the_same_poll(compacted: Any, tmp_path
 
 def test_agreement_needs_every_rank_and_drops_on_any_failure() -> None:
     reports = [
-        RankReport(1, ready=(3, 4, 5), written=(7,), failed=((4, True, "bad slice"),)),
-        RankReport(0, submissions=((9, (1, 2), (), 0),), ready=(5, 4, 6), written=(7, 8)),
-    ]
+        RankReport(
+            1, ready=(3, 4, 5), digests=("c", "d", "e"), written=(7,),
+            failed=((4, True, "bad slice"),),
+        ),
+        RankReport(
+            0, submissions=((9, (1, 2), (), 0),), ready=(5, 4, 6), digests=("e", "d", "f"),
+            written=(7, 8),
+        ),
+    ]  # fmt: skip
     deal = agree(reports)
     assert deal.submissions == ((9, (1, 2), (), 0),)
     assert deal.begin == (5,)  # 4 failed on rank 1, 6 not on rank 1 yet; rank 0's order
     assert deal.finish == (7,)
     assert deal.drop == {4: (4, True, "rank 1: bad slice")}
+
+
+def test_ranks_holding_different_results_drop_the_job_everywhere() -> None:
+    """The service's cache evicted a result between two ranks' fetches and the recompute came
+    out different: installing both would give the ranks different allocators and trees."""
+    reports = [
+        RankReport(0, ready=(5, 6), digests=("aa", "bb")),
+        RankReport(1, ready=(6, 5), digests=("bb", "ab")),
+    ]
+    deal = agree(reports)
+    assert deal.begin == (6,)
+    job, invalid, msg = deal.drop[5]
+    assert (job, invalid) == (5, False)  # not the result's fault: retried, not poisoned
+    assert "different results" in msg and "aa" in msg and "ab" in msg
+
+
+def test_a_received_result_is_identified_by_the_digest_it_was_verified_against(
+    compacted: Any,
+) -> None:
+    """prefix_digest of a result that came over the wire is its stream's sha256 (no
+    re-encoding on the scheduler thread); of an in-process result, what the stream would be."""
+    from compactor import prefix_digest
+    from compactor.service.result_stream import RESULT_DIGEST_KEY, encode_prefix
+
+    _, prefix, _ = compacted
+    sent = encode_prefix(prefix)[2]
+    assert prefix_digest(prefix) == sent
+    received = CompactedPrefix(**dict(prefix.__dict__, extra={RESULT_DIGEST_KEY: "f" * 64}))
+    assert prefix_digest(received) == "f" * 64
 
 
 @pytest.mark.parametrize(

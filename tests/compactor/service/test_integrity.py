@@ -18,6 +18,7 @@ from compactor.service.result_stream import (
     Assembler,
     ChecksumError,
     encode_prefix,
+    prefix_digest,
     result_digest,
     sign,
 )
@@ -48,7 +49,9 @@ def test_the_digest_covers_the_tensor_table() -> None:
     header, payload, digest = encode_prefix(make_prefix([[2, 3], [1, 2]]))
     signed = sign(KEY, digest, REQ)
     trailer = pb.Trailer(sha256=digest, payload_bytes=len(payload), hmac_sha256=signed)
-    assert _stream(header, payload, trailer).result(key=KEY, request=REQ).num_layers == 2
+    got = _stream(header, payload, trailer).result(key=KEY, request=REQ)
+    assert got.num_layers == 2
+    assert prefix_digest(got) == digest  # kept: TP ranks compare it (sglang_ext.tp)
     _swap_layer0(header)  # same payload, same metadata: only the table changed
     with pytest.raises(ChecksumError, match="sha256 mismatch"):
         _stream(header, payload, trailer).result()
