@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
-from compactor.spec.limits import WorkLimits
+from compactor.spec.limits import MAX_QUEUE, MAX_REQUESTS_PER_TENANT, WorkLimits
 
 log = logging.getLogger("compactor.serve")
 
@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="device of --in-process workers (Ray actors take a GPU when the cluster has one)",
     )
-    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"compactions that may wait for a worker (default {MAX_QUEUE}; "
+                   "beyond: RESOURCE_EXHAUSTED)")  # fmt: skip
     p.add_argument(
         "--max-prefix-tokens",
         type=int,
@@ -112,9 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-deadline-s", type=float, default=3600.0,
                    help="the longest one request may keep a compaction going (default 3600; "
                    "requests without a deadline get it)")  # fmt: skip
-    p.add_argument("--max-requests-per-tenant", type=int, default=64,
-                   help="requests one caller (its mTLS identity) may have in progress at once "
-                   "(default 64; beyond: RESOURCE_EXHAUSTED)")  # fmt: skip
+    p.add_argument("--max-requests-per-tenant", type=int, default=MAX_REQUESTS_PER_TENANT,
+                   help="requests one caller (its mTLS identity; without mTLS every caller is "
+                   f"one) may have in progress at once (default {MAX_REQUESTS_PER_TENANT}; "
+                   "beyond: RESOURCE_EXHAUSTED)")  # fmt: skip
     p.add_argument("--max-concurrent-rpcs", type=int, default=256,
                    help="gRPC calls served at once, all callers (default 256)")  # fmt: skip
     # test-only: sleep this long before each layer, to make compactions deterministically slow

@@ -43,6 +43,10 @@ def job_from_request(req: pb.CompactRequest, auto_ratio: float) -> CompactJob:
         spec = CompactionSpec.from_dict(json.loads(req.spec_json))
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"spec_json is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(
+            "spec_json nests too deeply (a CompactionSpec is a flat object)"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"spec_json: {exc}") from None
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from compactor.service.metrics import ServiceMetrics
 from compactor.service.result_stream import EncodedPrefix, encode_prefix
 from compactor.spec import AUTO_CHUNK_TOKENS, CompactionSpec
-from compactor.spec.limits import WorkLimits
+from compactor.spec.limits import MAX_REQUESTS_PER_TENANT, WorkLimits
 from compactor.types import CompactedPrefix, dtype_from_name, prefix_hash
 from compactor.workers.cache import ResultCache
 from compactor.workers.errors import DeadlineExceeded, InvalidRequest, ModelMismatch, QueueFull
@@ -73,8 +73,9 @@ class ServiceConfig:
     compacted in chunks of this many tokens (:func:`auto_chunk_size`; None: never).
     `limits`: the most work one request may ask (reference queries, generated tokens, ...).
     `max_deadline_s`: the longest a request may keep a compaction going (a request without a
-    deadline, or a longer one, gets this one). `max_per_tenant`: requests one tenant (the
-    caller's mTLS identity, "" for all others) may have in progress at once.
+    deadline, or a longer one, gets this one). `max_per_tenant`: distinct compactions one
+    tenant (the caller's mTLS identity, "" for all others) may have in progress at once (a
+    request for one already in progress joins it and costs nothing more).
     """
 
     pool: PoolConfig
@@ -85,7 +86,7 @@ class ServiceConfig:
     auto_chunk_tokens: int | None = AUTO_CHUNK_TOKENS
     limits: WorkLimits = field(default_factory=WorkLimits)
     max_deadline_s: float = 3600.0
-    max_per_tenant: int = 64
+    max_per_tenant: int = MAX_REQUESTS_PER_TENANT
 
     def __post_init__(self) -> None:
         if not self.max_deadline_s > 0:
@@ -154,7 +155,8 @@ class CompactionService:
             config.cache_bytes, EncodedPrefix.nbytes
         )
         self.flights: SingleFlight[EncodedPrefix] = SingleFlight()
-        self._per_tenant: dict[str, int] = {}  # requests in progress, by tenant
+        # by tenant: the compactions (keys) its requests wait for, and how many wait for each
+        self._per_tenant: dict[str, dict[str, int]] = {}
 
     @classmethod
     async def start(
@@ -199,27 +201,29 @@ class CompactionService:
         """
         t0 = time.perf_counter()
         self.check(job)
-        cap = self.config.max_deadline_s
-        timeout = cap if timeout is None else min(timeout, cap)
-        busy = self._per_tenant.get(job.tenant, 0)
-        if busy >= self.config.max_per_tenant:
-            raise QueueFull(
-                f"{busy} requests of this caller are in progress (limit "
-                f"{self.config.max_per_tenant} per tenant)"
-            )
-        self._per_tenant[job.tenant] = busy + 1
-        try:
-            return await self._compact(job, timeout, t0)
-        finally:
-            left = self._per_tenant[job.tenant] - 1
-            if left:
-                self._per_tenant[job.tenant] = left
-            else:
-                del self._per_tenant[job.tenant]
-
-    async def _compact(self, job: CompactJob, timeout: float, t0: float) -> CompactOutcome:
         job = self.effective_job(job)
         key = job.key()
+        cap = self.config.max_deadline_s
+        timeout = cap if timeout is None else min(timeout, cap)
+        mine = self._per_tenant.setdefault(job.tenant, {})
+        if key not in mine and len(mine) >= self.config.max_per_tenant:
+            raise QueueFull(
+                f"{len(mine)} compactions of this caller are in progress (limit "
+                f"{self.config.max_per_tenant} per tenant)"
+            )
+        mine[key] = mine.get(key, 0) + 1
+        try:
+            return await self._compact(job, key, timeout, t0)
+        finally:
+            mine[key] -= 1
+            if not mine[key]:
+                del mine[key]
+            if not mine:
+                self._per_tenant.pop(job.tenant, None)
+
+    async def _compact(
+        self, job: CompactJob, key: str, timeout: float, t0: float
+    ) -> CompactOutcome:
         hit = self.cache.get(key)
         if hit is not None:
             self.metrics.cache_hits.inc()

@@ -34,7 +34,6 @@ from compactor.types import CompactedPrefix, dtype_from_name, dtype_name
 
 __all__ = [
     "METADATA_ALLOWANCE",
-    "RESULT_DIGEST_KEY",
     "Assembler",
     "ChecksumError",
     "EncodedPrefix",
@@ -55,8 +54,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-# The key of CompactedPrefix.extra under which a received result keeps its verified sha256.
-RESULT_DIGEST_KEY = "result_sha256"
 # Header allowance of max_result_bytes: the metadata JSON and tensor table travel in the one
 # Header message, which the client's default gRPC message cap (16 MiB) already bounds.
 METADATA_ALLOWANCE = 16 << 20
@@ -278,7 +275,6 @@ class Assembler:
             tensors[info.name] = raw.view(dtype).reshape(list(info.shape))
         prefix = CompactedPrefix.from_parts(json.loads(h.metadata_json), tensors)
         prefix.validate(expected_fingerprint=expected_fingerprint)
-        prefix.extra[RESULT_DIGEST_KEY] = digest  # what TP ranks compare (sglang_ext.tp)
         return prefix
 
     # ---- private ---------------------------------------------------------------------
@@ -329,12 +325,9 @@ class Assembler:
 
 
 def prefix_digest(prefix: CompactedPrefix) -> str:
-    """The sha256 that identifies a result's content: the one its stream was verified
-    against when it came over the wire (kept in ``extra[RESULT_DIGEST_KEY]``), else the one
-    :func:`encode_prefix` would send for it (an in-process result)."""
-    received = prefix.extra.get(RESULT_DIGEST_KEY)
-    if isinstance(received, str):
-        return received
+    """The sha256 that identifies a result's content: the one :func:`encode_prefix` sends
+    for it (a received result gives back the digest its stream was verified against). It
+    serializes the result once (what TP ranks compare, `sglang_ext.tp`)."""
     return encode_prefix(prefix)[2]
 
 

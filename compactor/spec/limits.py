@@ -24,7 +24,13 @@ from compactor.spec.method_limits import Caps, check_method_params
 if TYPE_CHECKING:
     from compactor.spec.compaction import CompactionSpec
 
-__all__ = ["WorkLimits"]
+__all__ = ["MAX_QUEUE", "MAX_REQUESTS_PER_TENANT", "WorkLimits"]
+
+# Compactions that may wait for a worker (`compactor serve --max-queue`), and the requests
+# one caller may have in progress (`--max-requests-per-tenant`): a quarter of the queue, so
+# no caller fills it alone (without mTLS every caller is the one tenant "").
+MAX_QUEUE = 64
+MAX_REQUESTS_PER_TENANT = MAX_QUEUE // 4
 
 
 def _cap(default: int, help: str) -> Any:

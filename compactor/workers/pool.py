@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from compactor.spec.limits import MAX_QUEUE
 from compactor.workers.errors import QueueFull, WorkerLost
 from compactor.workers.job import CompactJob, JobResult, safe_log_id
 from compactor.workers.poison import PoisonTable, poison_key
@@ -82,7 +83,7 @@ class PoolConfig:
     workers: int = 1
     mode: Literal["local", "ray"] = "local"
     ray_address: str | None = None
-    max_queue: int = 64
+    max_queue: int = MAX_QUEUE
     max_retries: int = 2
     cancel_grace_s: float = 30.0
     poison_after: int = 2

@@ -88,3 +88,32 @@ def test_ordinary_parameters_pass_and_bounds_follow_the_prefix() -> None:
     check_method_params("snapkv", {"kernel": 1000}, caps)  # at the bound
     with pytest.raises(ValueError, match="kernel = 1001 is outside"):
         check_method_params("snapkv", {"kernel": 1001}, caps)
+
+
+def test_a_deeply_nested_spec_is_a_clear_refusal_not_a_recursion_error() -> None:
+    """json.loads of 10^5 nested arrays raises RecursionError: the service once answered it
+    INTERNAL, with a traceback in its log for each such request."""
+    from compactor.service.convert import job_from_request
+    from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
+
+    req = pb.CompactRequest(token_ids=[1, 2, 3], spec_json="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidRequest, match="nests too deeply"):
+        job_from_request(req, 0.1)
+
+
+def test_one_caller_cannot_fill_the_queue_by_default() -> None:
+    """Without mTLS every caller is the one tenant "": the per-tenant default must leave room
+    in the pool's queue for others, and `compactor serve` takes both defaults from one place."""
+    import argparse
+
+    from compactor.commands.serve import add_arguments
+    from compactor.service.engine import ServiceConfig
+    from compactor.workers.pool import PoolConfig
+
+    pool = PoolConfig(model_dir="m")
+    per_tenant = ServiceConfig(pool=pool).max_per_tenant
+    assert per_tenant * 2 <= pool.max_queue
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert (args.max_requests_per_tenant, args.max_queue) == (per_tenant, pool.max_queue)

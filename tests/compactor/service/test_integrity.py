@@ -51,7 +51,7 @@ def test_the_digest_covers_the_tensor_table() -> None:
     trailer = pb.Trailer(sha256=digest, payload_bytes=len(payload), hmac_sha256=signed)
     got = _stream(header, payload, trailer).result(key=KEY, request=REQ)
     assert got.num_layers == 2
-    assert prefix_digest(got) == digest  # kept: TP ranks compare it (sglang_ext.tp)
+    assert prefix_digest(got) == digest  # what TP ranks compare (sglang_ext.tp)
     _swap_layer0(header)  # same payload, same metadata: only the table changed
     with pytest.raises(ChecksumError, match="sha256 mismatch"):
         _stream(header, payload, trailer).result()
