@@ -148,6 +148,10 @@ def test_compose_commands_ports_secrets_and_prometheus_agree() -> None:
     sgl = check_argv(*entry["sglang"])
     assert srv.auth_token_file == Path("/run/secrets/compactor-token")
     assert sgl.compaction_token_file == "/run/secrets/compactor-token"
+    # results signed with a key both sides read from one secret, never sent
+    assert (
+        str(srv.signing_key_file) == sgl.compaction_signing_key_file == "/run/secrets/signing-key"
+    )
     assert sgl.compaction_endpoint == f"compactor:{srv.port}"
     assert services["sglang"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{sgl.port}/health"
     hc = check_argv(*classify(services["compactor"]["healthcheck"]["test"][1:]))
@@ -274,6 +278,8 @@ def test_k8s_ports_probes_endpoint_and_secrets_agree(rendered: Any) -> None:
     # TLS and token on both sides or neither.
     assert sgl.compaction_tls == (srv.tls_cert is not None)
     assert (sgl.compaction_token_file is None) == (srv.auth_token_file is None)
+    # Results signed with a key both sides mount from the Secret (it never goes on the wire).
+    assert srv.signing_key_file is not None and sgl.compaction_signing_key_file is not None
 
     # Every file a flag names comes from the one Secret, which secret.example.yaml documents.
     example = _secret("compactor-auth")
@@ -285,10 +291,14 @@ def test_k8s_ports_probes_endpoint_and_secrets_agree(rendered: Any) -> None:
                 srv.tls_cert,
                 srv.tls_key,
                 srv.auth_token_file,
+                srv.signing_key_file,
                 *(check_argv(*classify(p)).tls_ca for p in probe_argvs(head_c)),
             ],
         ),  # type: ignore[misc]
-        (pod["spec"], [sgl.compaction_tls_ca, sgl.compaction_token_file]),
+        (
+            pod["spec"],
+            [sgl.compaction_tls_ca, sgl.compaction_token_file, sgl.compaction_signing_key_file],
+        ),
     ):
         vols = {v["name"]: v for v in spec["volumes"]}
         provided = set()
