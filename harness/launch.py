@@ -327,7 +327,8 @@ class CompactorService(ManagedProcess):
 
         from compactor.client import CompactorClient
 
-        if "--tls-cert" in self.extra_args:  # no client certificate here: read the log
+        # no client certificate or token here: the service's own log says when it serves
+        if {"--tls-cert", "--auth-token-file"} & set(self.extra_args):
             return f"compactor serving on {self.endpoint}" in self.log_tail(100_000)
         try:
             with CompactorClient(self.endpoint) as client:
