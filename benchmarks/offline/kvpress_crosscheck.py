@@ -235,7 +235,8 @@ def main() -> int:
     ids_path.write_text(json.dumps(ids))
     cmd = [
         str(KVPRESS_PY),
-        __file__,
+        "-m",
+        "benchmarks.offline.kvpress_crosscheck",
         "--ratio",
         str(args.ratio),
         "--window",
@@ -245,7 +246,7 @@ def main() -> int:
         str(ids_path),
         str(dump_path),
     ]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)  # the kvpress venv finds `benchmarks` here
     dump = torch.load(dump_path, weights_only=False)
     res = compare(dump, args.ratio, args.window, G=3)
     res.update(

@@ -185,7 +185,7 @@ def test_merge_state_rejects_mismatched_shapes():
 def test_importing_kernels_loads_no_triton_flashinfer_or_project_code():
     # kernels is a leaf package: compactor and sglang_ext import it, never the reverse
     code = (
-        "import sys, kernels, compaction_kernels.biased_attention, compaction_kernels.merge_state\n"
+        "import sys, compaction_kernels, compaction_kernels.biased_attention, compaction_kernels.merge_state\n"
         "from compaction_kernels.biased_attention import reference\n"
         "from compaction_kernels.merge_state import reference\n"
         "bad = [m for m in ('triton', 'flashinfer', 'compactor', 'sglang_ext') if m in sys.modules]\n"

@@ -237,7 +237,7 @@ def test_compact_job_head_budgets_field():
         CompactJob("fp", (1, 2, 3), SPEC.replace(head_budgets="/etc/x.json")).validate(100)
     # a head budget is not a method parameter any more
     bad = SPEC.replace(method_params={"head_budgets": "auto"})
-    with pytest.raises(InvalidRequest, match="no parameter"):
+    with pytest.raises(InvalidRequest, match="head_budgets is not a parameter a request may set"):
         CompactJob("fp", (1, 2, 3), bad).validate(100)
 
 

@@ -5,6 +5,7 @@ TLS settings checked at startup."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -197,17 +198,22 @@ def test_grpc_compactor_follows_a_rotated_token_file(token_file: Path, tmp_path:
     key.write_text("k3y\n")
     cfg = CompactionConfig(endpoint="127.0.0.1:1", token_file=str(token_file),
                            signing_key_file=str(key))  # fmt: skip
-    comp = GrpcCompactor(cfg, "fp")
-    client = comp._client_for(comp._token())
-    assert client.metadata == ((TOKEN_HEADER, f"Bearer {SECRET}"),)
-    assert token_bytes(client.signing_key) == b"k3y"
-    assert comp._client_for(comp._token()) is client
-    _bump(token_file, "rotated\n")
-    assert comp._client_for(comp._token()) is client  # the same channel, the new token
-    assert client.metadata == ((TOKEN_HEADER, "Bearer rotated"),)
-    assert token_bytes(client.signing_key) == b"k3y"  # untouched by the token's rotation
-    _bump(key, "n3w\n")
-    assert token_bytes(client.signing_key) == b"n3w"  # its own rotation, read at its next use
+
+    async def check() -> None:  # as the plugin does: the client is built on its loop
+        comp = GrpcCompactor(cfg, "fp")
+        client = comp._client_for(comp._token())
+        assert client.metadata == ((TOKEN_HEADER, f"Bearer {SECRET}"),)
+        assert token_bytes(client.signing_key) == b"k3y"
+        assert comp._client_for(comp._token()) is client
+        _bump(token_file, "rotated\n")
+        assert comp._client_for(comp._token()) is client  # the same channel, the new token
+        assert client.metadata == ((TOKEN_HEADER, "Bearer rotated"),)
+        assert token_bytes(client.signing_key) == b"k3y"  # untouched by the token's rotation
+        _bump(key, "n3w\n")
+        assert token_bytes(client.signing_key) == b"n3w"  # its own rotation, read at its next use
+        await client.close()
+
+    asyncio.run(check())
 
 
 def test_grpc_compactor_uses_the_env_token() -> None:

@@ -136,7 +136,7 @@ def prefix(ids, keep, fp="fp", scale=1.0):
                                      torch.zeros(n), torch.arange(0, n + 1, keep, dtype=torch.int32)))
     return CompactedPrefix(model_fingerprint=fp, logical_length=T, prefix_hash=prefix_hash(ids),
                            method="am-highest", params={"ratio": keep / T}, layers=layers,
-                           head_dim=D, num_kv_heads=H, dtype="float32")
+                           head_dim=D, num_kv_heads=H, dtype=torch.float32)
 
 class Runner:  # what the core uses of a CompactionRunner
     epoch, pending, check = 0, 0, None

@@ -174,17 +174,22 @@ def test_health_is_not_serving_while_no_replica_lives(tiny_dir: Path) -> None:
 
 
 def test_internal_errors_name_an_incident_not_the_exception(
-    tiny_dir: Path, tiny_fp: str, caplog: pytest.LogCaptureFixture
+    tiny_dir: Path, tiny_fp: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exception's text stays in the server log, under the incident id."""
+    import compactor.pipeline as pipeline
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("secret internal detail /srv/model/weights")
+
+    monkeypatch.setattr(pipeline, "compact_layers", broken)  # a bug inside the worker
     with (
         caplog.at_level(logging.INFO, logger="compactor"),
         running_server(tiny_dir, max_prefix_tokens=None) as (srv, _lt),
         CompactorClient(f"127.0.0.1:{srv.port}") as c,
+        pytest.raises(grpc.RpcError) as info,
     ):
-        bad = TINY_SPEC.replace(method="am-omp-fast", method_params={"nnls_iters": 2.5})
-        with pytest.raises(grpc.RpcError) as info:
-            c.compact(random_ids(32, seed=7), tiny_fp, bad, timeout=60)
+        c.compact(random_ids(32, seed=7), tiny_fp, TINY_SPEC, timeout=60)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     details = info.value.details() or ""
     m = re.fullmatch(r"internal error \(incident ([0-9a-f]{12})\)", details)
