@@ -290,17 +290,6 @@ class AsyncCompactorClient(_Base[Awaitable[CompactResult]]):
     async def close(self) -> None:
         await self.channel.close()
 
-    async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata
-        )
-
-    async def list_methods(self, timeout: float | None = 10.0) -> list[str]:
-        resp = await self.stub.ListMethods(
-            pb.ListMethodsRequest(), timeout=timeout, metadata=self.metadata
-        )
-        return list(resp.methods)
-
     async def _send(
         self, req: pb.CompactRequest, timeout: float | None, cap: int | None
     ) -> CompactResult:

@@ -43,7 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options, script_parser
 from benchmarks.offline.compaction_speed import (
     StageClock,
     add_chunk_tokens,
@@ -231,32 +231,20 @@ def layer_speed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="2 small layers, T=256, on the CPU")
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--methods", default="am-highest,am-omp-fast")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--follow-ups", type=int, default=4)
-    ap.add_argument("--follow-up-tokens", type=int, default=64)
-    ap.add_argument("--big-T", type=int, default=131072)
-    ap.add_argument("--big-methods", default="am-highest")
-    ap.add_argument("--big-follow-ups", type=int, default=1)
-    ap.add_argument("--layer-T", type=int, default=16384)
-    ap.add_argument("--layer-n", type=int, default=4096)
-    ap.add_argument("--layer-H", type=int, default=8)
-    ap.add_argument("--layer-D", type=int, default=128)
-    ap.add_argument("--layer-methods", default="am-highest,am-omp-fast")
+    add_options(ap, T=32768, methods="am-highest,am-omp-fast", ratio=0.1, follow_ups=4)
+    add_options(ap, follow_up_tokens=64, big_T=131072, big_methods="am-highest", big_follow_ups=1)
+    add_options(ap, layer_T=16384, layer_n=4096, layer_H=8, layer_D=128)
+    add_options(ap, layer_methods="am-highest,am-omp-fast")
     add_chunk_tokens(ap)
     ap.add_argument("--warmup-T", type=int, default=2048, help="untimed warm-up prefix tokens")
     ap.add_argument(
         "--budget-s", type=float, default=480.0, help="no step starts after this many seconds"
     )
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: doc,big,layer")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--json-name", default="compaction_speed_gpu.json")
+    add_options(ap, out=ROOT / "benchmarks" / "results", json_name="compaction_speed_gpu.json")
     ap.add_argument(
         "--append",
         action="store_true",

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import add_options
+
 DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8, 32]
 KERNELS = ("triton_beta", "triton_beta_ragged", "flashinfer_stock")
@@ -45,9 +47,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="PNG path (optional)")
     p.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
     p.add_argument("--batches", type=int, nargs="+", default=DEFAULT_BATCHES)
-    p.add_argument("--num-qo-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_options(p, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--shuffle", action="store_true", help="scatter slots over the pool")
     p.add_argument("--max-gib", type=float, default=24.0, help="skip configs whose KV exceeds this")

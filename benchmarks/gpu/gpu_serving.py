@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 from benchmarks.gpu._gpu_serving_lib import (
     IDENTITY,
     LLAMA3_8B,
@@ -359,12 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="run: these phases, in this order (comma-separated)")  # fmt: skip
         p.add_argument("--startup-timeout", type=float, default=600.0,
                        help="run: seconds a service or server may take to answer")  # fmt: skip
-        p.add_argument("--dtype", default="bfloat16")
-        p.add_argument("--mem-fraction", type=float, default=0.88)
+        add_options(p, dtype="bfloat16", mem_fraction=0.88)
         p.add_argument("--max-total-tokens", type=int, default=None)
-        p.add_argument("--ratio", type=float, default=0.1)
-        p.add_argument("--method", default="am-highest")
-        p.add_argument("--compaction-timeout", type=float, default=300.0)
+        add_options(p, ratio=0.1, method="am-highest", compaction_timeout=300.0)
         p.add_argument("--chunk-size", type=int, default=1024, help="plugin8b's chunks")
         p.add_argument("--identity-ratio", type=float, default=1.0,
                        help="identity's keep-only ratio (1: every key)")  # fmt: skip

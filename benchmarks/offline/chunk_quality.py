@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 from harness.provenance import provenance
 
 METRICS = ("output_rel_err", "mass_rel_err", "logppl_gap", "agreement", "niah_accuracy")
@@ -75,9 +75,8 @@ def run_case(T: int, chunk: int | None, niah: int, runs: Path, reuse: bool) -> d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="4096:none,4096:1024,4096:2048,8192:none,8192:4096")
-    ap.add_argument("--niah", type=int, default=2)
-    ap.add_argument("--runs", type=Path, default=Path("/tmp/chunk_quality_runs"))
+    add_options(ap, cases="4096:none,4096:1024,4096:2048,8192:none,8192:4096", niah=2)
+    add_options(ap, runs=Path("/tmp/chunk_quality_runs"))
     ap.add_argument("--reuse", action="store_true", help="read eval JSONs already in --runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args()

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import RESULTS
+from benchmarks import RESULTS, add_options
 from harness.provenance import provenance
 
 
@@ -333,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", default="0,1,2,4,8,16,32", help="pool sizes (0 = stock)")
     parser.add_argument("--slo-p95-s", type=float, default=10.0, help="p95 queueing delay SLO")
     parser.add_argument("--gain", type=float, default=0.05, help="'stops helping' threshold")
-    parser.add_argument("--out", type=Path, default=RESULTS / "cluster_sim.json")
-    parser.add_argument("--plot", type=Path, default=RESULTS / "cluster_sim.png")
+    add_options(parser, out=RESULTS / "cluster_sim.json", plot=RESULTS / "cluster_sim.png")
     args = parser.parse_args(argv)
     base = {k: v for k, v in vars(args).items() if k in SimConfig.__dataclass_fields__}
     pools = [int(p) for p in args.pools.split(",")]

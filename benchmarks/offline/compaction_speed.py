@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 from harness.provenance import provenance
 
 FIT_STAGES = ("selection", "beta", "values")
@@ -196,15 +196,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", default="1024,2048,4096,8192")
-    ap.add_argument("--methods", default="am-highest,am-omp-fast")
+    add_options(ap, model="smollm2-135m", lengths="1024,2048,4096,8192")
+    add_options(ap, methods="am-highest,am-omp-fast")
     ap.add_argument(
         "--omp-max-T", type=int, default=1 << 30, help="run OMP methods only up to this T"
     )
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
+    add_options(ap, ratio=0.1, device="cpu", threads=1)
     ap.add_argument(
         "--queries",
         choices=("plugin", "library"),

@@ -15,7 +15,6 @@ Shape legend: T prefix tokens, w window, H_q / H_kv heads, D head dim.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import ROOT
+from benchmarks import ROOT, script_parser
 
 KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
 
@@ -201,9 +200,7 @@ EXPLANATION = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__)
     ap.add_argument("--tokens", type=int, default=384)
     ap.add_argument("--ratio", type=float, default=0.8, help="kvpress compression_ratio (removed)")
     ap.add_argument("--window", type=int, default=32)

@@ -16,7 +16,6 @@ fixed-work solver gives up (or not).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -26,6 +25,7 @@ from typing import Any
 # the repository first: this folder's kernels.py would shadow the `kernels` package
 import torch
 
+from benchmarks import add_options, script_parser
 from compactor.head_budgets.allocate import head_budgets
 from compactor.methods import SelectingMethod, get_method
 from compactor.solvers import attend
@@ -117,19 +117,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__)
     ap.add_argument(
         "--methods", nargs="+", default=["am-omp-fast", "am-omp", "am-highest", "keep-only"]
     )
     ap.add_argument("--H", type=int, default=3, help="KV heads per layer")
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--n", type=int, default=2048, help="reference queries per KV head")
-    ap.add_argument("--D", type=int, default=64)
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    add_options(ap, D=64, ratio=0.1, repeats=3, threads=1)
     ap.add_argument("--layers", type=int, default=30, help="for the whole-model estimate")
     ap.add_argument("--device", default="cpu", help="torch device of the layer and the fit")
     ap.add_argument("--json", default="methods_speed.json")

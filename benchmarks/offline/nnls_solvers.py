@@ -16,12 +16,13 @@ Shape legend: T prefix tokens, t kept per head, n reference queries, H_kv KV hea
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import add_options, script_parser
 
 
 def _variants(spec: str) -> list[tuple[str, str, int]]:
@@ -36,20 +37,11 @@ def _variants(spec: str) -> list[tuple[str, str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--docs", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default="am-highest")
-    p.add_argument("--ratios", default="0.1")
-    p.add_argument("--solvers", default="active-set,projected:2,projected:0,projected:20")
-    p.add_argument("--answer-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default="benchmarks/results/nnls_solvers.json")
+    p = script_parser(__doc__)
+    add_options(p, model="smollm2-135m", docs=2, tokens=1024, seed=0, methods="am-highest")
+    add_options(p, ratios="0.1", solvers="active-set,projected:2,projected:0,projected:20")
+    add_options(p, answer_tokens=16, repeats=3, threads=1)
+    add_options(p, json="benchmarks/results/nnls_solvers.json")
     args = p.parse_args(argv)
 
     import torch

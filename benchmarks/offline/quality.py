@@ -11,21 +11,18 @@ included) of the first document.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import add_options, script_parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--docs", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=1024)
+    p = script_parser(__doc__)
+    add_options(p, model="smollm2-135m", docs=2, tokens=1024)
     p.add_argument(
         "--seed", type=int, default=0, help="first document seed (documents seed, seed+1, ...)"
     )
@@ -34,22 +31,16 @@ def main(argv: list[str] | None = None) -> int:
         default="full,am-omp,keep-only",
         help="comma-separated methods; parameters as name:key=value (e.g. snapkv:refit=am)",
     )
-    p.add_argument("--ratios", default="0.2,0.1,0.05")
-    p.add_argument("--query-sources", default="repeat-prefill,self-study")
-    p.add_argument("--max-queries", type=int, default=2048)
-    p.add_argument("--self-study-tokens", type=int, default=24)
-    p.add_argument("--answer-tokens", type=int, default=24)
-    p.add_argument("--speed-method", default="am-omp-fast")
-    p.add_argument("--speed-ratio", type=float, default=0.1)
-    p.add_argument("--no-speed", action="store_true")
+    add_options(p, ratios="0.2,0.1,0.05", query_sources="repeat-prefill,self-study")
+    add_options(p, max_queries=2048, self_study_tokens=24, answer_tokens=24)
+    add_options(p, speed_method="am-omp-fast", speed_ratio=0.1, no_speed=False)
     p.add_argument(
         "--on-policy",
         action="store_true",
         help="on-policy queries (layer l fitted with layers < l compacted)",
     )
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default="benchmarks/results/quality.json")
-    p.add_argument("--plot", default="benchmarks/results/quality.png")
+    add_options(p, threads=1, json="benchmarks/results/quality.json")
+    add_options(p, plot="benchmarks/results/quality.png")
     args = p.parse_args(argv)
 
     import torch

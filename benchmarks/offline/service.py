@@ -20,22 +20,16 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--method", default="am-highest")
-    ap.add_argument("--ratio", type=float, default=0.1)
+    add_options(ap, model="smollm2-135m", tokens=1024, repeats=2, method="am-highest", ratio=0.1)
     ap.add_argument("--mode", choices=("local", "ray"), default="local")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "service.json")
+    add_options(ap, workers=1, out=ROOT / "benchmarks" / "results" / "service.json")
     args = ap.parse_args()
 
     import torch

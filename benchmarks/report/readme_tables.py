@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# the quality family registers its renderers on import
 from benchmarks import ROOT
 
 # the quality family registers its renderers on import
@@ -48,6 +47,16 @@ DOCUMENTS = (
 MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
 
 
+def _held(r: dict[str, Any], base: int) -> list[str]:
+    """A server run's config, the KV slots it held, and how many times fewer than `base`."""
+    return [r["config"], str(r["kv_slots_held"]), f"{base / r['kv_slots_held']:.1f}x"]
+
+
+def _seen_unseen(r: dict[str, Any], key: str) -> str:
+    """`key` on the fitted and on the unseen questions, as "0.88 / 0.75"."""
+    return f"{r[key + '_seen']:.2f} / {r[key + '_unseen']:.2f}"
+
+
 @table("demo", "demo.json")
 def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
     recs = data[0]["records"]
@@ -59,13 +68,11 @@ def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
     for r in recs:
         rows.append(
             [
-                r["config"],
-                str(r["kv_slots_held"]),
-                f"{base / r['kv_slots_held']:.1f}x",
+                *_held(r, base),
                 str(r["kv_slots_held_after_run"]),
                 str(r["run"]["peak_held"]),
-                f"{r['needle_accuracy_seen']:.2f} / {r['needle_accuracy_unseen']:.2f}",
-                f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
+                _seen_unseen(r, "needle_accuracy"),
+                _seen_unseen(r, "agreement"),
             ]
         )
     return rows
@@ -83,16 +90,14 @@ def _serving(data: list[dict[str, Any]]) -> list[list[str]]:
     for r in recs:
         rows.append(
             [
-                r["config"],
-                str(r["kv_slots_held"]),
-                f"{base / r['kv_slots_held']:.1f}x",
+                *_held(r, base),
                 str(r["kv_slots_held_peak"]),
                 str(r["kv_slots_held_after_run"]),
                 str(r["max_running_requests"]),
                 f"{r['requests_per_s']:.3f}",
                 f"{r['output_tokens_per_s']:.2f}",
                 f"{r['ttft_p50_s']:.0f} / {r['ttft_p95_s']:.0f}",
-                f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
+                _seen_unseen(r, "agreement"),
             ]
         )
     return rows

@@ -15,7 +15,6 @@ questions, needle accuracy, and the compaction's seconds.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import platform
@@ -24,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options, script_parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--docs", type=int, default=2, help="needle documents (workload index 0..)")
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
@@ -46,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--held-out", type=int, default=2, help="questions not sent as follow-ups")
     p.add_argument("--margin", type=int, default=32, help="the plugin's boundary margin")
     p.add_argument("--follow-up-tokens", type=int, default=128, help="suffix cut, as the plugin")
-    p.add_argument("--answer-tokens", type=int, default=16)
-    p.add_argument("--json", default="benchmarks/results/agreement.json")
+    add_options(p, answer_tokens=16, json="benchmarks/results/agreement.json")
     args = p.parse_args(argv)
 
     import torch

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options
 from harness.launch import SGLangServer, start_all
 from harness.provenance import provenance
 from harness.workload import (
@@ -113,9 +114,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sentences", type=int, default=110, help="sentences per document")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, gvote first")
     p.add_argument("--gvote-p", type=float, default=0.95, help="GVote's nucleus mass")
-    p.add_argument("--answer-tokens", type=int, default=16)
-    p.add_argument("--json", type=Path, default=Path("benchmarks/results/equal_memory.json"))
-    p.add_argument("--plot", type=Path, default=Path("benchmarks/results/equal_memory.png"))
+    add_options(p, answer_tokens=16, json=Path("benchmarks/results/equal_memory.json"))
+    add_options(p, plot=Path("benchmarks/results/equal_memory.png"))
     p.add_argument("--plot-only", action="store_true", help="redraw --plot from --json, no run")
     args = p.parse_args(argv)
     configs = args.configs.split(",")

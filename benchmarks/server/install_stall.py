@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 
 # Gap and LABELS: re-exported for tests/benchmarks/test_install_stall.py
 from benchmarks.server._install_stall_analysis import (  # noqa: F401
@@ -276,16 +276,11 @@ def main() -> int:
     ap.add_argument(
         "--step-ms", type=float, default=2.0, help="--compaction-install-step-ms of every run"
     )
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--method", default="am-highest")
+    add_options(ap, ratio=0.1, method="am-highest")
     ap.add_argument("--sentences", type=int, default=110, help="document size (110: ~1.9k tok)")
-    ap.add_argument("--decode-prompt", default="Write a long story about a dragon and a knight.")
-    ap.add_argument("--max-decode-tokens", type=int, default=4000)
-    ap.add_argument("--trigger-tokens", type=int, default=1)
-    ap.add_argument("--steady-s", type=float, default=10.0)
-    ap.add_argument("--after-s", type=float, default=10.0)
-    ap.add_argument("--install-margin-s", type=float, default=0.0)
-    ap.add_argument("--max-total-tokens", type=int, default=8192)
+    add_options(ap, decode_prompt="Write a long story about a dragon and a knight.")
+    add_options(ap, max_decode_tokens=4000, trigger_tokens=1, steady_s=10.0, after_s=10.0)
+    add_options(ap, install_margin_s=0.0, max_total_tokens=8192)
     ap.add_argument("--ray", action="store_true", help="Ray workers (default: in-process)")
     ap.add_argument("--timeout-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true", help="one server, small document")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options
 from harness.provenance import ROOT, provenance
 
 __all__ = ["QUESTIONS", "document_ids", "peak_rss_bytes", "run_one"]
@@ -175,8 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--method", default="am-highest")
-    ap.add_argument("--ratio", type=float, default=0.1)
+    add_options(ap, method="am-highest", ratio=0.1)
     ap.add_argument("--chunk-size", type=int, default=None, help="default: the service's rule")
     ap.add_argument(
         "--service-env",

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options
 from harness.provenance import ROOT, provenance
 
 __all__ = ["measure"]
@@ -77,8 +77,7 @@ def measure(tokens: int = 600) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=600)
-    ap.add_argument("--out", type=Path, default=RESULT)
+    add_options(ap, tokens=600, out=RESULT)
     args = ap.parse_args(argv)
     result = measure(args.tokens)
     result["provenance"] = provenance(argv)

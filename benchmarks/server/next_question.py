@@ -44,7 +44,6 @@ compares the target and gvote configurations' mean ratio with the plugin's ratio
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -52,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options, script_parser
 from benchmarks.server._next_question_report import (
     memory_vs_baseline,
     plot,
@@ -253,9 +253,7 @@ def _budget_fields(spec: Any, compacted: Any, attn: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--docs", type=int, default=3, help="needle documents (workload index 0..)")
     p.add_argument("--prose-docs", type=int, default=2, help="prose documents (no needles)")
@@ -268,10 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--refit-steps", default="2,8,32", help="k: seen questions fitted")
     p.add_argument("--seen-questions", type=int, default=32, help="seen questions per document")
-    p.add_argument("--answer-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default="benchmarks/results/next_question.json")
-    p.add_argument("--plot", default="benchmarks/results/next_question.png")
+    add_options(p, answer_tokens=16, threads=1, json="benchmarks/results/next_question.json")
+    add_options(p, plot="benchmarks/results/next_question.png")
     args = p.parse_args(argv)
     own_steps = dict(c.split(":", 1) if ":" in c else (c, "") for c in args.configs.split(",") if c)
     configs = list(own_steps)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 from benchmarks.gpu._gpu_serving_phases import burst, random_ids
 
 CONFIGS = ("stock", "off", "idle")
@@ -29,12 +29,10 @@ CONFIGS = ("stock", "off", "idle")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
+    add_options(ap, rounds=3, batch=8)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--logs", type=Path, default=Path("/tmp/plugin_overhead"))
+    add_options(ap, out=ROOT / "benchmarks" / "results", logs=Path("/tmp/plugin_overhead"))
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.batch < 1 or a.tokens < 8:
         ap.error("--rounds and --batch must be >= 1, --tokens >= 8")

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ROOT
+from benchmarks import ROOT, add_options
 
 _RUNNING = re.compile(r"#running-req: (\d+)")
 
@@ -261,20 +261,11 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--prompts-per-group", type=int, default=8)
-    ap.add_argument("--system-prompt-len", type=int, default=1024)
-    ap.add_argument("--question-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--max-total-tokens", type=int, default=3072)
-    ap.add_argument("--ratios", default="0.1,0.2")
-    ap.add_argument("--method", default="am-highest")
-    ap.add_argument("--workers", type=int, default=1)
+    add_options(ap, model="smollm2-135m", groups=4, prompts_per_group=8, system_prompt_len=1024)
+    add_options(ap, question_len=32, output_len=32, seed=1, max_total_tokens=3072, ratios="0.1,0.2")
+    add_options(ap, method="am-highest", workers=1)
     ap.add_argument("--in-process", action="store_true", help="compactor workers as threads")
-    ap.add_argument("--compaction-timeout", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add_options(ap, compaction_timeout=600.0, out=ROOT / "benchmarks" / "results")
     a = ap.parse_args()
     ratios = [float(r) for r in a.ratios.split(",") if r]
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import add_options
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.provenance import ROOT, provenance
 from harness.workload import compaction_args, document, metric, prompt
@@ -164,9 +165,7 @@ def summarize(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULT)
+    add_options(ap, cycles=300, warmup=3, out=RESULT)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the servers' logs here")
     ap.add_argument("--method", default="am-highest", help="compaction method")
     args = ap.parse_args(argv)

@@ -155,18 +155,10 @@ class CompactionMethod(ABC):
         fp32, on the keys' device) and a report dict. Mutates nothing."""
 
     @final
-    def compact_layer(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: LayerContext | None = None,
-    ) -> CompactedLayer:
-        """``compact(LayerInput(...)).layer``: see :class:`LayerInput` for the arguments."""
-        x = LayerInput(keys, values, queries, tuple(budgets), sm_scale, context)
-        return self.compact(x).layer
+    def compact_layer(self, *args: Any, **kwargs: Any) -> CompactedLayer:
+        """``compact(LayerInput(*args, **kwargs)).layer``: keys, values, queries, budgets,
+        sm_scale=None, context=None, as :class:`LayerInput` takes them."""
+        return self.compact(LayerInput(*args, **kwargs)).layer
 
     def params(self) -> dict[str, Any]:
         """JSON-serializable hyper-parameters (nested methods become {'name', 'params'})."""
@@ -219,18 +211,10 @@ class SelectingMethod(CompactionMethod):
         return MethodResult(layer, report)
 
     @final
-    def select(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        budgets: Sequence[int],
-        sm_scale: float | None = None,
-        context: LayerContext | None = None,
-    ) -> Selection:
-        """``pick(LayerInput(...)).selection`` (same arguments as :meth:`compact_layer`)."""
-        x = LayerInput(keys, values, queries, tuple(budgets), sm_scale, context)
-        return self.pick(x).selection
+    def select(self, *args: Any, **kwargs: Any) -> Selection:
+        """``pick(LayerInput(*args, **kwargs)).selection`` (the arguments of
+        :meth:`compact_layer`)."""
+        return self.pick(LayerInput(*args, **kwargs)).selection
 
 
 @dataclasses.dataclass
