@@ -25,6 +25,9 @@ __all__ = [
     "NIAH_KINDS",
     "NiahCase",
     "NiahQuestion",
+    "chat_frame",
+    "count_tokens",
+    "embed_in_haystack",
     "filler_text",
     "make_niah",
     "question_text",
@@ -57,6 +60,7 @@ _NOUN = (
     "tower",
 )
 _SYSTEM = "You are a helpful assistant. Answer briefly."
+_INTRO = "Read the text and remember the special magic numbers."
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,13 @@ def filler_text() -> str:
 
 
 def score_answer(answer: str, expected: tuple[str, ...]) -> float:
-    """Fraction of `expected` strings found (substring) in `answer`."""
+    """Fraction of `expected` strings found in `answer` as whole words (case-insensitive:
+    "12345" is not found in "123456", nor "worn" in "sworn")."""
     if not expected:
         raise ValueError("score_answer: no expected answers")
-    return sum(e in answer for e in expected) / len(expected)
+    low = answer.lower()
+    found = (re.search(rf"\b{re.escape(e.lower())}\b", low) for e in expected)
+    return sum(bool(f) for f in found) / len(expected)
 
 
 def make_niah(
@@ -120,16 +127,7 @@ def make_niah(
     pairs = [(keys[0] if kind == "multi-value" else keys[i], values[i]) for i in range(n)]
     needles = [f"The special magic number for {k} is {v}." for k, v in pairs]
 
-    head, tail = _wrap(tokenizer, chat)
-    budget = num_tokens - _count(tokenizer, head) - _count(tokenizer, " ".join(needles)) - 8
-    sentences = _haystack_sentences(rng, tokenizer, max(budget, 16))
-    depths = sorted(rng.randrange(0, len(sentences) + 1) for _ in needles)
-    for offset, (depth, needle) in enumerate(zip(depths, needles)):
-        sentences.insert(depth + offset, needle)
-    prefix = head + " ".join(sentences)
-    while _count(tokenizer, prefix) > num_tokens:  # rare: tokenization at joins
-        sentences.pop(-1 if sentences[-1] not in needles else 0)
-        prefix = head + " ".join(sentences)
+    prefix, tail = embed_in_haystack(tokenizer, rng, num_tokens, needles, chat)
 
     if kind == "multi-value":
         q = f"What are all the special magic numbers for {keys[0]}?"
@@ -148,28 +146,55 @@ def make_niah(
     return NiahCase(kind, seed, prefix, tuple(questions), tuple(pairs))
 
 
+def embed_in_haystack(
+    tokenizer: Any,
+    rng: random.Random,
+    num_tokens: int,
+    needles: list[str],
+    chat: bool = True,
+    intro: str = "Read the text and remember the special magic numbers.",
+) -> tuple[str, str]:
+    """(prefix, tail): `needles` (sentences) at seeded depths of filler prose, after the
+    chat head and `intro`, at most `num_tokens` tokens; tail closes the user turn."""
+    head, tail = chat_frame(tokenizer, chat, intro)
+    budget = (
+        num_tokens - count_tokens(tokenizer, head) - count_tokens(tokenizer, " ".join(needles)) - 8
+    )
+    sentences = _haystack_sentences(rng, tokenizer, max(budget, 16))
+    depths = sorted(rng.randrange(0, len(sentences) + 1) for _ in needles)
+    for offset, (depth, needle) in enumerate(zip(depths, needles)):
+        sentences.insert(depth + offset, needle)
+    prefix = head + " ".join(sentences)
+    while count_tokens(tokenizer, prefix) > num_tokens:  # rare: tokenization at joins
+        sentences.pop(-1 if sentences[-1] not in needles else 0)
+        prefix = head + " ".join(sentences)
+    return prefix, tail
+
+
 def question_text(tokenizer: Any, question: str, answer_prefix: str = "", chat: bool = True) -> str:
     """`question` formatted to follow a :func:`make_niah` prefix (closes the user turn)."""
-    return f"\n\nQuestion: {question}{_wrap(tokenizer, chat)[1]}{answer_prefix}"
+    return f"\n\nQuestion: {question}{chat_frame(tokenizer, chat)[1]}{answer_prefix}"
 
 
 def _question(q: str, tail: str) -> str:
     return f"\n\nQuestion: {q}{tail}The special magic number for"
 
 
-def _wrap(tokenizer: Any, chat: bool) -> tuple[str, str]:
-    """(text before the document, text closing the user turn and opening the answer)."""
+def chat_frame(tokenizer: Any, chat: bool, intro: str = _INTRO) -> tuple[str, str]:
+    """(text before the document, ending with `intro`; text closing the user turn and
+    opening the answer)."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if chat and template:
         marker = "\x00DOC\x00"
         msgs = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": marker}]
         full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         head, tail = full.split(marker)
-        return head + "Read the text and remember the special magic numbers.\n\n", tail
-    return "Read the text and remember the special magic numbers.\n\n", "\nAnswer: "
+        return head + intro + "\n\n", tail
+    return intro + "\n\n", "\nAnswer: "
 
 
-def _count(tokenizer: Any, text: str) -> int:
+def count_tokens(tokenizer: Any, text: str) -> int:
+    """Tokens of `text` (no special tokens); about len/4 without a tokenizer."""
     if tokenizer is None:
         return max(1, len(text) // 4)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -189,7 +214,7 @@ def _haystack_sentences(rng: random.Random, tokenizer: Any, budget: int) -> list
     i = start
     while used < budget:
         for s in re.split(r"(?<=[.!?])\s+", paras[i % len(paras)]):
-            cost = _count(tokenizer, " " + s)
+            cost = count_tokens(tokenizer, " " + s)
             if used + cost > budget:
                 return out
             out.append(s)

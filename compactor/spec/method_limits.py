@@ -60,6 +60,7 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "beta_bounds": Param("pair", -20.0, 20.0),
         "value_ridge": _RIDGE,
         "fit_values": Param("bool"),
+        "score_by": Param("str"),
     },
     "am-omp": _OMP,
     "am-omp-fast": _OMP,

@@ -43,5 +43,6 @@ def test_without_tokenizer_and_errors():
 def test_score_answer():
     assert score_answer("it is 12345.", ("12345",)) == 1.0
     assert score_answer("12 and 34", ("12", "56")) == 0.5
+    assert score_answer("123456 and Sworn", ("12345", "worn", "sworn")) == 1 / 3
     with pytest.raises(ValueError):
         score_answer("x", ())

@@ -1,0 +1,82 @@
+"""compactor.eval.ruler (RULER-style tasks) and compactor.eval.paired (paired scoring)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+
+import pytest
+
+from compactor.eval.paired import bootstrap_interval, mcnemar_p, paired_summary
+from compactor.eval.ruler import RULER_TASKS, make_ruler
+from tests._tiny import real_model
+
+
+@pytest.fixture(scope="module")
+def tok(prepared_model):
+    return real_model(prepared_model)[1]
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+def test_tasks_are_deterministic_within_length_and_answerable(tok, task):
+    a = make_ruler(tok, task, 800, seed=3)
+    assert a == make_ruler(tok, task, 800, seed=3)
+    assert a.prefix != make_ruler(tok, task, 800, seed=4).prefix
+    n = len(tok(a.prefix, add_special_tokens=False)["input_ids"])
+    assert 600 <= n <= 800
+    for q in a.questions:  # every expected answer stands in the context
+        assert q.answers and all(re.search(rf"\b{re.escape(x)}\b", a.prefix) for x in q.answers)
+        assert q.text.startswith("\n\nQuestion: ")
+
+
+def test_list_tasks_ask_for_what_the_context_counts(tok):
+    cwe = make_ruler(tok, "cwe", 1000, seed=0)
+    words = Counter(re.findall(r"^\d+\. (\w+)$", cwe.prefix, flags=re.M))
+    top = set(cwe.questions[0].answers)
+    assert len(top) == 5 and min(words[w] for w in top) > max(
+        c for w, c in words.items() if w not in top
+    )
+    vt = make_ruler(tok, "vt", 1000, seed=0)
+    chain = vt.questions[0].answers
+    assert len(chain) == 4 and all(f"VAR {b} = VAR {a}." in vt.prefix
+                                   for a, b in itertools.pairwise(chain))  # fmt: skip
+    mq = make_ruler(tok, "niah_multiquery", 1000, seed=0)
+    assert len(mq.questions[0].answers) == 2 and " and " in mq.questions[0].text
+
+
+def test_bad_task_and_length():
+    with pytest.raises(ValueError, match="unknown RULER task 'x'"):
+        make_ruler(None, "x", 1000)
+    with pytest.raises(ValueError, match="num_tokens must be >= 256"):
+        make_ruler(None, "vt", 100)
+
+
+def test_mcnemar_exact_p():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(5, 0) == pytest.approx(2 / 32)
+    assert mcnemar_p(3, 3) == 1.0
+    with pytest.raises(ValueError):
+        mcnemar_p(-1, 2)
+
+
+def test_paired_summary_counts_and_retention():
+    stock = [True, True, True, False, True, False]
+    ours = [True, False, True, True, True, False]
+    s = paired_summary(stock, ours, [0.9] * 6, [0.1] * 6)
+    assert s["mcnemar"] == {"both": 3, "stock_only": 1, "ours_only": 1, "neither": 1,
+                            "p": 1.0}  # fmt: skip
+    assert s["retention"] == 0.75 and s["accuracy"] == pytest.approx(4 / 6)
+    lo, hi = s["retention_ci"]
+    assert 0 <= lo <= 0.75 <= hi <= 1
+    assert s["token_agreement_ci"] == (pytest.approx(0.9), pytest.approx(0.9))
+    assert paired_summary([False], [True])["retention"] is None  # stock never right
+    with pytest.raises(ValueError, match="2 stock items, 1 ours"):
+        paired_summary([True, True], [True])
+
+
+def test_bootstrap_interval_brackets_the_mean():
+    vals = [float(i % 2) for i in range(100)]
+    lo, hi = bootstrap_interval(vals)
+    assert lo < 0.5 < hi and hi - lo < 0.25
+    assert bootstrap_interval([]) is None
