@@ -20,15 +20,27 @@ a split: `dev` (0, 1, ...) to choose defaults, `heldout` (1000, 1001, ...) to re
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import RESULTS, add_options, script_parser
+from benchmarks import RESULTS, ROOT, add_options, script_parser
 
 SPLIT_SEED = {"dev": 0, "heldout": 1000}
+KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
+PRESSES = {  # --presses name -> kvpress class (compression_ratio = the fraction removed)
+    "kvzip": "KVzipPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "snapkv": "SnapKVPress",
+    "tova": "TOVAPress",
+    "streaming_llm": "StreamingLLMPress",
+    "keydiff": "KeyDiffPress",
+}
 GENERIC = ("What is the text above about?", "Summarize the text above in one sentence.")
 
 
@@ -36,9 +48,15 @@ def _parse(argv: list[str] | None) -> Any:
     p = script_parser(__doc__)
     add_options(p, model="smollm2-135m", tokens="2000", seeds=4, split="heldout", threads=1)
     add_options(p, tasks="niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe")
-    add_options(p, methods="am-highest,am-highest:score_by=max", ratios="0.1,0.05,0.02")
+    add_options(p, methods="am-highest,kvzip,kvzip:refit=am", ratios="0.1,0.05,0.02")
     add_options(p, settings="agnostic,multi-query", query_sources="repeat-prefill,self-study")
+    p.add_argument(
+        "--max-queries", type=int, help="reference queries per KV head (default: the spec's)"
+    )
+    add_options(p, presses="kvzip,expected_attention,snapkv,tova,streaming_llm,keydiff")
     add_options(p, json=str(RESULTS / "ruler.json"))
+    p.add_argument("--kvpress-side", nargs=2, metavar=("MODEL_DIR", "ITEMS_JSON"),
+                   help=argparse.SUPPRESS)  # fmt: skip
     add_options(p, quick=(False, "2 tasks, 1 seed, 512 tokens, 1 ratio, repeat-prefill queries"))
     args = p.parse_args(argv)
     if args.split not in SPLIT_SEED:
@@ -46,6 +64,7 @@ def _parse(argv: list[str] | None) -> Any:
     if args.quick:
         args.tasks, args.tokens, args.seeds, args.ratios = "niah_single,vt", "512", 1, "0.1"
         args.methods, args.query_sources = "am-highest", "repeat-prefill"
+        args.presses = "snapkv" if KVPRESS_PY.exists() else ""
     return args
 
 
@@ -53,8 +72,9 @@ def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
-def run_items(args: Any, model: Any, tok: Any) -> list[dict[str, Any]]:
-    """One record per (item, setting, method, ratio), stock's outcome beside ours."""
+def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One record per (item, setting, method, ratio), stock's outcome beside ours; and the
+    items as token ids (what the kvpress side answers)."""
     from compactor.eval.harness import EvalCase, build_reference, evaluate_prefix
     from compactor.eval.niah import question_text
     from compactor.eval.ruler import make_ruler
@@ -65,7 +85,7 @@ def run_items(args: Any, model: Any, tok: Any) -> list[dict[str, Any]]:
     def enc(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
-    records = []
+    records, items = [], []
     sources = tuple(_csv(args.query_sources))
     seed0 = SPLIT_SEED[args.split]
     for tokens in (int(t) for t in _csv(args.tokens)):
@@ -80,10 +100,15 @@ def run_items(args: Any, model: Any, tok: Any) -> list[dict[str, Any]]:
                 others += [question_text(tok, g) for g in GENERIC]
                 item = {"task": task, "tokens": len(ids), "seed": seed,
                         "stock_score": ref.niah_scores[0]}  # fmt: skip
+                items.append({**item, "prefix_ids": ids, "question_ids": enc(scored.text),
+                              "answers": scored.answers, "answer_tokens": case.answer_tokens,
+                              "stock_answer": tok.decode(ref.answers[0])})  # fmt: skip
                 for setting in _csv(args.settings):
                     multi = setting == "multi-query"
                     qs = (*sources, "follow-up") if multi else sources
-                    base = CompactionSpec(queries=QueryConfig(sources=qs))
+                    cap = {"max_queries_per_head": args.max_queries} if args.max_queries else {}
+                    queries = QueryConfig(sources=qs, **cap)
+                    base = CompactionSpec(queries=queries)
                     follow_ups = [enc(t) for t in others] if multi else None
                     hooks = Hooks(progress=False, reuse={})  # one prefill per item and setting
                     for method in _csv(args.methods):
@@ -100,7 +125,73 @@ def run_items(args: Any, model: Any, tok: Any) -> list[dict[str, Any]]:
                 print(
                     f"{task} T={len(ids)} seed={seed}: stock {ref.niah_scores[0]:.2f}", flush=True
                 )
+    return records, items
+
+
+def run_kvpress(args: Any, items: list[dict[str, Any]], model_dir: Path) -> list[dict[str, Any]]:
+    """The same items through kvpress's presses (query-agnostic: the context is compressed
+    before the question is seen, then greedy answers), in the kvpress venv."""
+    from compactor.eval.niah import score_answer
+
+    presses = _csv(args.presses)
+    if not presses:
+        return []
+    if not KVPRESS_PY.exists():
+        raise SystemExit(f"--presses needs the kvpress venv ({KVPRESS_PY}): make kvpress-venv")
+    work = Path(args.json).with_suffix(".kvpress.tmp.json")
+    ratios = [float(r) for r in _csv(args.ratios)]
+    work.write_text(json.dumps({"presses": presses, "ratios": ratios, "items": items}))
+    cmd = [str(KVPRESS_PY), "-m", "benchmarks.offline.ruler", "--kvpress-side", str(model_dir),
+           str(work)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    answers = json.loads(work.with_suffix(".out").read_text())
+    work.unlink()
+    work.with_suffix(".out").unlink()
+    records = []
+    for item, got in zip(items, answers, strict=True):
+        base = {k: item[k] for k in ("task", "tokens", "seed", "stock_score")}
+        for key, (answer, seconds) in got.items():
+            press, ratio = key.split("@")
+            if press == "none":  # kvpress without a press: stock's own answer, a sanity check
+                item["kvpress_stock_agrees"] = answer.strip() == item["stock_answer"].strip()
+                continue
+            records.append({**base, "setting": "agnostic", "method": f"kvpress:{press}",
+                            "ratio": float(ratio), "score": score_answer(answer, item["answers"]),
+                            "token_agreement": None, "logprob_gap": None,
+                            "seconds": seconds})  # fmt: skip
     return records
+
+
+def kvpress_side(model_dir: str, items_json: str) -> None:
+    """Runs in the kvpress venv (torch, transformers, kvpress only): every item through
+    every press at every ratio; writes [{"press@ratio": [answer, seconds]}] per item."""
+    import kvpress
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    torch.set_num_threads(1)
+    job = json.loads(Path(items_json).read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pipe = pipeline("kv-press-text-generation", model=model,
+                    tokenizer=AutoTokenizer.from_pretrained(model_dir), device="cpu")  # fmt: skip
+    out = []
+    for item in job["items"]:
+        ids = {"context_ids": torch.tensor([item["prefix_ids"]]),
+               "questions_ids": [torch.tensor([item["question_ids"]])]}  # fmt: skip
+        runs = [("none", 1.0, None)] + [
+            (name, r, getattr(kvpress, PRESSES[name])(compression_ratio=1 - r))
+            for name in job["presses"]
+            for r in job["ratios"]
+        ]
+        got: dict[str, tuple[str, float]] = {}
+        for name, r, press in runs:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                answer = pipe._forward(ids, max_new_tokens=item["answer_tokens"], press=press)[0]
+            got[f"{name}@{r}"] = (answer, time.perf_counter() - t0)
+        out.append(got)
+        print(f"kvpress: {item['task']} seed={item['seed']} done", flush=True)
+    Path(items_json).with_suffix(".out").write_text(json.dumps(out))
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,11 +204,12 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups[(r["setting"], r["method"], r["ratio"], r["task"])].append(r)
     out = []
     for (setting, method, ratio, task), rs in sorted(groups.items()):
+        per_token = rs[0]["token_agreement"] is not None  # kvpress's rows have none
         summary = paired_summary(
             [r["stock_score"] == 1.0 for r in rs],
             [r["score"] == 1.0 for r in rs],
-            [r["token_agreement"] for r in rs],
-            [r["logprob_gap"] for r in rs],
+            [r["token_agreement"] for r in rs] if per_token else [],
+            [r["logprob_gap"] for r in rs] if per_token else [],
         )
         out.append({"setting": setting, "method": method, "ratio": ratio, "task": task,
                     "compression": round(1 / ratio, 1), **summary})  # fmt: skip
@@ -126,8 +218,9 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    import json
-
+    if args.kvpress_side:
+        kvpress_side(*args.kvpress_side)
+        return 0
     import torch
 
     from compactor import hf
@@ -136,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     prov = provenance(argv)
     torch.set_num_threads(args.threads)
-    model, tok = hf.load_model(resolve_model(args.model))
+    model_dir = resolve_model(args.model)
+    model, tok = hf.load_model(model_dir)
     t0 = time.perf_counter()
-    records = run_items(args, model, tok)
+    records, items = run_items(args, model, tok)
+    records += run_kvpress(args, items, Path(model_dir))
     out = {
         "provenance": prov,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
@@ -152,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if s["task"] == "all":
             print(f"{s['setting']:12} {s['method']:28} {s['compression']:5}x  "
                   f"stock {s['stock_accuracy']:.2f}  ours {s['accuracy']:.2f}  "
-                  f"retention {s['retention']}  agree/token {s['token_agreement']:.3f}")  # fmt: skip
+                  f"retention {s['retention']}  agree/token {s.get('token_agreement')}")  # fmt: skip
     return 0
 
 

@@ -80,8 +80,8 @@ def make_niah_cases(
 def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"snapkv:refit=am:window=32"`` -> ("snapkv", {"refit": "am", "window": 32}).
 
-    Values parse as int, then float, else stay strings. Raises ValueError on a part without
-    ``=``.
+    Values parse as int, then float, then ``true``/``false`` as bools, else stay strings.
+    Raises ValueError on a part without ``=``.
     """
     name, *parts = spec.split(":")
     params: dict[str, Any] = {}
@@ -89,7 +89,7 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, sep, raw = part.partition("=")
         if not sep or not key:
             raise ValueError(f"bad method parameter {part!r} in {spec!r}; use name:key=value")
-        value: Any = raw
+        value: Any = {"true": True, "false": False}.get(raw.lower(), raw)
         for cast in (int, float):
             try:
                 value = cast(raw)

@@ -48,28 +48,17 @@ __all__ = [
 ]
 
 
-SCORE_BY = ("rms", "max")
-
-
-def highest_attention_scores(targets: Targets, score_by: str = "rms") -> torch.Tensor:
-    """[H, T] each key's attention weight over the reference queries: its RMS ("rms", the
-    paper's) or its max ("max": a key one query needs, a needle, is kept however few
-    queries read it).
+def highest_attention_scores(targets: Targets) -> torch.Tensor:
+    """[H, T] RMS over the reference queries of each key's attention weight.
 
     targets: :func:`~compactor.methods.refit.reference_targets` of the layer.
     """
-    if score_by == "rms":
-        return targets.key_rms()
-    if score_by == "max":
-        return targets.key_max()
-    raise ValueError(f"score_by must be one of {SCORE_BY}, got {score_by!r}")
+    return targets.key_rms()
 
 
-def highest_attention_select(
-    targets: Targets, budgets: Sequence[int], score_by: str = "rms"
-) -> Selection:
+def highest_attention_select(targets: Targets, budgets: Sequence[int]) -> Selection:
     """Top-t_h keys per head by :func:`highest_attention_scores`; indices ascending."""
-    return topk_selection(highest_attention_scores(targets, score_by), budgets)
+    return topk_selection(highest_attention_scores(targets), budgets)
 
 
 def omp_select(
@@ -127,25 +116,21 @@ def omp_select(
 @register_method("am-highest")
 @dataclasses.dataclass
 class AMHighest(ScoreMethod):
-    """Keep the top-t keys by attention (its RMS or max over the queries, `score_by`), then
-    the AM refit with beta in beta_bounds."""
+    """Keep the top-t keys by RMS attention, then the AM refit with beta in beta_bounds."""
 
     heads_independent: ClassVar[bool] = True
 
     beta_bounds: tuple[float, float] = (-3.0, 3.0)
     value_ridge: float = 1e-3
     fit_values: bool = True
-    score_by: str = "rms"
 
     def __post_init__(self) -> None:
         self.beta_bounds = _check_bounds(self.beta_bounds)
         _check_ridge(self.value_ridge)
-        if self.score_by not in SCORE_BY:
-            raise ValueError(f"score_by must be one of {SCORE_BY}, got {self.score_by!r}")
 
     def score(self, x: LayerInput) -> torch.Tensor:
         """:func:`highest_attention_scores` of the layer."""
-        return highest_attention_scores(x.targets, self.score_by)
+        return highest_attention_scores(x.targets)
 
     def refit_spec(self) -> RefitSpec:
         return RefitSpec(self.beta_bounds, self.fit_values, self.value_ridge)

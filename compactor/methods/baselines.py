@@ -29,7 +29,15 @@ from compactor.methods._scoring import (
     global_topk_budgets,
     topk_selection,
 )
-from compactor.methods.base import LayerInput, Picked, ScoreMethod, SelectingMethod, Selection
+from compactor.methods.base import (
+    LayerInput,
+    Picked,
+    ScoreMethod,
+    SelectingMethod,
+    Selection,
+    resolve_sm_scale,
+)
+from compactor.methods.context import LayerBudgetPlanner, PlannerInput
 from compactor.methods.registry import register_method
 
 __all__ = ["H2O", "KVzip", "SnapKV", "StreamingLLM", "snapkv_scores"]
@@ -134,22 +142,26 @@ class StreamingLLM(RefitOption, SelectingMethod):
 
 @register_method("kvzip")
 @dataclasses.dataclass
-class KVzip(RefitOption, ScoreMethod):
+class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
     """KVzip-style (arXiv 2505.23416) context-reconstruction scoring.
 
     Score of a key = max over the reference queries (meant to be repeat-prefill ones:
     the model re-reading the context) and over the group's query heads of its attention.
-    ``non_uniform=True``: the layer's total budget sum(t_h) is split over KV heads by a
-    global top-k of the scores (each head keeps >= 1), so heads that need more keep more.
-    Report: {"budgets": the kept count per KV head}.
+    ``layerwise=False`` (KVzip's default): the prefix's whole budget is split over layers by a
+    global top-k of the scores of every layer's heads (:meth:`plan_layers`), so a layer whose
+    heads read a few keys sharply keeps more of them than one that reads everything a little.
+    ``non_uniform=True``: a layer's budget sum(t_h) is split over its KV heads the same way
+    (each head keeps >= 1). Report: {"budgets": the kept count per KV head}.
     """
 
     non_uniform: bool = True
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.non_uniform, bool):
-            raise ValueError(f"non_uniform must be a bool, got {self.non_uniform!r}")
+        for name in ("non_uniform", "layerwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def score(self, x: LayerInput) -> torch.Tensor:
         """Max attention [H, T] over the reference queries (and the group's heads)."""
@@ -161,3 +173,17 @@ class KVzip(RefitOption, ScoreMethod):
         if self.non_uniform:
             b = global_topk_budgets(scores, sum(b))
         return Picked(topk_selection(scores, b), {"budgets": list(b)})
+
+    def plan_layers(self, x: PlannerInput) -> list[int]:
+        """Per-layer budget per KV head: of the L * H_kv * budget best scores over every
+        layer and head, how many each layer holds (/ H_kv, at least 1); `budget` for every
+        layer when ``layerwise``. One host sync."""
+        if self.layerwise:
+            return [x.budget] * x.L
+        scale = resolve_sm_scale(x.sm_scale, x.keys[0].shape[-1])
+        scores = torch.stack(
+            [attention_probs(k, q, scale).amax(1) for k, q in zip(x.keys, x.queries, strict=True)]
+        )  # [L, H_kv, T]
+        kept = scores.flatten().topk(x.L * x.H * x.budget).indices // (x.H * x.T)
+        per_head = torch.bincount(kept, minlength=x.L).div(x.H).round()
+        return [int(n) for n in per_head.clamp(min=1, max=x.T).tolist()]

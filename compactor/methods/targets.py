@@ -30,7 +30,7 @@ class Targets:
       ``out`` [H_kv, n, D] fp32 original attention outputs: one pass over cache-sized
       blocks of queries (no [H_kv, n, T] tensor is built);
     * ``key_rms()`` [H_kv, T]: RMS over the queries of each key's attention weight (in the
-      same pass when asked first); ``key_max()`` [H_kv, T]: its max over the queries;
+      same pass when asked first);
     * ``phi`` [H_kv, n, T] fp32 mass features exp(q K' s - rowmax) (in (0, 1]), and
       ``phi_heads(h0, h1)`` the rows of some heads: built on demand and kept when all of
       phi fits in ``block_bytes`` (else rebuilt per call: use blocks of
@@ -55,7 +55,6 @@ class Targets:
         self._phi: torch.Tensor | None = None
         self._stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._rms: torch.Tensor | None = None
-        self._max: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -86,23 +85,6 @@ class Targets:
                 sq[h0:h1] += attn.square_().sum(1)
             self._rms = sq.div_(self.shape[1]).sqrt_()
         return self._rms if self._rms is not None else self._stats_pass(want_rms=True)[3]
-
-    def key_max(self) -> torch.Tensor:
-        """[H_kv, T] max over the reference queries of each key's attention weight: a key
-        that one query reads keeps its score however few queries read it."""
-        if self._max is None:
-            mass, rowmax = self.mass, self.rowmax
-            mx = mass.new_zeros(self.shape[0], self.shape[2])
-            for h0, h1, i0, i1 in self._chunks():
-                if self._phi is not None:
-                    phi = self._phi[h0:h1, i0:i1]
-                else:
-                    phi = self._logits(self.keys[h0:h1], self.queries[h0:h1, i0:i1])
-                    phi.sub_(rowmax[h0:h1, i0:i1].unsqueeze(-1)).exp_()
-                attn = phi / mass[h0:h1, i0:i1].unsqueeze(-1)
-                mx[h0:h1] = torch.maximum(mx[h0:h1], attn.amax(1))
-            self._max = mx
-        return self._max
 
     @property
     def phi(self) -> torch.Tensor:

@@ -60,7 +60,6 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "beta_bounds": Param("pair", -20.0, 20.0),
         "value_ridge": _RIDGE,
         "fit_values": Param("bool"),
-        "score_by": Param("str"),
     },
     "am-omp": _OMP,
     "am-omp-fast": _OMP,
@@ -72,7 +71,7 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "window": Param("int", 0, "prefix"),
     },
     "streamingllm": {**_REFIT, "n_sink": Param("int", 0, "prefix")},
-    "kvzip": {**_REFIT, "non_uniform": Param("bool")},
+    "kvzip": {**_REFIT, "non_uniform": Param("bool"), "layerwise": Param("bool")},
     # `calibration` (a path on the server) is not settable by a request
     "compresskv": {
         **_REFIT,

@@ -149,6 +149,22 @@ def test_topk_selection_sorted_and_ragged() -> None:
     assert sel.per_head()[1].tolist() == [0, 2, 3]
 
 
+def test_kvzip_splits_the_budget_over_layers_by_a_global_top_k() -> None:
+    """Layer 0 reads six keys sharply (weight ~1 each), layer 1 reads all ten a little (0.1):
+    the six best of all twelve picks are layer 0's; layerwise keeps the budget per layer."""
+    T, D = 10, 16
+    sharp = torch.zeros(1, T, D)
+    sharp[0, :6, :6] = 10 * torch.eye(6)
+    q = torch.zeros(1, 6, D)
+    q[0, :, :6] = torch.eye(6)
+    keys, queries = [sharp, torch.zeros(1, T, D)], [q, q]
+    assert get_method("kvzip").plan_layer_budgets(keys, queries, 3, sm_scale=1.0) == [6, 1]
+    flat = get_method("kvzip", layerwise=True).plan_layer_budgets(keys, queries, 3, 1.0)
+    assert flat == [3, 3]
+    with pytest.raises(ValueError, match="layerwise must be a bool"):
+        get_method("kvzip", layerwise=1)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "streamingllm", "kvzip", "kvcompose"])
 def test_am_refit_reduces_output_error_on_fit_queries(name: str) -> None:
     k, v, q = _rand(H=2, T=64, n=48, seed=3)

@@ -145,5 +145,9 @@ def test_parse_method_spec() -> None:
         "snapkv",
         {"refit": "am", "window": 32, "p": 0.5},
     )
+    assert parse_method_spec("kvzip:layerwise=true:non_uniform=False") == (
+        "kvzip",
+        {"layerwise": True, "non_uniform": False},
+    )
     with pytest.raises(ValueError, match="use name:key=value"):
         parse_method_spec("snapkv:refit")

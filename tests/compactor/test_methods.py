@@ -373,20 +373,3 @@ def test_blocked_targets_and_fits_match_the_one_block_path():
     b = refit(keys, values, q, sel, beta_bounds=(-3.0, 3.0), targets=small)
     torch.testing.assert_close(a.beta, b.beta, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
-
-
-def test_score_by_max_keeps_a_key_one_query_needs():
-    """RMS favours keys many queries read a little; max keeps the one a single query needs."""
-    T, D = 20, 4
-    keys = torch.zeros(1, T, D)
-    keys[0, :19, 0] = torch.linspace(0.0, 3.0, 19)  # what 49 queries read, key 18 the most
-    keys[0, 19, 1] = 4.0  # a needle: read by one query only
-    queries = torch.zeros(1, 50, D)
-    queries[0, :49, 0] = 2.0
-    queries[0, 49, 1] = 2.0
-    values = torch.randn(1, T, D, generator=torch.Generator().manual_seed(0))
-    rms = get_method("am-highest").select(keys, values, queries, [1], sm_scale=1.0)
-    top = get_method("am-highest", score_by="max").select(keys, values, queries, [1], sm_scale=1.0)
-    assert rms.per_head()[0].tolist() == [18] and top.per_head()[0].tolist() == [19]
-    with pytest.raises(ValueError, match="score_by must be one of"):
-        get_method("am-highest", score_by="mean")

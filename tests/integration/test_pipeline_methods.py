@@ -56,7 +56,7 @@ def _compact(model: Any, ids: list[int], method: str, **params: Any) -> Any:
         ("snapkv", {}),
         ("h2o", {}),
         ("streamingllm", {"n_sink": 0}),
-        ("kvzip", {}),
+        ("kvzip", {"layerwise": True}),
         ("snapkv", {"refit": "am"}),
     ],
 )
@@ -78,10 +78,13 @@ def test_fixed_budget_methods(
     assert bool((betas != 0).any()) == refit  # beta is only fitted with the AM refit
 
 
-def test_kvcompose_spreads_budget_across_layers(model_and_ids: tuple[Any, list[int]]) -> None:
+@pytest.mark.parametrize(("method", "params"), [("kvcompose", {"group_size": 3}), ("kvzip", {})])
+def test_layer_planners_spread_budget_across_layers(
+    model_and_ids: tuple[Any, list[int]], method: str, params: dict[str, Any]
+) -> None:
     model, ids = model_and_ids
-    prefix = _compact(model, ids, "kvcompose", group_size=3)
-    per_layer = [max(layer.head_lengths()) for layer in prefix.layers]
+    prefix = _compact(model, ids, method, **params)
+    per_layer = [sum(layer.head_lengths()) / prefix.num_kv_heads for layer in prefix.layers]
     assert len(set(per_layer)) > 1  # layer-adaptive, not uniform
     mean = sum(per_layer) / len(per_layer)
     assert abs(mean - round(RATIO * len(ids))) <= 0.15 * mean
