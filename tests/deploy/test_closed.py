@@ -50,7 +50,20 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def _mounted_secret_files(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """path -> (Secret, key) for every Secret item container `c` of pod `spec` mounts."""
+    vols = {v["name"]: v for v in spec.get("volumes", [])}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        sec = vols[m["name"]].get("secret")
+        for item in (sec or {}).get("items", []):
+            out[f"{m['mountPath']}/{item['path']}"] = (sec["secretName"], item["key"])
+    return out
+
+
 def test_every_ray_container_has_token_auth(docs: list[dict[str, Any]]) -> None:
+    """Token auth on, the token read from a mounted Secret file: never an env var, which every
+    process Ray starts would inherit."""
     documented = {d["metadata"]["name"]: d for d in load_yaml_docs(SECRET_EXAMPLE)}
     for name, spec in pod_specs(docs):
         if name not in RAY_PODS:
@@ -58,8 +71,9 @@ def test_every_ray_container_has_token_auth(docs: list[dict[str, Any]]) -> None:
         for c in spec["containers"]:
             env = _env(c)
             assert env.get("RAY_AUTH_MODE") == "token", f"{name}: Ray auth is off"
-            ref = env["RAY_AUTH_TOKEN"]["secretKeyRef"]
-            assert ref["key"] in documented[ref["name"]]["stringData"], name
+            assert "RAY_AUTH_TOKEN" not in env, f"{name}: the Ray token is an env var"
+            secret, key = _mounted_secret_files(spec, c)[env["RAY_AUTH_TOKEN_PATH"]]
+            assert key in documented[secret]["stringData"], name
 
 
 def test_the_dashboard_stays_on_loopback(docs: list[dict[str, Any]]) -> None:
@@ -109,8 +123,11 @@ def test_each_pod_mounts_only_the_secret_keys_it_reads(docs: list[dict[str, Any]
                 assert items, f"{name}: the whole Secret {vol['secret']['secretName']} is mounted"
                 if name != "ray-head":
                     assert "tls.key" not in {i["key"] for i in items}, name
-        if name.startswith("ray-") and name != "ray-head":
-            assert not spec.get("volumes") or all("secret" not in v for v in spec["volumes"])
+        if name.startswith("ray-") and name != "ray-head":  # the Ray token, nothing else
+            secrets = [v["secret"] for v in spec.get("volumes", []) if "secret" in v]
+            assert [(s["secretName"], [i["key"] for i in s["items"]]) for s in secrets] == [
+                ("ray-auth", ["auth_token"])
+            ], name
 
 
 def _serve_argvs() -> list[list[str]]:
@@ -146,3 +163,58 @@ def test_ray_launcher_config_is_closed() -> None:
         assert "RAY_AUTH_MODE=token" in script and "RAY_AUTH_TOKEN_PATH=" in script, script
         assert "--dashboard-host=0.0.0.0" not in script
     assert "--dashboard-host=127.0.0.1" in starts[0]
+
+
+def test_pods_are_hardened(docs: list[dict[str, Any]]) -> None:
+    """No pod runs as root, escalates privileges, writes its root filesystem, keeps a Linux
+    capability, runs without the runtime's seccomp profile, or holds a service-account token."""
+    for name, spec in pod_specs(docs):
+        assert spec.get("automountServiceAccountToken") is False, name
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], name
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, f"{name}: a read-only root needs a writable /tmp"
+
+
+def test_sglang_admin_endpoints_need_the_admin_key(docs: list[dict[str, Any]]) -> None:
+    """--admin-api-key is set from the Secret: without it SGLang 0.5's admin-optional endpoints
+    (/flush_cache, /update_weights_from_disk) answer any tenant."""
+    documented = {d["metadata"]["name"]: d for d in load_yaml_docs(SECRET_EXAMPLE)}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
+    value = argv[argv.index("--admin-api-key") + 1]
+    assert value.startswith("$(") and value.endswith(")"), "the key must not sit in the manifest"
+    ref = _env(c)[value[2:-1]]["secretKeyRef"]
+    assert ref["key"] in documented[ref["name"]]["stringData"]
+
+
+def test_sglang_and_metrics_ingress_are_closed(docs: list[dict[str, Any]]) -> None:
+    """A policy selects SGLang's pods and opens only its HTTP port, to named clients; every
+    Prometheus rule names its namespace (an empty namespaceSelector admits all of them)."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    mine = [p for p in policies if _selects(p, labels)]
+    assert mine, "no NetworkPolicy selects SGLang: every port is open to every pod"
+    for rule in (r for p in mine for r in p["spec"]["ingress"]):
+        assert rule["from"] and [p["port"] for p in rule["ports"]] == [30000]
+    for rule in (r for p in policies for r in p["spec"]["ingress"]):
+        for src in rule["from"]:
+            if "namespaceSelector" in src:
+                assert src["namespaceSelector"].get("matchLabels"), src
+
+
+def test_ray_launcher_workers_mount_only_the_ray_token() -> None:
+    docker = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())["docker"]
+    assert not any("/etc/compactor" in o for o in docker["run_options"])
+    assert docker["worker_run_options"] == [
+        "-v /etc/compactor/ray-token:/etc/compactor/ray-token:ro"
+    ]
+    assert any("/etc/compactor:/etc/compactor:ro" in o for o in docker["head_run_options"])

@@ -281,9 +281,8 @@ def test_k8s_ports_probes_endpoint_and_secrets_agree(rendered: Any) -> None:
     # Results signed with a key both sides mount from the Secret (it never goes on the wire).
     assert srv.signing_key_file is not None and sgl.compaction_signing_key_file is not None
 
-    # Every file a flag names comes from the one Secret, which secret.example.yaml documents.
-    example = _secret("compactor-auth")
-    keys = set(example["stringData"])
+    # Every file a flag names comes from a Secret that secret.example.yaml documents.
+    documented = {name: set(_secret(name)["stringData"]) for name in ("compactor-auth", "ray-auth")}
     for spec, files in (
         (
             head,
@@ -307,7 +306,7 @@ def test_k8s_ports_probes_endpoint_and_secrets_agree(rendered: Any) -> None:
                 sec = vols[m["name"]].get("secret")
                 if not sec:
                     continue
-                assert sec["secretName"] == example["metadata"]["name"]
+                keys = documented[sec["secretName"]]
                 items = [i["path"] for i in sec.get("items", [])] or sorted(keys)
                 assert {i["key"] for i in sec.get("items", [])} <= keys
                 provided |= {f"{m['mountPath']}/{k}" for k in items}
