@@ -12,15 +12,19 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compactor.commands._common import require_file
 from compactor.spec import CompactionSpec, QueryConfig
-from compactor.spec.cli_args import add_spec_args, spec_from_args, usage_error
+from compactor.spec.cli_args import UsageError, add_spec_args, spec_from_args, usage_error
 
 # The request's defaults: the spec's, with repeat-prefill queries only and budget auto
 # (neither --ratio nor --tokens: the server's auto ratio).
 REQUEST_SPEC = CompactionSpec(queries=QueryConfig(sources=("repeat-prefill",)))
 
+
+if TYPE_CHECKING:
+    from compactor.client import TlsFiles
 
 HELP = "compact one prefix on a running `compactor serve`"
 
@@ -32,10 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_args(p, defaults=REQUEST_SPEC)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--output", type=Path, help="save the CompactedPrefix (safetensors)")
-    p.add_argument("--tls-ca", type=Path)
-    p.add_argument("--tls-cert", type=Path)
-    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--tls-ca", type=Path, help="CA of the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS (with --tls-ca)")
+    p.add_argument("--tls-key", type=Path, help="its key (with --tls-cert)")
     p.add_argument("--auth-token-file", type=Path)
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a plaintext channel to a non-loopback endpoint (the prefix, and the token if "
+        "any, travel in clear)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_request)
 
@@ -43,10 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _request(args: argparse.Namespace) -> int:
     import grpc
 
-    from compactor.client import CompactorClient, TlsFiles
+    from compactor.client import CompactorClient
     from compactor.service.result_stream import ChecksumError
     from compactor.workers.job import CompactJob
 
+    tls = _tls(args)
     spec = spec_from_args(args)
     try:  # what the server would refuse (head budgets other than uniform/auto, ...)
         CompactJob.check_spec(spec)
@@ -55,7 +66,6 @@ def _request(args: argparse.Namespace) -> int:
     require_file(args.input, "--input")
     fp, token_ids = _resolve(args.model, args.input)
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
-    tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     try:
         with CompactorClient(args.endpoint, tls=tls, auth_token=token) as client:
             res = client.compact(token_ids, fp, spec, timeout=args.timeout)
@@ -73,6 +83,27 @@ def _request(args: argparse.Namespace) -> int:
         for k, v in summary.items():
             print(f"{k:>18}: {v}")
     return 0
+
+
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    """The channel's TLS files; UsageError for a half-given pair or for plaintext to a
+    non-loopback host without --insecure (what `compactor serve` and the plugin refuse too)."""
+    from compactor.client import TlsFiles
+    from compactor.commands.serve import is_loopback
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together", "--tls-key")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise UsageError("a client certificate needs --tls-ca (TLS is on only with it)", "--tls-ca")
+    if args.tls_ca is not None:
+        return TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
+    host = args.endpoint.rsplit(":", 1)[0]
+    if not is_loopback(host) and not args.insecure:
+        raise UsageError(
+            f"plaintext to {host}: pass --tls-ca (TLS), or --insecure to send in clear",
+            "--endpoint",
+        )
+    return None
 
 
 def _resolve(model: str, path: Path) -> tuple[str, list[int]]:

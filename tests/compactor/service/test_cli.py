@@ -192,3 +192,30 @@ def test_serve_refuses_a_tiny_auto_chunk_limit(capsys: Any) -> None:
         main(["serve", "--model", "smollm2-135m", "--auto-chunk-tokens", "10"])
     assert info.value.code == 2
     assert "expected a token count >= 64 or 'none', got '10'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--endpoint", "10.0.0.5:50051"], "plaintext to 10.0.0.5: pass --tls-ca"),
+        (["--endpoint", "compactor:50051", "--auth-token-file", "TOKEN"], "plaintext to compactor"),
+        (
+            ["--endpoint", "h:1", "--tls-ca", "CA", "--tls-cert", "CERT"],
+            "--tls-cert and --tls-key go together",
+        ),
+        (["--endpoint", "h:1", "--tls-cert", "CERT", "--tls-key", "CERT"], "needs --tls-ca"),
+    ],
+)
+def test_request_refuses_plaintext_to_a_remote_host_and_half_tls(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The token and the prefix never go in clear to another host unless --insecure says so;
+    a client certificate is never dropped silently."""
+    _no_model(monkeypatch)
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    args = ["request", "--model", "smollm2-135m", "--input", str(tmp_path / "ids.json")]
+    args += [str(tmp_path / a) if a in ("TOKEN", "CA", "CERT") else a for a in argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compactor request: error: ") and message in err, err
+    assert err.count("\n") == 1
