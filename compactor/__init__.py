@@ -13,7 +13,8 @@ SGLang plugin (`sglang_ext`) uses nothing else of this package:
     fingerprint, resolve_checkpoint   a model directory's identity and location (compactor.models)
     CompactJob, run_compaction,       one compaction as the service runs it, and the model
     Worker                            replica that runs it (compactor.workers)
-    AsyncCompactorClient, TlsFiles    the service's client (compactor.client)
+    AsyncCompactorClient, TlsFiles    the service's client (compactor.client); describe_error:
+                                      an error (a gRPC status and details) for one log line
     TokenFile, TOKEN_HEADER           the bearer token a client sends (compactor.service.auth)
     max_result_bytes, prefix_digest   the largest valid result of a request, and a result's sha256
                                       (compactor.service.result_stream)
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
     "Worker": "compactor.workers.worker",
     "AsyncCompactorClient": "compactor.client",
     "TlsFiles": "compactor.client",
+    "describe_error": "compactor.client",
     "TokenFile": "compactor.service.auth",
     "TOKEN_HEADER": "compactor.service.auth",
     "max_result_bytes": "compactor.service.result_stream",
@@ -64,6 +66,7 @@ __all__ = [
     "__version__",
     "add_field_args",
     "add_spec_args",
+    "describe_error",
     "field_values",
     "fingerprint",
     "max_result_bytes",
@@ -76,7 +79,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from compactor.client import AsyncCompactorClient, TlsFiles
+    from compactor.client import AsyncCompactorClient, TlsFiles, describe_error
     from compactor.models import fingerprint, resolve_checkpoint
     from compactor.service.auth import TOKEN_HEADER, TokenFile
     from compactor.service.result_stream import max_result_bytes, prefix_digest

@@ -40,9 +40,33 @@ from compactor.service.result_stream import Assembler, ChecksumError
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedPrefix, dtype_name
 
-__all__ = ["AsyncCompactorClient", "CompactResult", "CompactorClient", "RetryPolicy", "TlsFiles"]
+__all__ = [
+    "AsyncCompactorClient",
+    "CompactResult",
+    "CompactorClient",
+    "RetryPolicy",
+    "TlsFiles",
+    "describe_error",
+]
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+ERROR_TEXT_CHARS = 300  # of an error's text a log line carries
+
+
+def describe_error(exc: BaseException | None) -> str:
+    """An exception for one log line: its type, with a gRPC error's status code and the
+    peer's details (the service's words: control characters escaped, a newline as ``\\n``),
+    cut to ``ERROR_TEXT_CHARS`` ("..." marks a cut)."""
+    if exc is None:
+        return "-"
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        text = f"{exc.code().name}: {exc.details() or ''}"
+    else:
+        text = str(exc)
+    safe = text.encode("unicode_escape").decode("ascii")
+    cut = safe[:ERROR_TEXT_CHARS] + ("..." if len(safe) > ERROR_TEXT_CHARS else "")
+    return f"{type(exc).__name__}({cut})"
+
 
 R = TypeVar("R")  # what a compaction call returns: CompactResult or an awaitable of one
 

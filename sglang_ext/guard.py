@@ -18,6 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from compactor import describe_error
+
 __all__ = ["BREAKER_AFTER", "HookGuard"]
 
 BREAKER_AFTER = 3  # consecutive failures that open the breaker
@@ -55,7 +57,7 @@ class HookGuard:
         logger.error("sglang_ext: %s raised (%d in a row)", name, self.in_a_row, exc_info=exc)
         if self.in_a_row >= BREAKER_AFTER and not self.open:
             self.open = True
-            reason = f"{self.in_a_row} failures in a row, the last in {name}: {exc!r}"
+            reason = f"{self.in_a_row} failures in a row, the last in {name}: {describe_error(exc)}"
             logger.error("sglang_ext: circuit breaker open, compaction stops: %s", reason)
             if self.on_trip is not None:
                 self.on_trip(reason)

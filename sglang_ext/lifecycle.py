@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
-from compactor import CompactedPrefix, prefix_hash
+from compactor import CompactedPrefix, describe_error, prefix_hash
 from sglang_ext.guard import HookGuard
 from sglang_ext.installer import (
     PendingInstall,
@@ -345,15 +345,16 @@ class InstallLifecycle(Generic[N]):
         if fit_round:
             self.trigger.refit_failed(token_ids)
             logger.warning(
-                "compaction refit %d %s, the installed fit keeps serving: %r",
-                fit_round, what, error,
+                "compaction refit %d %s, the installed fit keeps serving: %s",
+                fit_round, what, describe_error(error),
             )  # fmt: skip
             return
         self.stats.fallbacks += 1
         retry = self.trigger.failed(token_ids)
         logger.warning(
-            "compaction %s, prefix stays uncompacted%s: %r",
-            what, " (may be retried)" if retry else " (retries spent: cooling down)", error,
+            "compaction %s, prefix stays uncompacted%s: %s",
+            what, " (may be retried)" if retry else " (retries spent: cooling down)",
+            describe_error(error),
         )  # fmt: skip
 
     def _take(self, job: Any) -> None:

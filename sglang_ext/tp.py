@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from compactor import CompactedLayer, CompactedPrefix, prefix_digest
+from compactor import CompactedLayer, CompactedPrefix, describe_error, prefix_digest
 from sglang_ext.trigger import CompactionTrigger, Submission
 
 __all__ = [
@@ -314,7 +314,7 @@ class TpSync:
                 return
             except ValueError as e:
                 error = e
-        self._failed[job.job_id] = (isinstance(error, ValueError), repr(error))
+        self._failed[job.job_id] = (isinstance(error, ValueError), describe_error(error))
 
     def _begin(self, lc: Any, job: int) -> None:
         prefix, slots, _ = self._held.pop(job)
