@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from sglang_ext.adapter import surface
@@ -179,14 +180,19 @@ def _from_cli_args(server_args: Any, *args: Any, **kwargs: Any) -> None:
     from sglang_ext.config import config_from_namespace
 
     namespace = args[-1] if args else kwargs.get("args")
-    cfg = config_from_namespace(namespace) if namespace is not None else None
-    if cfg is not None:
-        from sglang_ext.adapter.factory import check_model, register_backends
+    try:
+        cfg = config_from_namespace(namespace) if namespace is not None else None
+        if cfg is not None:
+            from sglang_ext.adapter.factory import check_model, register_backends
 
-        verify_process(True, hooks=False)  # this process's hooks: flags only, applied
-        register_backends(verify_serving)
-        apply_to_server_args(server_args, cfg)
-        check_model(server_args)  # a missing or weightless checkpoint fails before loading
+            verify_process(True, hooks=False)  # this process's hooks: flags only, applied
+            register_backends(verify_serving)
+            apply_to_server_args(server_args, cfg)
+            check_model(server_args)  # a missing or weightless checkpoint fails before loading
+    except ValueError as exc:  # a refused configuration: one line and exit 2, like argparse
+        sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'sglang'}: error: {exc}\n")
+        raise SystemExit(2) from None
+    if cfg is not None:
         os.environ[ACTIVE_ENV] = "1"  # the scheduler and detokenizer processes inherit it
     else:
         os.environ.pop(ACTIVE_ENV, None)  # never inherited from elsewhere: off means off

@@ -205,8 +205,9 @@ def test_bad_spec_fails_at_startup_naming_the_flag(argv: list[str], match: str) 
         _parse(*argv)
 
 
-def test_startup_hook_validates_the_spec() -> None:
-    """The AFTER hook on ServerArgs.from_cli_args is where a bad spec stops the server."""
+def test_startup_hook_validates_the_spec(capsys: Any) -> None:
+    """The AFTER hook on ServerArgs.from_cli_args is where a bad spec stops the server: one
+    line naming the flag, exit code 2 (no traceback)."""
     import argparse
 
     from sglang_ext.adapter.hooks import _from_cli_args
@@ -216,9 +217,11 @@ def test_startup_hook_validates_the_spec() -> None:
     add_cli_args(p)
     ns = p.parse_args(["--compaction-endpoint", "inproc://", "--compaction-ratio", "2"])
     args = server_args(device="cpu")
-    with pytest.raises(ValueError, match=r"^--compaction-ratio: ratio must be in"):
+    with pytest.raises(SystemExit) as exit_:
         _from_cli_args(args, type(args), ns)
-    assert not hasattr(args, CONFIG_ATTR)
+    assert exit_.value.code == 2 and not hasattr(args, CONFIG_ATTR)
+    err = capsys.readouterr().err
+    assert ": error: --compaction-ratio: ratio must be in" in err and err.count("\n") == 1
     ns = p.parse_args(["--compaction-endpoint", "inproc://", "--compaction-tokens", "9"])
     _from_cli_args(args, type(args), ns)
     assert getattr(args, CONFIG_ATTR).spec.tokens == 9
@@ -252,7 +255,7 @@ def test_every_plugin_flag_is_documented_with_help() -> None:
     assert not [a.option_strings[0] for a in flags if not a.help]
 
 
-def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
+def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any, capsys: Any) -> None:
     """The channel is checked where the spec is: a remote plaintext token stops startup."""
     import argparse
 
@@ -265,9 +268,9 @@ def test_startup_hook_refuses_a_plaintext_remote_token(tmp_path: Any) -> None:
     add_cli_args(p)
     argv = ["--compaction-endpoint", "svc:50051", "--compaction-token-file", str(token)]
     args = server_args(device="cpu")
-    with pytest.raises(ValueError, match="--compaction-insecure"):
+    with pytest.raises(SystemExit, match="2"):
         _from_cli_args(args, type(args), p.parse_args(argv))
-    assert not hasattr(args, CONFIG_ATTR)
+    assert not hasattr(args, CONFIG_ATTR) and "--compaction-insecure" in capsys.readouterr().err
     _from_cli_args(args, type(args), p.parse_args([*argv, "--compaction-insecure"]))
     cfg = getattr(args, CONFIG_ATTR)
     assert cfg.token_file == str(token) and cfg.token is None and "t0ken" not in repr(cfg)
