@@ -194,7 +194,8 @@ def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
     params: the ratio a `target_error` search chose (or the method's own choice, GVote), else
     the spec's; the estimate only when a target was set."""
     params = prefix.params
-    search = params.get("budget_search") or {}
+    search = params.get("budget_search")
+    search = search if isinstance(search, dict) else {}  # the service's words: any JSON
     ratio = params.get("chosen_ratio")
     if ratio is None:
         ratio = params.get("ratio")

@@ -131,17 +131,20 @@ class RankReport:
     digests: tuple[str, ...] = ()  # the sha256 of each `ready` result, in the same order
     written: tuple[int, ...] = ()
     failed: tuple[Failure, ...] = ()
+    broken: str = ""  # why this rank's tree may differ from the others' ("" when it does not)
 
 
 @dataclass(frozen=True)
 class Agreement:
     """What every rank does after a poll's exchange, in this order: submit, drop, begin,
-    finish (job ids; `drop` maps a job to the first failure reported for it)."""
+    finish (job ids; `drop` maps a job to the first failure reported for it). A non-empty
+    `halt` (a rank whose agreed finish failed) stops compaction on every rank instead."""
 
     submissions: tuple[Announcement, ...]
     drop: dict[int, Failure]
     begin: tuple[int, ...]
     finish: tuple[int, ...]
+    halt: str = ""
 
 
 def agree(reports: Sequence[RankReport]) -> Agreement:
@@ -163,7 +166,9 @@ def agree(reports: Sequence[RankReport]) -> Agreement:
         if len(set(seen.values())) > 1:
             drop[job] = (job, False, f"ranks hold different results (sha256 {seen})")
     begin = tuple(j for j in begin if j not in drop)
-    return Agreement(first.submissions, drop, begin, everywhere("written"))
+    halt = next((f"rank {r.rank}: {r.broken}" for r in sorted(reports, key=lambda r: r.rank)
+                 if r.broken), "")  # fmt: skip
+    return Agreement(first.submissions, drop, begin, everywhere("written"), halt)
 
 
 @dataclass
@@ -190,6 +195,8 @@ class TpSync:
     _begun: dict[int, Any] = field(default_factory=dict)  # job -> PendingInstall
     _failed: dict[int, tuple[bool, str]] = field(default_factory=dict)
     _dropped: set[int] = field(default_factory=set)  # decided before this rank's result came
+    _broken: str = ""  # an agreed finish failed here: this rank's tree may differ
+    _halted: bool = False  # a rank reported itself broken: compaction is off everywhere
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -254,6 +261,11 @@ class TpSync:
             self._failed.pop(job, None)
         deal = agree(self._exchange(self._report()))
         self.polls += 1
+        if deal.halt:  # the trees may differ: no rank compacts again (installed ones serve)
+            if not self._halted:
+                self._halted = True
+                lc.trip(f"tp ranks out of step ({deal.halt})")
+            return 0
         if not self.leads:
             for job, tokens, fus, fit_round in deal.submissions:
                 self._tokens[job] = tokens
@@ -271,7 +283,12 @@ class TpSync:
             self._tokens.pop(job, None)
             self._rounds.pop(job, None)
             lc.pending.remove(pending)
-            lc.finish(pending)
+            try:
+                lc.finish(pending)
+            except Exception as e:  # the other ranks finished it: say so at the next poll
+                self._broken = f"finishing job {job}: {describe_error(e)}"
+                logger.error("sglang_ext: tp rank %d: %s", self.rank, self._broken)
+                return done
             done += 1
         return done
 
@@ -281,7 +298,9 @@ class TpSync:
         failed = tuple((j, inv, msg) for j, (inv, msg) in self._failed.items())
         subs, self._outbox = tuple(self._outbox), []
         digests = tuple(held[2] for held in self._held.values())
-        return RankReport(self.rank, subs, tuple(self._held), digests, written, failed)
+        return RankReport(
+            self.rank, subs, tuple(self._held), digests, written, failed, self._broken
+        )
 
     def _exchange(self, report: RankReport) -> list[RankReport]:
         if self.exchange_fn is not None:
@@ -322,8 +341,8 @@ class TpSync:
             pending = lc.begin(
                 self._tokens[job], prefix, num_slots=slots, fit_round=self._rounds.get(job, 0)
             )
-        except (ValueError, RuntimeError) as e:
-            self._failed[job] = (isinstance(e, ValueError), repr(e))  # dropped everywhere next
+        except Exception as e:  # any failure to start: dropped everywhere at the next poll
+            self._failed[job] = (isinstance(e, ValueError), describe_error(e))
             return
         if pending is None:  # installed or being installed already (the same on every rank)
             self._tokens.pop(job, None)

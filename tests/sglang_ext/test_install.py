@@ -388,3 +388,18 @@ def test_a_compacted_node_holds_its_slots_on_the_pools_device() -> None:
     layout = PackedLayout(torch.full((2, 2), 4), slots, 16)
     node = new_compacted_node(TreeNode(), list(range(16)), CompactionInfo(layout, "h", "m", 0))
     assert node.value.device.type == "meta" and node.value.shape == (16,)
+
+
+@pytest.mark.parametrize("search", ["x", [1, 2], 3, None, {"estimated_error": "high"}])
+def test_budget_of_reads_any_json_the_service_sent(search: Any) -> None:
+    """A result's params are the service's JSON: a malformed budget_search gives no estimate,
+    it never raises (budget_of runs after the node is added: a raise counted a live install as
+    failed)."""
+    from types import SimpleNamespace
+
+    from sglang_ext.installer import budget_of
+
+    prefix = SimpleNamespace(params={"ratio": 0.1, "budget_search": search})
+    assert budget_of(prefix) == (0.1, None)  # type: ignore[arg-type]
+    prefix.params["budget_search"] = {"estimated_error": 0.05}
+    assert budget_of(prefix) == (0.1, 0.05)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from compactor.types import CompactedLayer, CompactedPrefix
 from sglang_ext.kv_store import head_counts
 from sglang_ext.packing import slots_needed
 from sglang_ext.pool_shape import PoolShape
-from sglang_ext.tp import RankReport, agree, head_range, slice_heads
+from sglang_ext.tp import RankReport, TpSync, agree, head_range, slice_heads
 
 TP = 2
 POLLS = 40
@@ -255,3 +255,28 @@ def test_a_result_is_identified_by_the_digest_its_stream_carries(compacted: Any)
     assert prefix_digest(prefix) == encode_prefix(prefix)[2]
     other = slice_heads(prefix, 0, 1)
     assert prefix_digest(other) != prefix_digest(prefix)
+
+
+def test_a_rank_whose_agreed_finish_fails_stops_compaction_on_every_rank() -> None:
+    """The other ranks made the job a node at this poll; this rank could not: it says so at
+    the next exchange and every rank trips its breaker (once) rather than serve from trees
+    that differ."""
+    from types import SimpleNamespace
+
+    assert agree([RankReport(0), RankReport(1, broken="finishing job 5: X")]).halt == (
+        "rank 1: finishing job 5: X"
+    )
+    pending = SimpleNamespace(done=True)
+    tripped: list[str] = []
+
+    def finish(_p: Any) -> None:
+        raise RuntimeError("add_node\nfailed")
+
+    lc = SimpleNamespace(pending=[pending], finish=finish, trip=tripped.append)
+    tp = TpSync(None, 0, 1, exchange_fn=lambda r: [r])
+    tp._begun[5], tp._tokens[5] = pending, (1, 2, 3)
+    assert tp.poll(lc, []) == 0 and tripped == []
+    assert tp.poll(lc, []) == 0 and tp.poll(lc, []) == 0
+    assert tripped == [
+        "tp ranks out of step (rank 0: finishing job 5: RuntimeError(add_node\\nfailed))"
+    ]
