@@ -119,7 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"one) may have in progress at once (default {MAX_REQUESTS_PER_TENANT}; "
                    "beyond: RESOURCE_EXHAUSTED)")  # fmt: skip
     p.add_argument("--max-concurrent-rpcs", type=int, default=256,
-                   help="gRPC calls served at once, all callers (default 256)")  # fmt: skip
+                   help="Compact calls served at once, all callers (default 256; beyond: "
+                   "RESOURCE_EXHAUSTED); health checks and model info are answered beside "
+                   "them")  # fmt: skip
     # test-only: sleep this long before each layer, to make compactions deterministically slow
     p.add_argument("--test-layer-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)

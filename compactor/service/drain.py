@@ -1,7 +1,8 @@
 """Graceful drain of Compact calls: refuse new ones, let in-flight ones finish, cancel the rest.
 
-    gate = DrainGate()
-    with gate.track():                               # per call; ServerDraining once closed
+    gate = DrainGate(limit=256)
+    with gate.track():                               # per call; ServerDraining once closed,
+                                                     # QueueFull past `limit` calls in flight
         out = await gate.run(service.compact(job))   # ServerDraining if the drain expires first
     ...
     finished = await gate.drain(30.0)                # on shutdown
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from compactor.service.errors import ServerDraining
+from compactor.workers.errors import QueueFull
 
 __all__ = ["DrainGate"]
 
@@ -25,9 +27,13 @@ T = TypeVar("T")
 
 
 class DrainGate:
-    """Counts the Compact calls in flight; closed by :meth:`drain`. One per server, one loop."""
+    """Counts the Compact calls in flight (at most `limit`, None: no limit); closed by
+    :meth:`drain`. One per server, one loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
         self.closed = False
         self.active = 0
         self.drain_seconds: float | None = None
@@ -40,6 +46,11 @@ class DrainGate:
         """Count one call for its whole life (work and streaming); ServerDraining if closed."""
         if self.closed:
             raise ServerDraining("server is shutting down (draining); retry on another server")
+        if self.limit is not None and self.active >= self.limit:
+            raise QueueFull(
+                f"{self.active} Compact calls in flight, the most this server takes "
+                "(--max-concurrent-rpcs); retry later"
+            )
         self.active += 1
         self._idle.clear()
         try:

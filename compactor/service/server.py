@@ -31,6 +31,9 @@ from compactor.service.servicer import CompactorServicer
 __all__ = ["SERVICE_NAME", "CompactorServer", "PortInUseError", "ServerConfig", "TlsConfig"]
 
 log = logging.getLogger(__name__)
+# gRPC calls beyond --max-concurrent-rpcs Compact calls: health checks, GetModelInfo,
+# ListMethods and a refused Compact's answer are served while Compact calls fill the limit
+CONTROL_RPCS = 32
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Compactor"].full_name
 # After the drain: how long cancelled compactions may take to stop, and then responses still
@@ -70,7 +73,7 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     drain_seconds: float = 30.0
-    max_concurrent_rpcs: int = 256  # calls beyond it get RESOURCE_EXHAUSTED from gRPC
+    max_concurrent_rpcs: int = 256  # Compact calls beyond it get RESOURCE_EXHAUSTED
 
 
 class CompactorServer:
@@ -115,14 +118,15 @@ class CompactorServer:
         interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            # health checks and model info are answered however many Compact calls wait
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs + CONTROL_RPCS,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        gate = DrainGate()
+        gate = DrainGate(config.max_concurrent_rpcs)
         servicer = CompactorServicer(service, gate, config.signing_key)
         pb_grpc.add_CompactorServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()

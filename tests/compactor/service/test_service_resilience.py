@@ -220,3 +220,38 @@ def test_safe_log_id() -> None:
     assert safe_log_id("a b\tc\n\x00\u00e9") == "a?b?c???"
     long = safe_log_id("y" * 1000)
     assert long == "y" * LOG_ID_CHARS + "..."
+
+
+def test_compact_calls_past_the_limit_are_refused_and_health_still_answers(
+    tiny_dir: Path, tiny_fp: str
+) -> None:
+    """--max-concurrent-rpcs bounds Compact calls; the health check (the probes) and model info
+    are answered beside them, not queued behind them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with running_server(tiny_dir, layer_delay_s=0.5, max_prefix_tokens=None,
+                        max_concurrent_rpcs=1) as (srv, _lt):  # fmt: skip
+        addr = f"127.0.0.1:{srv.port}"
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                with CompactorClient(addr) as c:
+                    c.compact(random_ids(32, seed=1), tiny_fp, TINY_SPEC, timeout=120)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=first)
+        t.start()
+        _wait(lambda: srv.gate.active == 1, 30)
+        with CompactorClient(addr) as c:
+            with pytest.raises(grpc.RpcError) as info:
+                c.compact(random_ids(32, seed=2), tiny_fp, TINY_SPEC, timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-rpcs" in (info.value.details() or "")
+            assert c.model_info().model_fingerprint == tiny_fp
+        with grpc.insecure_channel(addr) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        t.join(120)
+        assert errors == []

@@ -104,3 +104,23 @@ def test_tenants_are_kept_apart(server: Any, certs: Path, model_fp: str) -> None
     assert any(
         not torch.equal(x.keys, y.keys) for x, y in zip(first.prefix.layers, got_b.prefix.layers)
     )
+
+
+def test_the_health_probe_presents_a_client_certificate_under_mtls(
+    server: Any, certs: Path
+) -> None:
+    """deploy/docker/healthcheck.py (what the k8s probes exec) gets SERVING from a server that
+    requires client certificates only when it presents one."""
+    import importlib.util
+
+    from tests.deploy._deploy import DEPLOY
+
+    spec = importlib.util.spec_from_file_location("hc", DEPLOY / "docker/healthcheck.py")
+    hc = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(hc)  # type: ignore[union-attr]
+    base = ["--address", f"127.0.0.1:{server.port}", "--tls-ca", str(certs / "ca.pem"),
+            "--tls-server-name", "localhost", "--timeout", "5"]  # fmt: skip
+    assert hc.check(hc.build_parser().parse_args(base)) == 1  # no certificate: refused
+    mtls = [*base, "--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client.key")]
+    assert hc.check(hc.build_parser().parse_args(mtls)) == 0
+    assert hc.check(hc.build_parser().parse_args([*base, "--tls-cert", "x"])) == 2
