@@ -305,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  [{name}] KV slots held after warm-up: {installed.held}", flush=True)
                 continue
             warm = rd["warm"]  # None: a compaction landed before the pool could be read
-            before = "" if warm is None else f"{warm.held} before the installs, "
+            held_before = "" if warm is None else f"{warm.held} before the installs, "
             print(
                 f"  [{name}] compactions installed {info['installed_total']:.0f}/{len(docs)}, "
-                f"fallbacks {info['fallbacks_total']:.0f}; KV slots held {before}"
+                f"fallbacks {info['fallbacks_total']:.0f}; KV slots held {held_before}"
                 f"{installed.held} after the installs ({installed.compacted} in compacted nodes)",
                 flush=True,
             )
