@@ -53,7 +53,7 @@ The radix cache reports hits (`on_hit`) and requests it saw (`remember`, the las
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -66,6 +66,9 @@ __all__ = ["CompactionTrigger", "PathIndex", "Submission"]
 _RECENT_PROMPTS = 64
 _RECENT_TOKENS = 1 << 20  # ~36 MB as Python ints, whatever the prompts' lengths
 _MAX_PATHS = 256
+# branch points one pick weighs (the most recent hits): a pick costs at most this many scans of
+# the recent prompts, however many requests arrived since the last poll
+_MAX_CANDIDATES = 32
 _MAX_FAILURES = 1024
 
 
@@ -180,7 +183,7 @@ class CompactionTrigger:
     def __init__(self, config: CompactionConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self.candidates: list[Any] = []
+        self.candidates: deque[Any] = deque(maxlen=_MAX_CANDIDATES)
         self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._recent_tokens = 0
         self._paths: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # in flight/installed

@@ -63,7 +63,7 @@ def test_branch_point_with_enough_hits_is_sent_with_follow_ups() -> None:
     )
     assert tokens == DOC  # the longest candidate
     assert follow_ups == [[4, 5], [1, 2]]  # most recent first, cut to follow_up_tokens
-    assert t.candidates == []
+    assert list(t.candidates) == []
 
 
 def test_short_or_overlapping_paths_are_not_sent_again() -> None:
@@ -221,3 +221,22 @@ def test_recent_prompts_are_bounded_by_tokens_not_only_by_count(
     assert t._recent_tokens == 410
     t.remember("huge", list(range(5000)))  # one prompt over the budget alone is kept
     assert list(t._recent) == ["huge"] and t._recent_tokens == 5000
+
+
+def test_a_pick_weighs_a_bounded_number_of_recent_branch_points() -> None:
+    """Thousands of hits between two polls cost one pick of at most _MAX_CANDIDATES paths (the
+    most recent), each scanning the recent prompts once."""
+    from sglang_ext import trigger as trigger_mod
+
+    t, _ = trigger(min_hits=2, follow_up_tokens=2)
+    t.remember("a", [*DOC, 1, 2, 3])
+    t.remember("b", [*DOC, 4, 5])
+    scanned: list[int] = []
+    real = t.questions
+    t.questions = lambda path: (scanned.append(len(path)), real(path))[1]  # type: ignore[method-assign]
+    for i in range(5000):
+        t.on_hit(node(DOC[: 300 + i % 50], hits=2, children=2))
+    t.on_hit(node(DOC, hits=2, children=2))
+    assert len(t.candidates) == trigger_mod._MAX_CANDIDATES
+    sub = t.pick(lambda n: list(n.tokens))
+    assert sub is not None and len(scanned) <= trigger_mod._MAX_CANDIDATES
