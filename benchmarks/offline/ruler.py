@@ -152,8 +152,8 @@ def run_kvpress(args: Any, items: list[dict[str, Any]], model_dir: Path) -> list
         base = {k: item[k] for k in ("task", "tokens", "seed", "stock_score")}
         for key, (answer, seconds) in got.items():
             press, ratio = key.split("@")
-            if press == "none":  # kvpress without a press: stock's own answer, a sanity check
-                item["kvpress_stock_agrees"] = answer.strip() == item["stock_answer"].strip()
+            if press == "none":  # kvpress without a press gives stock's answer (first in `got`)
+                base["kvpress_stock_agrees"] = answer.strip() == item["stock_answer"].strip()
                 continue
             records.append({**base, "setting": "agnostic", "method": f"kvpress:{press}",
                             "ratio": float(ratio), "score": score_answer(answer, item["answers"]),

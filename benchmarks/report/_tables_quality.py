@@ -1,7 +1,8 @@
 """Renderers of the compaction-quality tables in the documents (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
-(`agreement`), next_question.json (`next_question`) and equal_memory.json (`equal_memory`).
+(`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
+RULER-style suite, ruler.json with ruler_kvpress.json (`ruler`).
 """
 
 from __future__ import annotations
@@ -161,4 +162,30 @@ def _equal_memory(data: list[dict[str, Any]]) -> list[list[str]]:
             [r["kind"], r["config"], f"{r['physical_slots']:.0f} ({r['physical_vs_gvote']:.2f}x)",
              f"{r['kept_entries']:.0f}", num(r["unseen_logppl_gap"]), f"{r['unseen_agree']:.2f}"]
         )  # fmt: skip
+    return rows
+
+
+def _ruler_cell(s: dict[str, Any]) -> str:
+    """Retention with its 95% interval, then accuracy: "0.75 [0.40, 1.00] / 0.43"."""
+    if s["retention"] is None:
+        return f"- / {s['accuracy']:.2f}"
+    lo, hi = s["retention_ci"]
+    return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
+
+
+@table("ruler", "ruler.json", "ruler_kvpress.json")
+def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
+    """All tasks together: per setting and method, one column per compression."""
+    summary = [s for d in data for s in d["summary"] if s["task"] == "all"]
+    ratios = sorted({s["ratio"] for s in summary}, reverse=True)
+    first = summary[0]
+    rows = [["setting", "method", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
+    rows.append(["-", f"stock ({first['items']} items)",
+                 *([f"accuracy {first['stock_accuracy']:.2f}"] * len(ratios)), "1.00"])  # fmt: skip
+    for setting, method in dict.fromkeys((s["setting"], s["method"]) for s in summary):
+        cells = [_ruler_cell(rec(summary, setting=setting, method=method, ratio=r)) for r in ratios]
+        agree = [rec(summary, setting=setting, method=method, ratio=r).get("token_agreement")
+                 for r in ratios]  # fmt: skip
+        rows.append([setting, method, *cells,
+                     " / ".join("-" if a is None else f"{a:.2f}" for a in agree)])  # fmt: skip
     return rows

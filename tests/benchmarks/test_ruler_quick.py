@@ -33,6 +33,7 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
         assert sorted((r["task"], r["setting"]) for r in press) == sorted(
             (t, "agnostic") for t in tasks
         )
+        assert all(isinstance(r["kvpress_stock_agrees"], bool) for r in press)
     else:
         assert press == []
     summary = {(s["method"], s["setting"], s["task"]): s for s in data["summary"]}
