@@ -24,24 +24,36 @@ REFIT_CHOICES = (None, "am")
 
 
 def attention_probs(
-    keys: torch.Tensor, queries: torch.Tensor, scale: float, window: int = 0
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention [H, n, T] fp32 of queries [H, n, D] over keys [H, T, D].
 
     window > 0: the queries are the last ``window`` prefix tokens' own queries, stacked per
     query head (n = G*window; row r is token T - window + r % window), so each is causally
     masked (key j > its position is dropped), as during the prefill.
+    sinks: [H, s, D] keys before ``keys`` that share the softmax (the pipeline's verbatim sink
+    tokens): they take their share of every query's mass, as in the model, and their columns
+    are dropped from the result. Without them, a query that mostly reads the sinks looks as
+    sharp as one that reads a single key.
     """
+    s = 0
+    if sinks is not None and sinks.shape[1]:
+        s = int(sinks.shape[1])
+        keys = torch.cat([sinks.to(keys.dtype), keys], dim=1)
     logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scale)
     if window > 0:
         T, n = keys.shape[1], queries.shape[1]
         if n % window:
             raise ValueError(f"{n} window queries are not a multiple of window={window}")
         dev = logits.device
-        pos = (T - window) + torch.arange(n, device=dev) % window  # [n]
+        pos = (T - window) + torch.arange(n, device=dev) % window  # [n], sinks included in T
         future = torch.arange(T, device=dev).unsqueeze(0) > pos.unsqueeze(1)  # [n, T]
         logits.masked_fill_(future.unsqueeze(0), -math.inf)
-    return torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)[..., s:]
 
 
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 
 import torch
 
+from compactor.methods.context import check_sinks
 from compactor.methods.refit import refit as am_refit
 from compactor.methods.selection import Selection, keep_selected, pack_layer, topk_selection
 from compactor.methods.targets import Targets, reference_targets
@@ -65,6 +66,9 @@ class LayerInput:
         sm_scale: logit scale (None: 1/sqrt(D)); see :attr:`scale`.
         context: what the layer saw during the prefill, for methods with
             ``needs_context`` (GVote, CompressKV); None otherwise.
+        sinks: [H_kv, s, D] the keys kept verbatim before these (the pipeline's sink tokens),
+            which share the reference queries' softmax; None when there are none. Scoring
+            methods normalise with them (``attention_probs(..., sinks=)``).
     """
 
     keys: torch.Tensor
@@ -73,10 +77,12 @@ class LayerInput:
     budgets: tuple[int, ...]
     sm_scale: float | None = None
     context: LayerContext | None = None
+    sinks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         budgets = check_layer_inputs(self.keys, self.values, self.queries, self.budgets)
         object.__setattr__(self, "budgets", tuple(budgets))
+        check_sinks(self.sinks, self.keys)
         resolve_sm_scale(self.sm_scale, self.D)
 
     @property

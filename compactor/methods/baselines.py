@@ -18,6 +18,7 @@ observation queries:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -146,7 +147,9 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
     """KVzip-style (arXiv 2505.23416) context-reconstruction scoring.
 
     Score of a key = max over the reference queries (meant to be repeat-prefill ones:
-    the model re-reading the context) and over the group's query heads of its attention.
+    the model re-reading the context) and over the group's query heads of its attention,
+    the softmax taken with the verbatim sink keys in it (as in the model: a query that mostly
+    reads the sinks gives the other keys little).
     ``layerwise=False`` (KVzip's default): the prefix's whole budget is split over layers by a
     global top-k of the scores of every layer's heads (:meth:`plan_layers`), so a layer whose
     heads read a few keys sharply keeps more of them than one that reads everything a little.
@@ -165,7 +168,7 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
 
     def score(self, x: LayerInput) -> torch.Tensor:
         """Max attention [H, T] over the reference queries (and the group's heads)."""
-        return attention_probs(x.keys, x.queries, x.scale).amax(1)
+        return attention_probs(x.keys, x.queries, x.scale, sinks=x.sinks).amax(1)
 
     def pick(self, x: LayerInput) -> Picked:
         scores = self.score(x)
@@ -181,8 +184,12 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
         if self.layerwise:
             return [x.budget] * x.L
         scale = resolve_sm_scale(x.sm_scale, x.keys[0].shape[-1])
+        sinks: Sequence[torch.Tensor | None] = x.sinks or [None] * x.L
         scores = torch.stack(
-            [attention_probs(k, q, scale).amax(1) for k, q in zip(x.keys, x.queries, strict=True)]
+            [
+                attention_probs(k, q, scale, sinks=sk).amax(1)
+                for k, q, sk in zip(x.keys, x.queries, sinks, strict=True)
+            ]
         )  # [L, H_kv, T]
         kept = scores.flatten().topk(x.L * x.H * x.budget).indices // (x.H * x.T)
         per_head = torch.bincount(kept, minlength=x.L).div(x.H).round()

@@ -41,6 +41,15 @@ __all__ = [
 ]
 
 
+def check_sinks(sinks: torch.Tensor | None, keys: torch.Tensor) -> None:
+    """ValueError unless `sinks` is None or [H_kv, s, D] beside keys [H_kv, T, D]."""
+    if sinks is None:
+        return
+    H, _, D = keys.shape
+    if sinks.dim() != 3 or sinks.shape[0] != H or sinks.shape[2] != D:
+        raise ValueError(f"sinks must be [H_kv={H}, s, D={D}], got {tuple(sinks.shape)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerContext:
     """What one layer saw during the prefill of the prefix.
@@ -122,6 +131,8 @@ class PlannerInput:
         queries: queries[l] [H_kv, n, D].
         budget: t, the mean kept per KV head and layer, in [1, T].
         sm_scale: logit scale (None: 1/sqrt(D)).
+        sinks: sinks[l] [H_kv, s, D], the verbatim keys before keys[l] that share the
+            softmax (see :class:`~compactor.methods.base.LayerInput`), or None.
 
     Raises:
         ValueError: keys and queries not one per layer, layers of different [H_kv, T], or
@@ -132,9 +143,15 @@ class PlannerInput:
     queries: Sequence[torch.Tensor]
     budget: int
     sm_scale: float | None = None
+    sinks: Sequence[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         keys, queries = self.keys, self.queries
+        if self.sinks is not None:
+            if len(self.sinks) != len(keys):
+                raise ValueError(f"need sinks for every layer, got {len(self.sinks)}/{len(keys)}")
+            for sk, k in zip(self.sinks, keys, strict=True):
+                check_sinks(sk, k)
         if len(keys) != len(queries) or not keys:
             raise ValueError(
                 f"need keys and queries for every layer, got {len(keys)}/{len(queries)}"
@@ -169,11 +186,13 @@ class LayerBudgetPlanner(ABC):
         queries: Sequence[torch.Tensor],
         budget: int,
         sm_scale: float | None = None,
+        sinks: Sequence[torch.Tensor] | None = None,
     ) -> list[int]:
-        """Per-layer budget per KV head from keys[l] [H_kv, T, D] and queries[l] [H_kv, n, D];
-        the mean over layers equals ``budget`` (up to rounding and per-layer floors).
-        ValueError when the arguments do not fit (see :class:`PlannerInput`)."""
-        return self.plan_layers(PlannerInput(keys, queries, budget, sm_scale))
+        """Per-layer budget per KV head from keys[l] [H_kv, T, D] and queries[l] [H_kv, n, D]
+        (sinks[l] [H_kv, s, D] before them, or None); the mean over layers equals ``budget``
+        (up to rounding and per-layer floors). ValueError when the arguments do not fit (see
+        :class:`PlannerInput`)."""
+        return self.plan_layers(PlannerInput(keys, queries, budget, sm_scale, sinks))
 
     @abstractmethod
     def plan_layers(self, x: PlannerInput) -> list[int]:

@@ -82,6 +82,7 @@ class BudgetPlan:
             [queries[li] for li in range(len(keys))],
             self.budget - s,
             sm_scale,
+            [k[:, :s] for k in keys] if s else None,
         )
         return replace(self, layer_budgets=planned)
 

@@ -77,7 +77,8 @@ def compact_layers(
                 ctx = contexts[li].for_span(*spans[0]) if contexts else None
                 per_head = [x for ci in group for x in plan.per_head(li, ci, info.num_kv_heads)]
                 kc, vc, qc = _stack_chunks(k, v, q, spans)
-                res = _run_method(meth, kc, vc, qc, per_head, info.sm_scale, ctx, report)
+                sinks = k[:, :s] if s and len(group) == 1 else None
+                res = _run_method(meth, kc, vc, qc, per_head, info.sm_scale, ctx, sinks, report)
                 done.update(zip(group, _split_heads(res, len(group))))
             parts = [(s + a, done[ci]) for ci, (a, _) in enumerate(plan.bounds)]
             layers.append(assemble_layer((k[:, :s], v[:, :s]) if s else None, parts))
@@ -147,17 +148,19 @@ def _run_method(
     per_head: list[int],
     sm_scale: float,
     context: Any,
+    sinks: torch.Tensor | None,
     report: dict[str, Any],
 ) -> CompactedLayer:
     """The one call into the method: compact one chunk, then record the method's report.
 
     keys, values [H_kv, T_c, D] of the chunk; queries [H_kv, n, D]; per_head [H_kv] budgets;
-    context: the chunk's LayerContext or None. Mutates `report`: a non-empty report of the
+    context: the chunk's LayerContext or None; sinks [H_kv, s, D] the verbatim sink keys
+    (None: none, or several chunks stacked as heads). Mutates `report`: a non-empty report of the
     method (GVote: kept counts and "ratio") is appended to ``report["method_report"]`` (one
     per layer and chunk that reported), and "chosen_ratio" is the mean "ratio" of those
     reports when every one has it (methods that pick their own budget), else None.
     """
-    x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context)
+    x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context, sinks)
     res = meth.compact(x)
     if res.report:
         report.setdefault("method_report", []).append(res.report)

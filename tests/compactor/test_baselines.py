@@ -9,6 +9,7 @@ import torch
 
 from compactor.methods import get_method
 from compactor.methods._scoring import attention_probs, global_topk_budgets, topk_selection
+from compactor.methods.base import LayerInput
 from compactor.methods.baselines import snapkv_scores
 from compactor.methods.kvcompose import KVCompose
 
@@ -108,6 +109,35 @@ def test_kvzip_non_uniform_gives_diffuse_head_more_budget() -> None:
     assert uni.budgets() == [10, 10]
     scores = attention_probs(k, q, 0.25).amax(1)
     assert b == global_topk_budgets(scores, 20)
+
+
+def test_attention_probs_share_the_softmax_with_the_sinks() -> None:
+    k, _, q = _rand(H=2, T=12, n=5, seed=4)
+    full = torch.softmax(q @ k.transpose(1, 2) * 0.25, -1)
+    got = attention_probs(k[:, 3:], q, 0.25, sinks=k[:, :3])
+    assert torch.allclose(got, full[..., 3:], atol=1e-6)
+    assert torch.allclose(attention_probs(k, q, 0.25, sinks=k[:, :0]), full, atol=1e-6)
+    with pytest.raises(ValueError, match="sinks must be"):
+        LayerInput(k, k, q, (2, 2), None, None, k[:1, :3])
+
+
+def test_kvzip_does_not_keep_what_only_a_sink_reader_touches() -> None:
+    """q0 reads the sink (logit 10) and key 0 a little (2); q1 reads key 1 (1.5). Without the
+    sink in the softmax q0's leftover looks like a sharp read of key 0 (0.79 > 0.69); with it,
+    key 0 gets 3e-4 and key 1 is kept, as a reader of the full cache would say."""
+    q = torch.eye(4)[:2].unsqueeze(0)  # [1, 2, 4]
+    sink = torch.tensor([[[10.0, 0, 0, 0]]])
+    keys = torch.tensor([[[2.0, 0, 0, 0], [0, 1.5, 0, 0], [0, 0, 0, 0]]])
+    kvzip = get_method("kvzip")
+    alone = kvzip.pick(LayerInput(keys, keys, q, (1,), 1.0)).selection
+    shared = kvzip.pick(LayerInput(keys, keys, q, (1,), 1.0, None, sink)).selection
+    assert alone.per_head()[0].tolist() == [0]
+    assert shared.per_head()[0].tolist() == [1]
+    # over layers too: a second layer whose q1 reads key 1 less sharply (1.2) than the first
+    # layer's q1 still gets its share once q0's sink reading stops counting as a sharp read
+    other = torch.tensor([[[0.0, 0, 0, 0], [0, 1.2, 0, 0], [0, 0, 0, 0]]])
+    assert kvzip.plan_layer_budgets([keys, other], [q, q], 1, 1.0) == [2, 1]
+    assert kvzip.plan_layer_budgets([keys, other], [q, q], 1, 1.0, [sink, sink]) == [1, 1]
 
 
 def test_global_topk_budgets_floor_and_total() -> None:
