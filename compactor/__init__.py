@@ -15,6 +15,7 @@ SGLang plugin (`sglang_ext`) uses nothing else of this package:
     Worker                            replica that runs it (compactor.workers)
     AsyncCompactorClient, TlsFiles    the service's client (compactor.client); describe_error:
                                       an error (a gRPC status and details) for one log line
+    is_loopback, endpoint_host        whether an endpoint stays on this machine (compactor.endpoints)
     TokenFile, TOKEN_HEADER           the bearer token a client sends (compactor.service.auth)
     max_result_bytes, prefix_digest   the largest valid result of a request, and a result's sha256
                                       (compactor.service.result_stream)
@@ -46,6 +47,8 @@ _LAZY: dict[str, str] = {
     "AsyncCompactorClient": "compactor.client",
     "TlsFiles": "compactor.client",
     "describe_error": "compactor.client",
+    "endpoint_host": "compactor.endpoints",
+    "is_loopback": "compactor.endpoints",
     "TokenFile": "compactor.service.auth",
     "TOKEN_HEADER": "compactor.service.auth",
     "max_result_bytes": "compactor.service.result_stream",
@@ -67,8 +70,10 @@ __all__ = [
     "add_field_args",
     "add_spec_args",
     "describe_error",
+    "endpoint_host",
     "field_values",
     "fingerprint",
+    "is_loopback",
     "max_result_bytes",
     "prefix_digest",
     "prefix_hash",
@@ -80,6 +85,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from compactor.client import AsyncCompactorClient, TlsFiles, describe_error
+    from compactor.endpoints import endpoint_host, is_loopback
     from compactor.models import fingerprint, resolve_checkpoint
     from compactor.service.auth import TOKEN_HEADER, TokenFile
     from compactor.service.result_stream import max_result_bytes, prefix_digest

@@ -20,11 +20,12 @@ goes only to a loopback host unless `--compaction-insecure` says so.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
+
+from compactor import endpoint_host, is_loopback
 
 __all__ = [
     "TOKEN_ENV",
@@ -109,30 +110,6 @@ def token_from_env(token_file: str | None) -> str | None:
     if not raw.strip():
         raise ValueError(f"${TOKEN_ENV} is set but empty")
     return raw.strip()
-
-
-def endpoint_host(endpoint: str) -> str:
-    """The host of `host:port`, `grpc[s]://host:port` or `[v6]:port` (brackets removed)."""
-    target = endpoint.split("://", 1)[-1]
-    if target.startswith("["):
-        return target[1:].split("]", 1)[0]
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or ":" in host:  # no port, or a bare IPv6 address
-        return target
-    return host
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for `inproc://` and for a loopback host (localhost, 127.0.0.0/8, ::1)."""
-    if endpoint.startswith("inproc://"):
-        return True
-    host = endpoint_host(endpoint).lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_file(flag: str, path: str | None) -> None:

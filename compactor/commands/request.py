@@ -89,7 +89,7 @@ def _tls(args: argparse.Namespace) -> TlsFiles | None:
     """The channel's TLS files; UsageError for a half-given pair or for plaintext to a
     non-loopback host without --insecure (what `compactor serve` and the plugin refuse too)."""
     from compactor.client import TlsFiles
-    from compactor.commands.serve import is_loopback
+    from compactor.endpoints import endpoint_host, is_loopback
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together", "--tls-key")
@@ -97,10 +97,9 @@ def _tls(args: argparse.Namespace) -> TlsFiles | None:
         raise UsageError("a client certificate needs --tls-ca (TLS is on only with it)", "--tls-ca")
     if args.tls_ca is not None:
         return TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
-    host = args.endpoint.rsplit(":", 1)[0]
-    if not is_loopback(host) and not args.insecure:
+    if not is_loopback(args.endpoint) and not args.insecure:
         raise UsageError(
-            f"plaintext to {host}: pass --tls-ca (TLS), or --insecure to send in clear",
+            f"plaintext to {endpoint_host(args.endpoint)}: pass --tls-ca (TLS), or --insecure to send in clear",
             "--endpoint",
         )
     return None

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from compactor.endpoints import is_loopback
 from compactor.spec import AUTO_CHUNK_TOKENS, DEFAULT_AUTO_RATIO, parse_chunk_tokens
 from compactor.spec.limits import MAX_QUEUE, MAX_REQUESTS_PER_TENANT, WorkLimits
 
@@ -238,18 +239,6 @@ async def _run(config: object) -> None:
 def _first(received: asyncio.Future[signal.Signals], sig: signal.Signals) -> None:
     if not received.done():
         received.set_result(sig)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only: localhost, 127.0.0.0/8, ::1."""
-    import ipaddress
-
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # another name: it may resolve anywhere
 
 
 def _check_port(host: str, port: int) -> None:

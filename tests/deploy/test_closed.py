@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from compactor.commands.serve import is_loopback
+from compactor.endpoints import is_loopback
 from tests.deploy._deploy import (
     DEPLOY,
     OVERLAYS,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from compactor.cli import main
+from compactor.endpoints import is_loopback
 from compactor.spec import AUTO_CHUNK_TOKENS
 
 
@@ -35,7 +36,7 @@ def test_serve_refuses_plaintext_on_a_non_loopback_address(
         with pytest.raises(SystemExit) as info:
             main(["serve", "--model", "smollm2-135m", "--host", host, "--in-process"])
         assert f"--host {host} is not a loopback address" in str(info.value), host
-    assert [serve.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost")] \
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost")] \
         == [True] * 5  # fmt: skip
 
     reached: list[str] = []
