@@ -43,8 +43,10 @@ from harness.workload import (
     metric,
     needle_correct,
     prompt,
+    prompt_ids,
     questions,
     stream_all,
+    teacher_forced,
     unseen_questions,
     wait_for_compactions,
 )
@@ -107,17 +109,48 @@ def _question_set() -> list[tuple[str, bool]]:
     return [(q, True) for q in questions()] + [(q, False) for q in unseen_questions()]
 
 
+def add_forced(records: list[dict[str, Any]], servers: list[SGLangServer], docs: list[str]) -> None:
+    """Score stock's answers teacher-forced on every server (stock first: its own log-probs
+    are the reference); each answer gets its per-token top-1 agreement and log-probs."""
+    stock = records[0]["answers"]
+    ids = [prompt_ids(servers[0], prompt(docs[a["doc"]], a["question"])) for a in stock]
+    for r, srv in zip(records, servers, strict=True):
+        for a, s, pid in zip(r["answers"], stock, ids, strict=True):
+            forced = teacher_forced(srv, pid, s["output_ids"])
+            a["forced_agree"] = forced.agreement(s["output_ids"])
+            a["forced_logprobs"] = forced.logprobs
+
+
 def add_quality(records: list[dict[str, Any]], tokens: int = 16) -> None:
-    """Needle accuracy and agreement with stock (first `tokens` greedy tokens equal), on the
-    questions the compaction fitted ("seen") and on those it never saw ("unseen")."""
+    """Per config, on the questions the compaction fitted ("seen") and on those it never saw
+    ("unseen"), against stock's answers to the same questions:
+
+    - needle_accuracy; needle_retention: P(right | stock right), the headline;
+    - token_agreement: share of stock's answer tokens that are this server's top-1 when it is
+      fed stock's answer (teacher-forced: one early difference does not sink the rest);
+      logprob_gap: mean nats by which this server finds stock's answer tokens less likely
+      than stock does (when :func:`add_forced` ran);
+    - agreement (agree16, secondary): the first `tokens` greedy tokens all equal stock's.
+    """
     stock = records[0]["answers"]
     for r in records:
         for label, seen in (("seen", True), ("unseen", False)):
             pairs = [(a, s) for a, s in zip(r["answers"], stock) if a["seen"] is seen]
-            graded = [a["needle"] for a, _ in pairs if a["needle"] is not None]
+            graded = [(a["needle"], s["needle"]) for a, s in pairs if a["needle"] is not None]
+            kept = [mine for mine, theirs in graded if theirs]
             same = [a["output_ids"][:tokens] == s["output_ids"][:tokens] for a, s in pairs]
-            r[f"needle_accuracy_{label}"] = sum(graded) / len(graded)
+            r[f"needle_accuracy_{label}"] = sum(m for m, _ in graded) / len(graded)
+            r[f"needle_retention_{label}"] = sum(kept) / len(kept) if kept else None
             r[f"agreement_{label}"] = sum(same) / len(same)
+            if all("forced_agree" in a for a, _ in pairs):
+                agree = [x for a, _ in pairs for x in a["forced_agree"]]
+                gaps = [
+                    ref - mine
+                    for a, s in pairs
+                    for mine, ref in zip(a["forced_logprobs"], s["forced_logprobs"], strict=True)
+                ]
+                r[f"token_agreement_{label}"] = sum(agree) / max(len(agree), 1)
+                r[f"logprob_gap_{label}"] = sum(gaps) / max(len(gaps), 1)
 
 
 def add_pool(record: dict[str, Any], readings: dict[str, PoolReading | None]) -> None:
@@ -139,6 +172,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
         ("after run", "{:>9d}"),
         ("peak", "{:>5d}"),
         ("needles seen/unseen", "{:>19}"),
+        ("retention unseen", "{:>16}"),
+        ("tok agree seen/unseen", "{:>21}"),
         ("agree16 seen/unseen", "{:>19}"),
         ("req/s", "{:>5.2f}"),
         ("tok/s", "{:>5.1f}"),
@@ -155,6 +190,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
             r["kv_slots_held_after_run"],
             r["run"]["peak_held"],
             f"{r['needle_accuracy_seen']:.2f} / {r['needle_accuracy_unseen']:.2f}",
+            _fmt(r.get("needle_retention_unseen")),
+            f"{_fmt(r.get('token_agreement_seen'))} / {_fmt(r.get('token_agreement_unseen'))}",
             f"{r['agreement_seen']:.2f} / {r['agreement_unseen']:.2f}",
             r["requests_per_s"],
             r["output_tokens_per_s"],
@@ -166,8 +203,14 @@ def print_table(records: list[dict[str, Any]]) -> None:
     print(
         f"KV held = slots in use in each server's {pool}-slot pool (pool - free, read from the "
         "server) after warm-up and installs; after run / peak: after and during the measured "
-        "pass. seen = the six questions the compaction fitted; unseen = six it never saw."
+        "pass. seen = the six questions the compaction fitted; unseen = six it never saw. "
+        "retention = P(needle right | stock right); tok agree = share of stock's answer tokens "
+        "that are the server's top-1, fed stock's answer; agree16 = first 16 tokens all equal."
     )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def bar_panels(
@@ -195,7 +238,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     panels = [
         ("kv_slots_held", "KV slots held (read from server)"),
         ("needle_accuracy_unseen", "needles, unseen questions"),
-        ("agreement_unseen", "agree16, unseen questions"),
+        ("token_agreement_unseen", "per-token agreement, unseen"),
         ("requests_per_s", "requests / s"),
         ("ttft_p50_s", "TTFT p50 (s)"),
     ]
@@ -321,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             add_pool(rec, rd)
             rec["compactions_installed"] = info.get("installed_total")
             rec["compaction_fallbacks"] = info.get("fallbacks_total")
+        add_forced(records, servers, docs)
     add_quality(records)
     print(f"== 3/3 results ({time.perf_counter() - t0:.0f} s, every process stopped)")
     print_table(records)

@@ -267,6 +267,45 @@ def stream_all(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[
     return results, time.perf_counter() - t0
 
 
+def prompt_ids(server: SGLangServer, text: str) -> list[int]:
+    """The token ids `server` makes of `text` for /generate (its /tokenize, special tokens as
+    /generate adds them)."""
+    return [int(t) for t in server.post("/tokenize", {"prompt": text})["tokens"]]
+
+
+@dataclass
+class Forced:
+    """One answer scored teacher-forced on a server: per answer token, the server's log-prob
+    of it and its own top-1 token there."""
+
+    logprobs: list[float]
+    top1: list[int]
+
+    def agreement(self, answer: Sequence[int]) -> list[bool]:
+        """Per token: is the server's top-1 the answer's token (does not compound)."""
+        return [int(a) == b for a, b in zip(answer, self.top1, strict=True)]
+
+
+def teacher_forced(server: SGLangServer, prompt: Sequence[int], answer: Sequence[int]) -> Forced:
+    """Score `answer` after `prompt` (token ids) on `server` in one prefill: ``input_ids`` =
+    prompt + answer, ``logprob_start_len`` = len(prompt) - 1 (SGLang gives no log-prob at that
+    first position). With log-probs asked, SGLang reuses its cache only up to that start, so a
+    compacted prefix shorter than the prompt is read as it would be by a plain request."""
+    if not answer:
+        return Forced([], [])
+    out = server.post("/generate", {
+        "input_ids": [*prompt, *answer], "return_logprob": True, "top_logprobs_num": 1,
+        "logprob_start_len": len(prompt) - 1,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+    })  # fmt: skip
+    meta = out["meta_info"]
+    lps = meta["input_token_logprobs"][-len(answer) :]
+    tops = meta["input_top_logprobs"][-len(answer) :]
+    if len(lps) != len(answer) or len(tops) != len(answer):
+        raise RuntimeError(f"{len(lps)} log-probs for {len(answer)} answer tokens")
+    return Forced([float(x[0]) for x in lps], [int(t[0][1]) for t in tops])
+
+
 def metric(server: SGLangServer, name: str) -> float:
     """Sum of a Prometheus series on /metrics (0 when absent)."""
     text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()

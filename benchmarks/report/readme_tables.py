@@ -63,15 +63,19 @@ def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
     base = recs[0]["kv_slots_held"]
     rows = [
         ["config", "KV slots held", "less KV", "after the run", "peak in the run",
-         "needles, fitted / unseen questions", "agree16, fitted / unseen"],
+         "needles, fitted / unseen questions", "needle retention, unseen",
+         "per-token agreement, fitted / unseen", "agree16, fitted / unseen"],
     ]  # fmt: skip
     for r in recs:
+        retention = r["needle_retention_unseen"]
         rows.append(
             [
                 *_held(r, base),
                 str(r["kv_slots_held_after_run"]),
                 str(r["run"]["peak_held"]),
                 _seen_unseen(r, "needle_accuracy"),
+                "-" if retention is None else f"{retention:.2f}",
+                _seen_unseen(r, "token_agreement"),
                 _seen_unseen(r, "agreement"),
             ]
         )

@@ -58,6 +58,7 @@ from harness.workload import (
     prose_document,
     prose_unseen_questions,
     questions,
+    teacher_forced,
     unseen_questions,
 )
 
@@ -124,19 +125,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _score(srv: SGLangServer, text: str, answer: list[int], prompt_ids: list[int]) -> list[float]:
-    """Teacher-forced log-probs of `answer` after the prompt `prompt_ids` on `srv`."""
-    out = srv.post("/generate", {
-        "input_ids": prompt_ids + answer, "return_logprob": True,
-        "logprob_start_len": len(prompt_ids) - 1,  # SGLang gives none for the first position
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-    })  # fmt: skip
-    got = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][-len(answer) :]]
-    if len(got) != len(answer):
-        raise RuntimeError(f"{text!r}: {len(got)} log-probs for {len(answer)} answer tokens")
-    return got
-
-
 def _stock(model: Path, docs: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> None:
     """Stock answers, their log-probs and the prompts' token ids (mutates `docs`); the same
     server then scores its own answers teacher-forced (the `stock` rows)."""
@@ -155,8 +143,8 @@ def _stock(model: Path, docs: list[dict[str, Any]], args: argparse.Namespace, wo
                     "logprobs": [float(x[0]) for x in meta["output_token_logprobs"]],
                 })  # fmt: skip
             own = [
-                _score(srv, q, s["answer"], s["prompt_ids"])
-                for q, s in zip(d["unseen"], d["stock"])
+                teacher_forced(srv, s["prompt_ids"], s["answer"]).logprobs
+                for q, s in zip(d["unseen"], d["stock"], strict=True)
             ]
             d["rows"] = [{
                 "config": "stock", "kind": d["kind"], "doc": d["index"], "unseen_agree": None,
@@ -199,7 +187,7 @@ def _compacted(model: Path, d: dict[str, Any], config: str, ratio: float, args: 
             if out["meta_info"]["cached_tokens"] < row["logical_tokens"]:
                 raise RuntimeError(f"{config}: {q!r} did not read the compacted prefix")
             agree += [int(x) for x in out["output_ids"]] == s["answer"]
-            scored.append(_score(srv, q, s["answer"], s["prompt_ids"]))
+            scored.append(teacher_forced(srv, s["prompt_ids"], s["answer"]).logprobs)
     row["unseen_agree"] = agree / len(d["unseen"])
     row["unseen_logppl_gap"] = logppl_gap([s["logprobs"] for s in d["stock"]], scored)
     row["seconds"] = round(time.monotonic() - t0, 1)

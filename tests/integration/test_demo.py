@@ -78,6 +78,16 @@ def test_demo_prints_the_table_and_leaves_no_process(prepared_model: Path, tmp_p
     assert stock["agreement_seen"] == stock["agreement_unseen"] == 1.0
     for key in ("agreement_unseen", "needle_accuracy_unseen", "needle_accuracy_seen"):
         assert 0.0 <= compacted[key] <= 1.0
+    # teacher-forced, per token: stock scoring its own greedy answers agrees with itself (up to
+    # prefill-vs-decode numerics) and finds them no less likely; every answer token is scored
+    for r in records:
+        for a, s in zip(r["answers"], stock["answers"], strict=True):
+            assert len(a["forced_agree"]) == len(a["forced_logprobs"]) == len(s["output_ids"])
+    assert stock["token_agreement_unseen"] >= 0.95
+    assert abs(stock["logprob_gap_unseen"]) < 0.05
+    assert 0.0 <= compacted["token_agreement_unseen"] <= 1.0
+    right = [s["needle"] for s in stock["answers"] if not s["seen"] and s["needle"] is not None]
+    assert (stock["needle_retention_unseen"] is None) == (not any(right))
     prov = data["provenance"]
     assert prov["command"].startswith("python -m harness.demo") and prov["commit"]
     assert (tmp_path / "demo.png").stat().st_size > 0
