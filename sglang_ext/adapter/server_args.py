@@ -212,6 +212,20 @@ def check_cache_features(server_args: Any) -> None:
         )
 
 
+# Why each prefill/decode role is refused (SGLang 0.5.23's disaggregation code, read there).
+_PD_WHY = {
+    "prefill": (
+        ": a prefill server sends its prompt KV to decode as ordinary token KV, so a compacted "
+        "prefix would arrive there as packed entries without their beta (wrong answers)"
+    ),
+    "decode": (
+        ": decode retraction backs a request's KV up by its row and re-allocates fresh slots "
+        "on resume, so a resumed request would read its compacted prefix as plain tokens "
+        "without beta; run the plugin on a server without --disaggregation-mode"
+    ),
+}
+
+
 def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     """ValueError naming the flag for a layout the plugin cannot serve with.
 
@@ -235,7 +249,8 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     for name, flag, refused in refusals:
         value = getattr(server_args, name, None)
         if refused(value):
-            raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}")
+            why = _PD_WHY.get(value, "") if name == "disaggregation_mode" else ""
+            raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}{why}")
     tp_size = getattr(server_args, "tp_size", None) or 1
     if tp_size > 1 and cfg.in_process:
         raise ValueError(

@@ -20,8 +20,11 @@ INPROC = CompactionConfig(endpoint="inproc://")
     ("kw", "flag"),
     [
         ({"pp_size": 2}, "--pp-size 2"),
-        ({"disaggregation_mode": "prefill"}, "--disaggregation-mode 'prefill'"),
-        ({"disaggregation_mode": "decode"}, "--disaggregation-mode 'decode'"),
+        (
+            {"disaggregation_mode": "prefill"},
+            "--disaggregation-mode 'prefill': .* without their beta",
+        ),
+        ({"disaggregation_mode": "decode"}, "--disaggregation-mode 'decode': decode retraction"),
         ({"enable_dp_attention": True, "dp_size": 2}, "--enable-dp-attention True"),
         ({"attn_dp_size": 2}, "--attn-dp-size 2"),
         ({"attn_cp_size": 2}, "--attn-cp-size 2"),
