@@ -189,3 +189,29 @@ def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
         rows.append([setting, method, *cells,
                      " / ".join("-" if a is None else f"{a:.2f}" for a in agree)])  # fmt: skip
     return rows
+
+
+@table(
+    "ruler_kvzip",
+    "ruler_dev_kvzip_before.json",
+    "ruler_dev_kvzip_after.json",
+    "ruler_before_sinks.json",
+    "ruler.json",
+)
+def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Our kvzip before and after the sink keys joined its softmax: dev, then held-out."""
+    runs = [
+        [s for s in d["summary"] if s["task"] == "all" and s["method"] == "kvzip"] for d in data
+    ]
+    ratios = sorted({s["ratio"] for s in runs[0]}, reverse=True)
+    rows = [["split", "kvzip's softmax", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
+    for (split, when), summary in zip(
+        (("dev", "without the sinks"), ("dev", "with them"),
+         ("held-out", "without the sinks"), ("held-out", "with them")),
+        runs,
+        strict=True,
+    ):  # fmt: skip
+        picked = [rec(summary, ratio=r) for r in ratios]
+        agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
+        rows.append([split, when, *(_ruler_cell(s) for s in picked), agree])
+    return rows
