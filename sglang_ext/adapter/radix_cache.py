@@ -295,7 +295,9 @@ class CompactionRadixCache(RadixCache):
         if info is None:
             super()._delete_leaf(node)
             return
-        node.parent.children.pop(child_key(info.prefix_hash, info.fit_round), None)
+        children, ck = node.parent.children, child_key(info.prefix_hash, info.fit_round)
+        if children.get(ck) is node:  # a re-install of the same fit may hold the key now
+            del children[ck]
         if self.lifecycle is not None:
             self.lifecycle.removed(node, info)
         self.evictable_size_ -= info.num_slots

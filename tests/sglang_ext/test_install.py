@@ -403,3 +403,24 @@ def test_budget_of_reads_any_json_the_service_sent(search: Any) -> None:
     assert budget_of(prefix) == (0.1, None)  # type: ignore[arg-type]
     prefix.params["budget_search"] = {"estimated_error": 0.05}
     assert budget_of(prefix) == (0.1, 0.05)  # type: ignore[arg-type]
+
+
+def test_a_reinstall_beside_a_dropped_node_stays_in_the_tree(compacted: Any) -> None:
+    """The same checkpoint reloaded keeps compaction on; a request still reads the dropped
+    node when the same prefix is installed again (same prefix hash and fit round, so the same
+    child key under the root). Freeing the old node must not unhook the new one."""
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    old = cache.install(ids, prefix)
+    running = make_req(cache, "running", [*ids, 9, 9], T)
+    cache.on_weights_updated(fp)
+    insert_fresh(cache, ids)
+    new = cache.install(ids, prefix)
+    assert new is not old and cache.compacted_nodes() == [new]
+    release_req(cache, running, T + 2)
+    cache.poll_compactions()  # the dropped node's last request ended: it is freed
+    assert new in cache.root_node.children.values()
+    assert old not in cache.root_node.children.values()
+    assert cache.match_prefix(MatchPrefixParams(key=key([*ids, 3]))).device_prefix_len == T
+    check_accounting(cache)
