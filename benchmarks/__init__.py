@@ -30,8 +30,8 @@ def script_parser(doc: str | None) -> argparse.ArgumentParser:
 def add_options(parser: argparse.ArgumentParser, **options: object) -> None:
     """`--some-name` for each keyword `some_name=default` or `some_name=(default, help)`.
 
-    The option's type is its default's (str, int, float or Path); a default of False makes
-    a flag (store_true).
+    The option's type is its default's (str, int, float or Path), and its help shows the
+    default; a default of False makes a flag (store_true).
     """
     for name, spec in options.items():
         default, help_text = spec if isinstance(spec, tuple) else (spec, None)
@@ -39,6 +39,7 @@ def add_options(parser: argparse.ArgumentParser, **options: object) -> None:
         if default is False:
             parser.add_argument(flag, action="store_true", help=help_text)
         elif isinstance(default, str | int | float | Path) and not isinstance(default, bool):
-            parser.add_argument(flag, type=type(default), default=default, help=help_text)
+            shown = f"{help_text} (default: %(default)s)" if help_text else "default: %(default)s"
+            parser.add_argument(flag, type=type(default), default=default, help=shown)
         else:
             raise ValueError(f"add_options: {name}={default!r} is not a str, int, float or Path")

@@ -46,15 +46,31 @@ GENERIC = ("What is the text above about?", "Summarize the text above in one sen
 
 def _parse(argv: list[str] | None) -> Any:
     p = script_parser(__doc__)
-    add_options(p, model="smollm2-135m", tokens="2000", seeds=4, split="heldout", threads=1)
-    add_options(p, tasks="niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe")
-    add_options(p, methods="am-highest,kvzip,kvzip:refit=am", ratios="0.1,0.05,0.02")
-    add_options(p, settings="agnostic,multi-query", query_sources="repeat-prefill,self-study")
+    add_options(
+        p,
+        model=("smollm2-135m", "known model name or checkpoint directory"),
+        tokens=("2000", "comma-separated context lengths (tokens)"),
+        seeds=(4, "items per task and length"),
+        split=("heldout", "seeds 0, 1, ... (dev: choose defaults) or 1000, ... (heldout: report)"),
+        threads=(1, "torch threads"),
+        tasks=("niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe",
+               "comma-separated RULER tasks (compactor.eval.ruler)"),
+        methods=("am-highest,kvzip,kvzip:refit=am", "our methods, NAME[:KEY=VALUE...]"),
+        ratios=("0.1,0.05,0.02", "kept fractions (0.1 = 10x)"),
+        settings=("agnostic,multi-query", "agnostic and/or multi-query (see above)"),
+        query_sources=("repeat-prefill,self-study", "reference-query sources of our methods"),
+    )  # fmt: skip
     p.add_argument(
         "--max-queries", type=int, help="reference queries per KV head (default: the spec's)"
     )
-    add_options(p, presses="kvzip,expected_attention,snapkv,tova,streaming_llm,keydiff")
-    add_options(p, json=str(RESULTS / "ruler.json"))
+    add_options(
+        p,
+        presses=(
+            "kvzip,expected_attention,snapkv,tova,streaming_llm,keydiff",
+            "kvpress presses run on the same items in the kvpress venv; '' for none",
+        ),
+    )
+    add_options(p, json=(str(RESULTS / "ruler.json"), "where the results go"))
     p.add_argument("--kvpress-side", nargs=2, metavar=("MODEL_DIR", "ITEMS_JSON"),
                    help=argparse.SUPPRESS)  # fmt: skip
     add_options(p, quick=(False, "2 tasks, 1 seed, 512 tokens, 1 ratio, repeat-prefill queries"))
