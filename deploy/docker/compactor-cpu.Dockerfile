@@ -29,6 +29,12 @@ RUN mkdir -p /models && if [ -f /tmp/model-src/config.json ]; then mv /tmp/model
     else cp -r "$(compactor models prepare smollm2-135m)" /models/model \
          && rm -rf /tmp/model-src; fi && ls /models/model/config.json
 
+# An unprivileged user (uid 1000, as the Kubernetes manifests' securityContext), owning only
+# its home and the service's state directory.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin app \
+    && mkdir -p /var/lib/compactor && chown 1000:1000 /var/lib/compactor
+USER 1000
+
 # gRPC, Prometheus /metrics, Ray GCS (for the cluster's own nodes only)
 EXPOSE 50051 9090 6379
 # By default: TLS and the token from /etc/compactor (mount the Secret there). Plaintext on

@@ -28,6 +28,12 @@ COPY deploy/docker/healthcheck.py deploy/ray/wait_for_gpus.py /opt/compactor/
 ARG MODEL_SRC=deploy/docker/no-model
 COPY ${MODEL_SRC} /models/model
 
+# An unprivileged user (uid 1000, as the Kubernetes manifests' securityContext), owning only
+# its home and the service's state directory.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin app \
+    && mkdir -p /var/lib/compactor && chown 1000:1000 /var/lib/compactor
+USER 1000
+
 # gRPC, Prometheus /metrics, Ray GCS (for the cluster's own nodes only; the Ray dashboard
 # stays on loopback)
 EXPOSE 50051 9090 6379

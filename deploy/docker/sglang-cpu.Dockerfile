@@ -29,6 +29,11 @@ RUN pip install --no-deps ./third_party/sgl-kernel-cpu . \
     && python -c "import sgl_kernel, sglang_ext, sglang.srt.server_args"
 COPY --from=model /models/model /models/model
 
+# An unprivileged user (uid 1000, as the Kubernetes manifests' securityContext), owning only
+# its home.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin app
+USER 1000
+
 EXPOSE 30000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s \
     CMD ["curl", "-fsS", "http://127.0.0.1:30000/health"]

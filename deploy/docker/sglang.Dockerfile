@@ -29,6 +29,11 @@ RUN pip install --no-deps . && python -c "import sglang_ext, sglang.srt.server_a
 ARG MODEL_SRC=deploy/docker/no-model
 COPY ${MODEL_SRC} /models/model
 
+# An unprivileged user (uid 1000, as the Kubernetes manifests' securityContext), owning only
+# its home.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin app
+USER 1000
+
 EXPOSE 30000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s \
     CMD ["curl", "-fsS", "http://127.0.0.1:30000/health"]

@@ -182,6 +182,18 @@ def test_pods_are_hardened(docs: list[dict[str, Any]]) -> None:
             assert "/tmp" in mounts, f"{name}: a read-only root needs a writable /tmp"
 
 
+def test_images_run_as_the_pods_user(docs: list[dict[str, Any]]) -> None:
+    """Each image's final stage switches to a non-root USER before it starts anything, the
+    uid the pods' securityContext runs as (so `docker run` and compose are not root either)."""
+    uids = {spec["securityContext"]["runAsUser"] for _, spec in pod_specs(docs)}
+    for path in sorted((DEPLOY / "docker").glob("*.Dockerfile")):
+        final = path.read_text().rsplit("\nFROM ", 1)[1]
+        users = [line.split()[1] for line in final.splitlines() if line.startswith("USER ")]
+        assert users, f"{path.name}: the final stage runs as root"
+        assert users[-1] not in ("0", "root") and {int(users[-1])} == uids, path.name
+        assert final.index("USER ") < final.index("ENTRYPOINT"), path.name
+
+
 def test_sglang_admin_endpoints_need_the_admin_key(docs: list[dict[str, Any]]) -> None:
     """--admin-api-key is set from the Secret: without it SGLang 0.5's admin-optional endpoints
     (/flush_cache, /update_weights_from_disk) answer any tenant."""
