@@ -81,6 +81,27 @@ def running_server(
         lt.close()
 
 
+def compact_in_background(
+    endpoint: str, ids: list[int], model_fp: str, timeout: float
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """`CompactorClient.compact(ids)` on a thread of its own, started; the dict gets "res" (the
+    result) or "err" (what it raised) when the call ends."""
+    from compactor.client import CompactorClient
+
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        with CompactorClient(endpoint) as c:
+            try:
+                out["res"] = c.compact(ids, model_fp, FAST, timeout=timeout)
+            except Exception as exc:
+                out["err"] = exc
+
+    th = threading.Thread(target=call)
+    th.start()
+    return th, out
+
+
 def make_prefix(seed: int, n: int = 64) -> list[int]:
     return [(i * 7919 + seed * 104729) % 40000 + 100 for i in range(n)]
 

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,12 @@ import pytest
 from compactor.client import CompactorClient
 from harness.launch import CompactorService
 from harness.ray_cluster import RayNode, token_env, write_token
-from tests.compactor.service._fixtures import FAST, assert_same_prefix, make_prefix
+from tests.compactor.service._fixtures import (
+    FAST,
+    assert_same_prefix,
+    compact_in_background,
+    make_prefix,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,17 +107,7 @@ def test_serve_on_the_cluster_survives_losing_its_node(
     assert node_a.owns(_worker_pid(first)), f"{first.worker} is not on the second node"
 
     later = make_prefix(31)
-    out: dict[str, Any] = {}
-
-    def call() -> None:
-        with CompactorClient(serve.endpoint) as c:
-            try:
-                out["res"] = c.compact(later, model_fp, FAST, timeout=400)
-            except Exception as exc:
-                out["err"] = exc
-
-    th = threading.Thread(target=call)
-    th.start()
+    th, out = compact_in_background(serve.endpoint, later, model_fp, 400)
     time.sleep(5.0)  # inside the ~12 s layer loop (30 layers x 0.4 s)
     assert th.is_alive(), "the job ended before its node could be killed"
     node_a.stop()  # the whole node: raylet, agents, the actor

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from tests.compactor.service._fixtures import (
     FAST,
     PREFIX,
     assert_same_prefix,
+    compact_in_background,
     make_prefix,
     running_server,
 )
@@ -56,17 +56,7 @@ def test_round_trip_is_bit_exact(server: Any, model_fp: str, reference_prefix: A
 def test_killing_the_busy_actor_still_answers(server: Any, model_fp: str, reference: Any) -> None:
     ids = make_prefix(20)
     pool = server.service.pool
-    out: dict[str, Any] = {}
-
-    def call() -> None:
-        with CompactorClient(f"127.0.0.1:{server.port}") as c:
-            try:
-                out["res"] = c.compact(ids, model_fp, FAST, timeout=180)
-            except Exception as exc:
-                out["err"] = exc
-
-    th = threading.Thread(target=call)
-    th.start()
+    th, out = compact_in_background(f"127.0.0.1:{server.port}", ids, model_fp, 180)
     _wait(lambda: pool.busy == 1, 30)
     time.sleep(1.0)  # mid-request: the compaction takes ~5 s
     busy = [r for r in pool.replicas if r.inflight]
