@@ -249,7 +249,7 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     for name, flag, refused in refusals:
         value = getattr(server_args, name, None)
         if refused(value):
-            why = _PD_WHY.get(value, "") if name == "disaggregation_mode" else ""
+            why = _PD_WHY.get(str(value), "") if name == "disaggregation_mode" else ""
             raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}{why}")
     tp_size = getattr(server_args, "tp_size", None) or 1
     if tp_size > 1 and cfg.in_process:
