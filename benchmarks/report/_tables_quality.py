@@ -2,7 +2,8 @@
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
 (`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
-RULER-style suite, ruler.json and ruler_multiquery.json with ruler_kvpress.json (`ruler`),
+RULER-style suite, ruler.json, ruler_multiquery.json and ruler_default_method.json with
+ruler_kvpress.json (`ruler`),
 our kvzip before and after the sinks joined its softmax (`ruler_kvzip`).
 """
 
@@ -174,7 +175,13 @@ def _ruler_cell(s: dict[str, Any]) -> str:
     return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
 
 
-@table("ruler", "ruler.json", "ruler_multiquery.json", "ruler_kvpress.json")
+@table(
+    "ruler",
+    "ruler.json",
+    "ruler_multiquery.json",
+    "ruler_default_method.json",
+    "ruler_kvpress.json",
+)
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     """All tasks together: per setting and method, one column per compression."""
     summary = [s for d in data for s in d["summary"] if s["task"] == "all"]
