@@ -7,7 +7,7 @@ file (``RAY_AUTH_TOKEN_PATH``). :class:`RayNode` is one such node on this machin
 ``ray start --block`` in its own process group, so that stopping it takes down exactly that
 node (its raylet, agents and the workers it spawned) and nothing of another Ray on the host.
 
-    with RayNode.head(tmp / "head.log", token) as head, \\
+    with RayNode.head(tmp / "head.log", token, ray_tmp) as head, \\
             RayNode.worker(tmp / "a.log", token, head.address, num_cpus=1):
         ...  # `compactor serve --ray-address {head.address}` with token_env(token)
 """
