@@ -9,6 +9,10 @@ answers again, in one or both settings:
 - multi-query: the compaction also fits on other questions about the same context (the
   `follow-up` source), then the scored question is asked: the serving setting.
 
+Our methods start from `--base`: the spec the CLI and the service default to, or the SGLang
+plugin's (its follow-up queries with the model's answers, on-policy; without follow-ups it
+falls back to repeat-prefill, as a served prefix does).
+
 Per (setting, method, ratio) it reports accuracy, retention = P(compacted correct | stock
 correct) with McNemar counts, and the teacher-forced per-token agreement and log-prob gap on
 stock's answers, each with a bootstrap 95% interval (`compactor.eval.paired`). Seeds come from
@@ -41,6 +45,7 @@ PRESSES = {  # --presses name -> kvpress class (compression_ratio = the fraction
     "streaming_llm": "StreamingLLMPress",
     "keydiff": "KeyDiffPress",
 }
+BASES = ("spec", "plugin")
 GENERIC = ("What is the text above about?", "Summarize the text above in one sentence.")
 
 
@@ -58,7 +63,9 @@ def _parse(argv: list[str] | None) -> Any:
         methods=("am-highest,kvzip,kvzip:refit=am", "our methods, NAME[:KEY=VALUE...]"),
         ratios=("0.1,0.05,0.02", "kept fractions (0.1 = 10x)"),
         settings=("agnostic,multi-query", "agnostic and/or multi-query (see above)"),
-        query_sources=("repeat-prefill,self-study", "reference-query sources of our methods"),
+        base=("spec", "the spec our methods start from: spec (CompactionSpec(), the CLI's and "
+              "the service's) or plugin (the SGLang plugin's: follow-up queries, on-policy)"),
+        query_sources=("", "reference-query sources of our methods ('': the base spec's)"),
     )  # fmt: skip
     p.add_argument(
         "--max-queries", type=int, help="reference queries per KV head (default: the spec's)"
@@ -77,6 +84,8 @@ def _parse(argv: list[str] | None) -> Any:
     args = p.parse_args(argv)
     if args.split not in SPLIT_SEED:
         p.error(f"--split must be one of {sorted(SPLIT_SEED)}, got {args.split!r}")
+    if args.base not in BASES:
+        p.error(f"--base must be one of {', '.join(BASES)}, got {args.base!r}")
     if args.quick:
         args.tasks, args.tokens, args.seeds, args.ratios = "niah_single,vt", "512", 1, "0.1"
         args.methods, args.query_sources = "am-highest", "repeat-prefill"
@@ -88,6 +97,25 @@ def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def setting_spec(base: str, sources: str, setting: str, max_queries: int | None) -> Any:
+    """The spec a method entry of `setting` starts from (its method and ratio replaced per
+    run): the `base` spec (``spec``: ``CompactionSpec()``; ``plugin``: the plugin's) with
+    `sources` ('' keeps the base's) and `max_queries` (None keeps the base's). multi-query
+    adds the ``follow-up`` source; agnostic drops it, falling back as serving does
+    (``CompactionSpec.for_follow_ups``)."""
+    from compactor.spec import CompactionSpec
+    from sglang_ext.config import PLUGIN_SPEC
+
+    start = PLUGIN_SPEC if base == "plugin" else CompactionSpec()
+    qs = tuple(_csv(sources)) or start.queries.sources
+    multi = setting == "multi-query"
+    if multi and "follow-up" not in qs:
+        qs = (*qs, "follow-up")
+    cap = {"max_queries_per_head": max_queries} if max_queries else {}
+    spec = start.replace(queries={"sources": qs, **cap})
+    return spec if multi else spec.for_follow_ups([])
+
+
 def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One record per (item, setting, method, ratio), stock's outcome beside ours; and the
     items as token ids (what the kvpress side answers)."""
@@ -96,13 +124,11 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
     from compactor.eval.ruler import make_ruler
     from compactor.eval.runner import method_spec
     from compactor.pipeline import Hooks, compact_prefix
-    from compactor.spec import CompactionSpec, QueryConfig
 
     def enc(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     records, items = [], []
-    sources = tuple(_csv(args.query_sources))
     seed0 = SPLIT_SEED[args.split]
     for tokens in (int(t) for t in _csv(args.tokens)):
         for task in _csv(args.tasks):
@@ -121,10 +147,7 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
                               "stock_answer": tok.decode(ref.answers[0])})  # fmt: skip
                 for setting in _csv(args.settings):
                     multi = setting == "multi-query"
-                    qs = (*sources, "follow-up") if multi else sources
-                    cap = {"max_queries_per_head": args.max_queries} if args.max_queries else {}
-                    queries = QueryConfig(sources=qs, **cap)
-                    base = CompactionSpec(queries=queries)
+                    base = setting_spec(args.base, args.query_sources, setting, args.max_queries)
                     follow_ups = [enc(t) for t in others] if multi else None
                     hooks = Hooks(progress=False, reuse={})  # one prefill per item and setting
                     for method in _csv(args.methods):

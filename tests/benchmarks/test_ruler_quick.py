@@ -44,3 +44,21 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
             m = s["mcnemar"]
             assert m["both"] + m["stock_only"] + m["ours_only"] + m["neither"] == s["items"]
             assert s["compression"] == 10.0 and s["token_agreement_ci"] is not None
+
+
+def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
+    from benchmarks.offline.ruler import setting_spec
+    from compactor.spec import CompactionSpec
+    from sglang_ext.config import PLUGIN_SPEC
+
+    plugin_multi = setting_spec("plugin", "", "multi-query", None)
+    assert plugin_multi == PLUGIN_SPEC  # the plugin's own follow-up policy, unchanged
+    plugin_agnostic = setting_spec("plugin", "", "agnostic", None)
+    assert plugin_agnostic.queries.sources == ("repeat-prefill",)  # no follow-ups: fallback
+    assert plugin_agnostic.on_policy and plugin_agnostic.method == PLUGIN_SPEC.method
+    spec_multi = setting_spec("spec", "", "multi-query", 8192)
+    assert spec_multi.queries.sources == (*CompactionSpec().queries.sources, "follow-up")
+    assert spec_multi.queries.max_queries_per_head == 8192
+    assert setting_spec("spec", "repeat-prefill", "agnostic", None).queries.sources == (
+        "repeat-prefill",
+    )
