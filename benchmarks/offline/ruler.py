@@ -68,7 +68,10 @@ def _parse(argv: list[str] | None) -> Any:
         query_sources=("", "reference-query sources of our methods ('': the base spec's)"),
     )  # fmt: skip
     p.add_argument(
-        "--max-queries", type=int, help="reference queries per KV head (default: the spec's)"
+        "--max-queries", type=int, help="reference queries per KV head (default: the base's)"
+    )
+    p.add_argument(
+        "--on-policy", choices=("on", "off"), help="on-policy fitting (default: the base's)"
     )
     add_options(
         p,
@@ -97,10 +100,13 @@ def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
-def setting_spec(base: str, sources: str, setting: str, max_queries: int | None) -> Any:
+def setting_spec(
+    base: str, sources: str, setting: str, max_queries: int | None, on_policy: str | None = None
+) -> Any:
     """The spec a method entry of `setting` starts from (its method and ratio replaced per
     run): the `base` spec (``spec``: ``CompactionSpec()``; ``plugin``: the plugin's) with
-    `sources` ('' keeps the base's) and `max_queries` (None keeps the base's). multi-query
+    `sources` ('' keeps the base's), `max_queries` and `on_policy` ("on"/"off"; None keeps
+    the base's). multi-query
     adds the ``follow-up`` source; agnostic drops it, falling back as serving does
     (``CompactionSpec.for_follow_ups``)."""
     from compactor.spec import CompactionSpec
@@ -113,6 +119,8 @@ def setting_spec(base: str, sources: str, setting: str, max_queries: int | None)
         qs = (*qs, "follow-up")
     cap = {"max_queries_per_head": max_queries} if max_queries else {}
     spec = start.replace(queries={"sources": qs, **cap})
+    if on_policy is not None:
+        spec = spec.replace(on_policy=on_policy == "on")
     return spec if multi else spec.for_follow_ups([])
 
 
@@ -147,7 +155,9 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
                               "stock_answer": tok.decode(ref.answers[0])})  # fmt: skip
                 for setting in _csv(args.settings):
                     multi = setting == "multi-query"
-                    base = setting_spec(args.base, args.query_sources, setting, args.max_queries)
+                    base = setting_spec(
+                        args.base, args.query_sources, setting, args.max_queries, args.on_policy
+                    )
                     follow_ups = [enc(t) for t in others] if multi else None
                     hooks = Hooks(progress=False, reuse={})  # one prefill per item and setting
                     for method in _csv(args.methods):

@@ -55,7 +55,10 @@ def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
     assert plugin_multi == PLUGIN_SPEC  # the plugin's own follow-up policy, unchanged
     plugin_agnostic = setting_spec("plugin", "", "agnostic", None)
     assert plugin_agnostic.queries.sources == ("repeat-prefill",)  # no follow-ups: fallback
-    assert plugin_agnostic.on_policy and plugin_agnostic.method == PLUGIN_SPEC.method
+    assert plugin_agnostic.on_policy == PLUGIN_SPEC.on_policy
+    assert plugin_agnostic.method == PLUGIN_SPEC.method
+    for flag in ("on", "off"):
+        assert setting_spec("plugin", "", "agnostic", None, flag).on_policy == (flag == "on")
     spec_multi = setting_spec("spec", "", "multi-query", 8192)
     assert spec_multi.queries.sources == (*CompactionSpec().queries.sources, "follow-up")
     assert spec_multi.queries.max_queries_per_head == 8192
