@@ -50,6 +50,7 @@ from harness.workload import (
     unseen_questions,
     wait_for_compactions,
 )
+from sglang_ext.config import PLUGIN_SPEC
 
 NEEDLE_COUNT = 3
 
@@ -267,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=2, help="shared documents (up to 4)")
     p.add_argument("--sentences", type=int, default=60, help="sentences per document (~17 tokens)")
     p.add_argument("--ratios", default="0.1,0.2", help="comma-separated compaction ratios")
-    p.add_argument("--method", default="am-highest", help="compaction method")
+    p.add_argument(
+        "--method", default=PLUGIN_SPEC.method, help="compaction method (default: the plugin's)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool size per server")
     p.add_argument("--workers", type=int, default=1, help="compactor workers (Ray actors)")

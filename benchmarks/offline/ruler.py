@@ -286,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "provenance": prov,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "base_specs": {  # what each setting's runs started from, defaults resolved
+            setting: setting_spec(
+                args.base, args.query_sources, setting, args.max_queries, args.on_policy
+            ).to_dict()
+            for setting in _csv(args.settings)
+        },
         "seconds": time.perf_counter() - t0,
         "summary": summarize(records),
         "items": records,

@@ -4,7 +4,8 @@ on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agree
 (`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
 RULER-style suite, ruler.json, ruler_multiquery.json and ruler_default_method.json with
 ruler_kvpress.json (`ruler`),
-our kvzip before and after the sinks joined its softmax (`ruler_kvzip`).
+our kvzip before and after the sinks joined its softmax (`ruler_kvzip`), and the defaults
+before and after they were chosen on it (`ruler_defaults`).
 """
 
 from __future__ import annotations
@@ -222,4 +223,42 @@ def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
         picked = [rec(summary, ratio=r) for r in ratios]
         agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
         rows.append([split, when, *(_ruler_cell(s) for s in picked), agree])
+    return rows
+
+
+# The defaults before and after they were chosen on the RULER-style dev seeds, then reported on
+# the held-out ones: (split, defaults, file, method). "old" / "new": as shipped before / after.
+_DEFAULTS = (
+    ("dev", "CLI/service, old: am-omp-fast, repeat-prefill + self-study, 2048 per head",
+     "ruler_dev_spec.json", "am-omp-fast"),
+    ("dev", "CLI/service: kvzip, repeat-prefill + self-study, 2048", "ruler_dev_spec.json", "kvzip"),
+    ("dev", "CLI/service, new: kvzip, repeat-prefill, 8192", "ruler_dev_kvzip_after.json", "kvzip"),
+    ("dev", "plugin, old: am-highest, on-policy", "ruler_dev_plugin.json", "am-highest"),
+    ("dev", "plugin: kvzip, on-policy", "ruler_dev_plugin.json", "kvzip"),
+    ("dev", "plugin: kvzip, on-policy, 8192", "ruler_dev_plugin_8192.json", "kvzip"),
+    ("dev", "plugin: am-highest, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+     "am-highest"),
+    ("dev", "plugin: kvzip:refit=am, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+     "kvzip:refit=am"),
+    ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler_dev_plugin_offpolicy.json", "kvzip"),
+    ("held-out", "CLI/service, old", "ruler_default_method.json", "am-omp-fast"),
+    ("held-out", "CLI/service, new", "ruler.json", "kvzip"),
+    ("held-out", "CLI/service, new", "ruler_multiquery.json", "kvzip"),
+    ("held-out", "plugin, old", "ruler_plugin_old.json", "am-highest"),
+    ("held-out", "plugin, new", "ruler_plugin_new.json", "kvzip"),
+)  # fmt: skip
+
+
+@table("ruler_defaults", *dict.fromkeys(f for _, _, f, _ in _DEFAULTS))
+def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Old and new defaults per split and setting: retention at 10x and 20x, then the
+    per-token agreement at both."""
+    files = dict(zip(dict.fromkeys(f for _, _, f, _ in _DEFAULTS), data, strict=True))
+    rows = [["split", "defaults", "setting", "10x", "20x", "per-token agreement"]]
+    for split, label, name, method in _DEFAULTS:
+        summary = [s for s in files[name]["summary"] if s["task"] == "all"]
+        for setting in dict.fromkeys(s["setting"] for s in summary if s["method"] == method):
+            picked = [rec(summary, setting=setting, method=method, ratio=r) for r in (0.1, 0.05)]
+            agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
+            rows.append([split, label, setting, *(_ruler_cell(s) for s in picked), agree])
     return rows

@@ -69,9 +69,13 @@ __all__ = [
 
 # name -> CompactionSpec.replace(...) overrides of the plugin's spec
 CONFIGS: dict[str, dict[str, Any]] = {
-    # the plugin's defaults when issue #21 was filed: the questions (with the model's
-    # answers) alone as reference queries
-    "baseline": {"queries": {"sources": ("follow-up",)}},
+    # the plugin's defaults when issue #21 was filed: am-highest, on-policy, the questions
+    # (with the model's answers) alone as reference queries
+    "baseline": {
+        "method": "am-highest",
+        "on_policy": True,
+        "queries": {"sources": ("follow-up",), "max_queries_per_head": 2048},
+    },
     # the plugin's defaults at the time of the run (sglang_ext.config.PLUGIN_SPEC, recorded
     # in the result's meta.plugin_spec): follow-up + repeat-prefill in the committed result
     "default": {},

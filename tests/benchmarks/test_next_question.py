@@ -20,8 +20,9 @@ def test_baseline_is_the_old_plugin_spec_and_configs_override_today_s() -> None:
 
     assert bench.config_spec("default") == PLUGIN_SPEC
     old = bench.config_spec("baseline")  # the defaults when issue #21 was filed
-    assert old.queries.sources == ("follow-up",)
-    assert old.replace(queries={"sources": PLUGIN_SPEC.queries.sources}) == PLUGIN_SPEC
+    assert old.queries.sources == ("follow-up",) and old.queries.max_queries_per_head == 2048
+    assert (old.method, old.on_policy, old.ratio) == ("am-highest", True, 0.1)
+    assert old.queries.follow_up_answer_tokens == 32
     assert bench.config_spec("repeat-prefill").queries.sources == ("follow-up", "repeat-prefill")
     assert bench.config_spec("ratio-0.2").ratio == 0.2
     target = bench.config_spec("target-0.2")

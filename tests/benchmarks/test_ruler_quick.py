@@ -20,6 +20,8 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert {"command", "commit", "machine", "date"} <= set(data["provenance"])
+    assert data["base_specs"]["agnostic"]["queries"]["sources"] == ["repeat-prefill"]
+    assert "follow-up" in data["base_specs"]["multi-query"]["queries"]["sources"]
     ours = [r for r in data["items"] if r["method"] == "am-highest"]
     tasks, settings = {"niah_single", "vt"}, {"agnostic", "multi-query"}
     assert {r["task"] for r in ours} == tasks and {r["setting"] for r in ours} == settings

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from compactor.spec import CompactionSpec, QueryConfig, SpecError, spec_fields
+from compactor.spec import CompactionSpec, QueryConfig, SpecError, WorkLimits, spec_fields
 from compactor.spec.cli_args import UsageError, add_spec_args, spec_flags, spec_from_args
 
 FULL = CompactionSpec(
@@ -26,10 +26,11 @@ FULL = CompactionSpec(
 )
 
 
-def test_defaults_are_compact_prefix_defaults_of_before() -> None:
+def test_defaults_are_the_ones_chosen_on_the_ruler_dev_seeds() -> None:
     s = CompactionSpec()
-    assert (s.method, s.method_params, s.ratio, s.tokens) == ("am-omp-fast", {}, None, None)
-    assert s.queries == QueryConfig() and s.queries.sources == ("repeat-prefill", "self-study")
+    assert (s.method, s.method_params, s.ratio, s.tokens) == ("kvzip", {}, None, None)
+    assert s.queries == QueryConfig() and s.queries.sources == ("repeat-prefill",)
+    assert s.queries.max_queries_per_head == 8192 == WorkLimits().max_queries  # at the cap
     assert (s.on_policy, s.keep_sink_tokens, s.chunk_size, s.head_budgets) == (
         False, 4, None, "uniform",
     )  # fmt: skip

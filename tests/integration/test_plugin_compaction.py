@@ -37,7 +37,7 @@ def test_shared_document_is_compacted_and_answers_hold(
             "inproc://", 0.1, "am-omp", min_hits=len(questions()), min_prefix_tokens=512,
             timeout_s=400,
         ),
-        "--compaction-query-sources", "follow-up", "--enable-metrics",
+        "--compaction-query-sources", "follow-up", "--compaction-on-policy", "--enable-metrics",
     ]  # fmt: skip
     with SGLangServer(
         prepared_model, log_path=tmp_path / "server.log", max_total_tokens=4096, extra_args=args

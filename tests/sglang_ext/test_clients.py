@@ -34,7 +34,11 @@ def _compact(monkeypatch: pytest.MonkeyPatch, worker: Worker, spec: CompactionSp
 
 
 def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Worker) -> None:
-    spec = PLUGIN_SPEC.replace(tokens=9, ratio=None, queries={"follow_up_answer_tokens": 0})
+    # a method with uniform budgets and on-policy fitting, so every head shows the 9 tokens
+    spec = PLUGIN_SPEC.replace(
+        method="am-highest", on_policy=True, tokens=9, ratio=None,
+        queries={"follow_up_answer_tokens": 0},
+    )  # fmt: skip
     prefix = _compact(monkeypatch, worker, spec, FOLLOW_UPS)
     prefix.validate(expected_fingerprint=worker.fingerprint)
     assert prefix.logical_length == len(IDS) and prefix.method == "am-highest"

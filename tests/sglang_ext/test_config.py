@@ -150,9 +150,11 @@ def test_plugin_flags_default_to_the_plugin_spec() -> None:
 
     cfg = _parse()
     assert cfg is not None and cfg.spec == PLUGIN_SPEC
-    assert (cfg.spec.method, cfg.spec.ratio, cfg.spec.tokens) == ("am-highest", 0.1, None)
+    # chosen on the RULER-style dev items (sglang_ext.config, docs/results.md)
+    assert (cfg.spec.method, cfg.spec.ratio, cfg.spec.tokens) == ("kvzip", 0.1, None)
     assert cfg.spec.queries.sources == ("follow-up",)
-    assert cfg.spec.on_policy is True and cfg.spec.queries.follow_up_answer_tokens == 32
+    assert cfg.spec.on_policy is False and cfg.spec.queries.follow_up_answer_tokens == 32
+    assert cfg.spec.queries.max_queries_per_head == 8192
 
 
 def test_query_option_flags_parse_and_validate() -> None:
