@@ -15,6 +15,9 @@ have run. In every process:
   SGLang applied the hooks just before): a serving process refuses to start (RuntimeError
   naming each problem), one with compaction off logs them. The attention-backend and
   radix-cache factories repeat the check (once per process) in case this hook is missing.
+- AFTER `Scheduler.init_disaggregation`: on a CPU prefill server with the Mooncake transfer
+  backend, with or without `--compaction-endpoint`, turn off the sender's pinned-memory path
+  SGLang's CPU engine cannot run (`sglang_ext.adapter.pd.cpu_prefill_switch`, logged).
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`); none if
   SGLang did not apply the `from_cli_args` hook (the flags would be parsed and ignored).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, check SGLang's surface
@@ -275,11 +278,25 @@ def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str 
         return None
 
 
-# The hooks every process installs, each AFTER its target: the flags and the announcement.
+def _init_disaggregation(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `Scheduler.init_disaggregation(self)`, in every scheduler process
+    (compaction on or off): the CPU prefill switch (`sglang_ext.adapter.pd.cpu_prefill_switch`).
+    A failure is logged, never raised: the server starts as stock would."""
+    from sglang_ext.adapter.pd import cpu_prefill_switch
+
+    try:
+        cpu_prefill_switch(scheduler)
+    except Exception:
+        logger.exception("sglang_ext: the CPU prefill switch failed; SGLang's own path runs")
+
+
+# The hooks every process installs, each AFTER its target: the flags, the announcement, and
+# the CPU prefill switch (it acts only in a CPU prefill scheduler with the Mooncake backend).
 FLAG_HOOKS: tuple[tuple[str, Any], ...] = (
     (surface.CONFIGURE_LOGGER, _announce),
     (surface.ADD_CLI_ARGS, _add_cli_args),
     (surface.FROM_CLI_ARGS, _from_cli_args),
+    (surface.INIT_DISAGGREGATION, _init_disaggregation),
 )
 # The hooks a serving process (ACTIVE_ENV set) installs too, each AFTER its target.
 SERVING_HOOKS: tuple[tuple[str, Any], ...] = (

@@ -55,6 +55,11 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 INGEST_REQUESTS = f"{SCHEDULER}.ingest_requests"
+INIT_DISAGGREGATION = f"{SCHEDULER}.init_disaggregation"
+# The flag sglang_ext.adapter.pd.cpu_prefill_switch turns off on a CPU prefill server.
+MOONCAKE_HOST_INDICES = (
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
+)
 WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
@@ -133,6 +138,16 @@ SURFACE: tuple[Symbol, ...] = (
     _hook(ADD_CLI_ARGS, "adds the --compaction-* flags", ("parser",), serving=False),
     _hook(FROM_CLI_ARGS, "reads the flags, selects the plugin's backends, turns serving on",
           ("args",), serving=False),
+    _hook(INIT_DISAGGREGATION, "the CPU prefill switch (sglang_ext.adapter.pd), once per "
+          "scheduler", ("self",), serving=False),
+    Symbol("private", MOONCAKE_HOST_INDICES, "the CPU prefill switch turns it off; "
+           "prefill.py's _send_kv_chunk reads it", serving=False),
+    *(Symbol("private", f"{_MEM}.base_prefix_cache.BasePrefixCache.{name}",
+             f"PD decode calls it on the plugin's cache: it must still call {calls}",
+             params=params, prefix=True, calls=calls)
+      for name, params, calls in (("lock", ("self", "node"), "inc_lock_ref"),
+                                  ("unlock", ("self", "lock"), "dec_lock_ref"),
+                                  ("evict_for_alloc", ("self", "params"), "evict"))),
     _hook(INGEST_REQUESTS, "the scheduler's safe point: installs finished compactions",
           ("self",)),
     Symbol("import", f"{SCHEDULER}.is_fully_idle", "an idle scheduler writes an install whole",
@@ -295,7 +310,10 @@ def _stored_by(cls: type, name: str) -> bool:
     """Whether a function of `cls` or its bases (not `object`) assigns `self.<name>`."""
     for klass in cls.__mro__[:-1]:
         for value in vars(klass).values():
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            fn = getattr(value, "__func__", value)
+            if callable(fn):  # a hooked method: SGLang's wrapper keeps it as __wrapped__
+                fn = inspect.unwrap(fn)
+            code = getattr(fn, "__code__", None)
             if isinstance(code, types.CodeType) and _stores(code, name):
                 return True
     return False
