@@ -33,7 +33,13 @@ prefill server without `--compaction-endpoint`): on a CPU prefill server with th
 backend it sets `MooncakeKVSender.supports_host_tensor_indices` False, with a warning.
 SGLang's `_send_kv_chunk` (`disaggregation/prefill.py` 1746-1759) otherwise copies the page
 indices into pinned host memory and records a `torch.cuda.Event`, which a CPU-only process
-cannot; with False it takes its own CPU branch (`kv_to_page_indices`).
+cannot; with False it takes its own CPU branch (`kv_to_page_indices`). One more CUDA-only
+step has a supported SGLang setting, which the switch names in a warning rather than changes:
+with overlap scheduling, prefill's early send of its cached prefix (`maybe_send_cached_prefix_chunk`,
+`disaggregation/prefill.py` 1494-1496) records a `torch.cuda.Event`; it runs whenever decode
+holds less of a prompt than prefill caches, i.e. always once decode serves a compacted prefix.
+On CPU set `SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0` (or `--disable-overlap-schedule`)
+on prefill.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from typing import Any
 
 from sglang_ext.adapter.surface import MOONCAKE_HOST_INDICES
 
-__all__ = ["check_disaggregation", "cpu_prefill_switch"]
+__all__ = ["EARLY_SEND_ENV", "check_disaggregation", "cpu_prefill_switch"]
 
 logger = logging.getLogger(__name__)
+# SGLang's switch for prefill's early send of its cached prefix (see `_warn_early_send`).
+EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 
 _PREFILL_WHY = (
     "a prefill server sends its prompt KV to decode as ordinary token KV, so a compacted "
@@ -118,6 +126,7 @@ def cpu_prefill_switch(scheduler: Any) -> bool:
     owner, attr = MOONCAKE_HOST_INDICES.rsplit(".", 1)
     sender = pkgutil.resolve_name(owner)
     cls_name = owner.rsplit(".", 1)[1]
+    _warn_early_send(scheduler)
     old = getattr(sender, attr)
     if old is False:
         return False
@@ -129,3 +138,20 @@ def cpu_prefill_switch(scheduler: Any) -> bool:
         cls_name, attr, old,
     )  # fmt: skip
     return True
+
+
+def _warn_early_send(scheduler: Any) -> None:
+    """Warn when a CPU prefill scheduler will early-send cached prefixes under overlap
+    scheduling: `maybe_send_cached_prefix_chunk` (`disaggregation/prefill.py` 1494-1496)
+    records a `torch.cuda.Event` there, which fails on CPU whenever decode holds less of a
+    prompt than prefill's own cache (always, once decode serves a compacted prefix)."""
+    import os
+
+    early = os.environ.get(EARLY_SEND_ENV, "1").lower() not in ("0", "false", "no", "off")
+    if early and getattr(scheduler, "enable_overlap", False):
+        logger.warning(
+            "sglang_ext: this CPU prefill server early-sends cached prefixes with overlap "
+            "scheduling, which records a torch.cuda.Event and fails once decode holds less of "
+            "a prompt than prefill caches; set %s=0 or pass --disable-overlap-schedule",
+            EARLY_SEND_ENV,
+        )

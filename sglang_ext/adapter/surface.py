@@ -142,6 +142,11 @@ SURFACE: tuple[Symbol, ...] = (
           "scheduler", ("self",), serving=False),
     Symbol("private", MOONCAKE_HOST_INDICES, "the CPU prefill switch turns it off; "
            "prefill.py's _send_kv_chunk reads it", serving=False),
+    Symbol("private", "sglang.srt.environ.envs.SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX",
+           "the CPU prefill switch names it (its early send records a CUDA event)",
+           serving=False),
+    Symbol("private", f"{SCHEDULER}.enable_overlap", "the CPU prefill switch reads it",
+           serving=False),
     *(Symbol("private", f"{_MEM}.base_prefix_cache.BasePrefixCache.{name}",
              f"PD decode calls it on the plugin's cache: it must still call {calls}",
              params=params, prefix=True, calls=calls)

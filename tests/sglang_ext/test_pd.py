@@ -152,3 +152,29 @@ def test_switch_hook_is_installed_with_the_flags_and_never_raises(
     with caplog.at_level(logging.ERROR, logger="sglang_ext.adapter.hooks"):
         hooks._init_disaggregation(None, _scheduler("prefill"))
     assert "CPU prefill switch failed" in caplog.text
+
+
+@pytest.mark.parametrize(("env", "overlap", "warned"), [
+    (None, True, True), ("0", True, False), ("1", False, False),
+])  # fmt: skip
+def test_cpu_prefill_warns_of_the_early_send_event(
+    sender: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    env: str | None,
+    overlap: bool,
+    warned: bool,
+) -> None:
+    """Under overlap scheduling SGLang's early send of prefill's cached prefix records a
+    torch.cuda.Event: the switch names the setting that avoids it (it changes nothing)."""
+    from sglang_ext.adapter.pd import EARLY_SEND_ENV
+
+    if env is None:
+        monkeypatch.delenv(EARLY_SEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(EARLY_SEND_ENV, env)
+    scheduler = _scheduler("prefill")
+    scheduler.enable_overlap = overlap
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.adapter.pd"):
+        cpu_prefill_switch(scheduler)
+    assert (f"set {EARLY_SEND_ENV}=0 or pass --disable-overlap-schedule" in caplog.text) is warned
