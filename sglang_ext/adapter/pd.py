@@ -20,10 +20,11 @@ flag, what breaks that (SGLang 0.5.23, read there):
   `UnifiedRadixCache`'s host pool, which the plugin's cache replaces;
 - any retraction backup but `none`: `cpu_tensor` (also what SGLang picks when the flag is
   unset and decode keeps a radix cache, `mem_cache/kv_cache_builder.py` 235-241) copies the
-  request's row to the host and, on resume, binds the request to the tree's root
-  (`disaggregation/decode.py` `_bind_root_prefix`, 158) and writes the copy into freshly
-  allocated slots (`_pre_alloc`, ~2276: "a retracted request should re-match the tree here"),
-  so the resumed request would read its compacted prefix as plain tokens without beta. With
+  request's row to the host, unlocks the compacted node and clears the request's tree node
+  (`managers/schedule_batch.py` `release_req`, 2360-2395), and on resume writes the copy into
+  freshly allocated slots (`disaggregation/decode.py` `_pre_alloc`, 2237, its TODO at 2271: "a
+  retracted request should re-match the tree here"), so the resumed request would read its
+  compacted prefix as plain tokens without beta (docs/cluster.md, *Retraction*). With
   `none` a retracted request is aborted (503) for the client to send again, where it matches
   the compacted prefix afresh.
 
@@ -36,7 +37,7 @@ indices into pinned host memory and records a `torch.cuda.Event`, which a CPU-on
 cannot; with False it takes its own CPU branch (`kv_to_page_indices`). One more CUDA-only
 step has a supported SGLang setting, which the switch names in a warning rather than changes:
 with overlap scheduling, prefill's early send of its cached prefix (`maybe_send_cached_prefix_chunk`,
-`disaggregation/prefill.py` 1494-1496) records a `torch.cuda.Event`; it runs whenever decode
+`disaggregation/prefill.py` 1495-1497) records a `torch.cuda.Event`; it runs whenever decode
 holds less of a prompt than prefill caches, i.e. always once decode serves a compacted prefix.
 On CPU set `SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0` (or `--disable-overlap-schedule`)
 on prefill.
@@ -142,7 +143,7 @@ def cpu_prefill_switch(scheduler: Any) -> bool:
 
 def _warn_early_send(scheduler: Any) -> None:
     """Warn when a CPU prefill scheduler will early-send cached prefixes under overlap
-    scheduling: `maybe_send_cached_prefix_chunk` (`disaggregation/prefill.py` 1494-1496)
+    scheduling: `maybe_send_cached_prefix_chunk` (`disaggregation/prefill.py` 1495-1497)
     records a `torch.cuda.Event` there, which fails on CPU whenever decode holds less of a
     prompt than prefill's own cache (always, once decode serves a compacted prefix)."""
     import os
