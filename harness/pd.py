@@ -118,14 +118,15 @@ class PDRouter(ManagedProcess):
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def generate(self, text: str, max_new_tokens: int = 16, timeout: float = 600.0) -> Any:
-        """POST /generate through the router (greedy); returns the JSON answer."""
+    def generate(
+        self, text: str, max_new_tokens: int = 16, timeout: float = 600.0, **sampling: Any
+    ) -> Any:
+        """POST /generate through the router (greedy unless `sampling` says otherwise);
+        returns the JSON answer."""
         import json
 
-        payload = {
-            "text": text,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-        }
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        payload = {"text": text, "sampling_params": params}
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -18,15 +18,11 @@ flag, what breaks that (SGLang 0.5.23, read there):
   host-pool retraction (`--disaggregation-decode-retraction-backup host_pool`) and decode
   host receive (`--disaggregation-decode-host-receive-threshold` < 1): all keep KV in
   `UnifiedRadixCache`'s host pool, which the plugin's cache replaces;
-- any retraction backup but `none`: `cpu_tensor` (also what SGLang picks when the flag is
-  unset and decode keeps a radix cache, `mem_cache/kv_cache_builder.py` 235-241) copies the
-  request's row to the host, unlocks the compacted node and clears the request's tree node
-  (`managers/schedule_batch.py` `release_req`, 2360-2395), and on resume writes the copy into
-  freshly allocated slots (`disaggregation/decode.py` `_pre_alloc`, 2237, its TODO at 2271: "a
-  retracted request should re-match the tree here"), so the resumed request would read its
-  compacted prefix as plain tokens without beta (docs/cluster.md, *Retraction*). With
-  `none` a retracted request is aborted (503) for the client to send again, where it matches
-  the compacted prefix afresh.
+- a retraction backup other than `cpu_tensor` or `none`, unset included (SGLang then also
+  sets up HiCache host memory for a decode server, `arg_groups/hicache_hook.py` 62-70). With
+  `cpu_tensor` a retracted request resumes on its compacted prefix
+  (`sglang_ext.adapter.retraction`); with `none` it is aborted (503) for the client to send
+  again.
 
 `cpu_prefill_switch` runs in every SGLang scheduler process (an AFTER hook on
 `Scheduler.init_disaggregation`, installed with the plugin's flags, so also on a stock
@@ -48,13 +44,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_ext.adapter.surface import MOONCAKE_HOST_INDICES
+from sglang_ext.adapter.surface import EARLY_SEND, MOONCAKE_HOST_INDICES
 
 __all__ = ["EARLY_SEND_ENV", "check_disaggregation", "cpu_prefill_switch"]
 
 logger = logging.getLogger(__name__)
 # SGLang's switch for prefill's early send of its cached prefix (see `_warn_early_send`).
-EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
+EARLY_SEND_ENV = EARLY_SEND
 
 _PREFILL_WHY = (
     "a prefill server sends its prompt KV to decode as ordinary token KV, so a compacted "
@@ -98,18 +94,16 @@ def check_disaggregation(server_args: Any) -> None:
             f"receive, {_HOST_POOL}); leave it at 1"
         )
     backup = getattr(server_args, "disaggregation_decode_retraction_backup", None)
-    if backup != "none":
-        shown = "unset (cpu_tensor with the decode radix cache)" if backup is None else repr(backup)
-        how = (
+    if backup not in ("cpu_tensor", "none"):
+        why = (
             f"host_pool {_HOST_POOL}"
             if backup == "host_pool"
-            else "cpu_tensor restores a retracted request into fresh slots bound to the "
-            "tree's root, so it would read its compacted prefix as plain tokens without beta"
+            else "unset, SGLang also sets up HiCache host memory for a decode server"
         )
         raise ValueError(
-            f"--compaction-endpoint with --disaggregation-mode decode needs "
-            f"--disaggregation-decode-retraction-backup none, got {shown}: {how}; with none "
-            "a retracted request is aborted (503) for the client to send again"
+            "--compaction-endpoint with --disaggregation-mode decode needs "
+            f"--disaggregation-decode-retraction-backup cpu_tensor or none, got {backup!r} "
+            f"({why})"
         )
 
 

@@ -56,10 +56,13 @@ FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 INGEST_REQUESTS = f"{SCHEDULER}.ingest_requests"
 INIT_DISAGGREGATION = f"{SCHEDULER}.init_disaggregation"
-# The flag sglang_ext.adapter.pd.cpu_prefill_switch turns off on a CPU prefill server.
-MOONCAKE_HOST_INDICES = (
-    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
-)
+# PD (sglang_ext.adapter.pd and .retraction; retraction's names as their callers import them)
+_PD = "sglang.srt.disaggregation"
+RETRACT_BACKUP = "sglang.srt.managers.schedule_batch.backup_kv_cache"
+RETRACT_RESTORE = f"{_PD}.decode.restore_kv_cache"
+RETRACT_DISCARD = f"{_PD}.decode.discard_kv_cache_backup"
+MOONCAKE_HOST_INDICES = f"{_PD}.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
+EARLY_SEND = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
@@ -114,6 +117,7 @@ _RADIX = f"{_MEM}.radix_cache.RadixCache"
 _BACKEND = f"{_ATTN}.base_attn_backend.AttentionBackend"
 _FWD = ("self", "q", "k", "v", "layer", "forward_batch")
 _CACHE = "CompactionRadixCache subclasses RadixCache"
+_POOLS = ("req_to_token_pool", "token_to_kv_pool_allocator", "backend")
 
 # fmt: off
 SURFACE: tuple[Symbol, ...] = (
@@ -138,21 +142,18 @@ SURFACE: tuple[Symbol, ...] = (
     _hook(ADD_CLI_ARGS, "adds the --compaction-* flags", ("parser",), serving=False),
     _hook(FROM_CLI_ARGS, "reads the flags, selects the plugin's backends, turns serving on",
           ("args",), serving=False),
-    _hook(INIT_DISAGGREGATION, "the CPU prefill switch (sglang_ext.adapter.pd), once per "
-          "scheduler", ("self",), serving=False),
-    Symbol("private", MOONCAKE_HOST_INDICES, "the CPU prefill switch turns it off; "
-           "prefill.py's _send_kv_chunk reads it", serving=False),
-    Symbol("private", "sglang.srt.environ.envs.SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX",
-           "the CPU prefill switch names it (its early send records a CUDA event)",
-           serving=False),
-    Symbol("private", f"{SCHEDULER}.enable_overlap", "the CPU prefill switch reads it",
-           serving=False),
-    *(Symbol("private", f"{_MEM}.base_prefix_cache.BasePrefixCache.{name}",
-             f"PD decode calls it on the plugin's cache: it must still call {calls}",
-             params=params, prefix=True, calls=calls)
-      for name, params, calls in (("lock", ("self", "node"), "inc_lock_ref"),
-                                  ("unlock", ("self", "lock"), "dec_lock_ref"),
-                                  ("evict_for_alloc", ("self", "params"), "evict"))),
+    _hook(INIT_DISAGGREGATION, "the CPU prefill switch (pd.py)", ("self",), serving=False),
+    *(Symbol("private", t, f"the CPU prefill switch (pd.py) {why}", serving=False)
+      for t, why in ((MOONCAKE_HOST_INDICES, "turns it off (_send_kv_chunk reads it)"),
+                     (f"sglang.srt.environ.envs.{EARLY_SEND}", "names it (a CUDA event)"),
+                     (f"{SCHEDULER}.enable_overlap", "reads it"))),
+    *(Symbol("private", f"{_MEM}.base_prefix_cache.BasePrefixCache.{name}", "PD decode calls "
+             f"it on the plugin's cache: it must call {calls}", params=("self", arg),
+             prefix=True, calls=calls) for name, arg, calls in (("lock", "node", "inc_lock_ref"),
+             ("unlock", "lock", "dec_lock_ref"), ("evict_for_alloc", "params", "evict"))),
+    *(_hook(t, "a retracted PD decode request keeps its compacted prefix", ("req", "tree_cache",
+            *rest)) for t, rest in ((RETRACT_BACKUP, _POOLS), (RETRACT_RESTORE, _POOLS),
+                                    (RETRACT_DISCARD, ("backend",)))),
     _hook(INGEST_REQUESTS, "the scheduler's safe point: installs finished compactions",
           ("self",)),
     Symbol("import", f"{SCHEDULER}.is_fully_idle", "an idle scheduler writes an install whole",
