@@ -112,9 +112,8 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
 ) -> None:
     """A decode pool too small for the requests running at once: SGLang retracts some (their
     KV backed up to the host, `cpu_tensor`) and resumes them later; each resumes on its
-    compacted prefix (the plugin's log) and answers as it does when run alone afterwards (at
-    least 90% of its greedy tokens before the first difference); every request is answered in
-    full."""
+    compacted prefix (the plugin's log) and answers token for token as it does when run alone
+    afterwards; every request is answered in full."""
     doc, qs = document(40), questions()
     decode_flags = [
         *compaction_args("inproc://", RATIO, "am-highest", min_hits=2, min_prefix_tokens=256,
@@ -143,23 +142,22 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
                 qs,
             ))  # fmt: skip
         decode_log = Path(decode.log_path).read_text(errors="replace")
-        # a resumed request answers as it does alone (greedy; batch numerics may flip a late
-        # token): reading its prefix as plain tokens would change the answer after the resume
-        rids = re.findall(r"request (\S+) resumed after retraction", decode_log)
-        agree = []
+        # a resumed request answers as it does alone (greedy): reading its prefix as plain
+        # tokens changes the answer after the resume
+        agree, retractions = [], 0
         for q, out in zip(qs, outs):
-            if out["meta_info"]["id"] in rids:
+            if out["meta_info"].get("num_retractions"):
+                retractions += out["meta_info"]["num_retractions"]
                 alone = router.generate(prompt(doc, q), max_new_tokens=n_new, ignore_eos=True)
                 a, b = out["output_ids"], alone["output_ids"]
                 agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
-    retracted = len(re.findall(r"Retract requests", decode_log))
     resumed = len(re.findall(r"resumed after retraction on its compacted prefix", decode_log))
-    print(
-        f"\nPD retraction: {retracted} retraction step(s), {resumed} compacted request(s) "
-        f"resumed on their prefix; first tokens as when run alone: {agree} of {n_new}"
-    )
-    assert retracted >= 1 and resumed >= 1 and len(agree) == resumed, decode_log[-3000:]
-    assert all(n >= 0.9 * n_new for n in agree), agree
+    print(f"\nPD retraction: {len(agree)} request(s) retracted ({retractions} time(s)), "
+          f"{resumed} resumed on their compacted prefix; first tokens as when run alone: "
+          f"{agree} of {n_new}")  # fmt: skip
+    assert agree, "no request was retracted: the pool was not tight enough"
+    assert all(n == n_new for n in agree), agree  # without the plugin's resume: [141] here
+    assert resumed == retractions, (resumed, retractions)
     assert "disagree with the rows' first slots" not in decode_log
     for out in outs:
         assert out["meta_info"]["completion_tokens"] == n_new, out["meta_info"]
