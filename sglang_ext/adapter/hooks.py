@@ -42,10 +42,9 @@ Only in processes started with `ACTIVE_ENV` set (the scheduler of a server start
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
   there), which makes it the place of the ranks' per-iteration agreement (`sglang_ext.tp`).
-- AFTER `backup_kv_cache` (as `schedule_batch` imports it), `restore_kv_cache` and
-  `discard_kv_cache_backup` (as PD decode imports them): a request retracted on a PD decode
-  server with a `cpu_tensor` backup keeps its compacted prefix locked and resumes on it
-  (`sglang_ext.adapter.retraction`).
+- AFTER `backup_kv_cache`, `restore_kv_cache` and `discard_kv_cache_backup` (SGLang carries
+  the hook to the modules that imported them): a request retracted on a PD decode server with a `cpu_tensor` backup
+  keeps its compacted prefix locked and resumes on it (`sglang_ext.adapter.retraction`).
 - AFTER each `update_weights_from_*` of SGLang's scheduler weight updater: compacted
   prefixes and results in flight are dropped (`CompactionRadixCache.on_weights_updated`);
   compaction goes on only after a disk update that reloaded the very same checkpoint
@@ -295,8 +294,8 @@ def _init_disaggregation(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
 
 
 def _retain(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on `backup_kv_cache(req, tree_cache, req_to_token_pool, allocator, backend)`
-    as SGLang's `release_req` calls it (PD decode retraction): keep the request's compacted
+    """AFTER hook on `backup_kv_cache(req, tree_cache, req_to_token_pool, allocator, backend)`,
+    called by SGLang's `release_req` (PD decode retraction): keep the request's compacted
     node locked while it is retracted (`sglang_ext.adapter.retraction.retain`)."""
     backend = args[2] if len(args) > 2 else kwargs.get("backend")
     if result and getattr(tree_cache, "guard", None) is not None:
@@ -320,8 +319,9 @@ def _repoint(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) 
 
 
 def _release(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on `discard_kv_cache_backup(req, tree_cache, backend)` as PD decode calls it:
-    unlock the compacted node retained for a request that never resumes."""
+    """AFTER hook on `discard_kv_cache_backup(req, tree_cache, backend)` as PD decode and the
+    scheduler's abort call it: unlock the compacted node retained for a request that never
+    resumes."""
     guard = getattr(tree_cache, "guard", None)
     if guard is not None:
         from sglang_ext.adapter.retraction import release

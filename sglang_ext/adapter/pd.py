@@ -32,8 +32,8 @@ SGLang's `_send_kv_chunk` (`disaggregation/prefill.py` 1746-1759) otherwise copi
 indices into pinned host memory and records a `torch.cuda.Event`, which a CPU-only process
 cannot; with False it takes its own CPU branch (`kv_to_page_indices`). One more CUDA-only
 step has a supported SGLang setting, which the switch names in a warning rather than changes:
-with overlap scheduling, prefill's early send of its cached prefix (`maybe_send_cached_prefix_chunk`,
-`disaggregation/prefill.py` 1495-1497) records a `torch.cuda.Event`; it runs whenever decode
+with overlap scheduling, prefill's early send of its cached prefix
+(`maybe_send_cached_prefix_chunk`, `disaggregation/prefill.py` 1495-1497) records a `torch.cuda.Event`; it runs whenever decode
 holds less of a prompt than prefill caches, i.e. always once decode serves a compacted prefix.
 On CPU set `SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0` (or `--disable-overlap-schedule`)
 on prefill.

@@ -17,10 +17,11 @@ right:
   request's `last_node`, its lock the request's `lock`, `prefix_len` and `cache_protected_len`
   `T` (a request that matched the compacted prefix at admission has the same); the rest of the
   row keeps the restored copy of the request's own KV;
-- `release` (after `discard_kv_cache_backup`): unlock it for a request that never resumes.
+- `release` (after `discard_kv_cache_backup`, which decode and the scheduler's abort of a
+  retracted request call): unlock it for a request that never resumes.
 
-A retracted request aborted by its client leaves the retained lock held (SGLang drops it from
-its retracted queue without a call the plugin sees): that compacted node then stays in the tree.
+The hooks sit on the functions where SGLang defines them (`mem_cache/common.py`); its hook
+registry carries them to the modules that imported them.
 """
 
 from __future__ import annotations

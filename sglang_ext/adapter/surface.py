@@ -56,11 +56,11 @@ FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 INGEST_REQUESTS = f"{SCHEDULER}.ingest_requests"
 INIT_DISAGGREGATION = f"{SCHEDULER}.init_disaggregation"
-# PD (sglang_ext.adapter.pd and .retraction; retraction's names as their callers import them)
-_PD = "sglang.srt.disaggregation"
-RETRACT_BACKUP = "sglang.srt.managers.schedule_batch.backup_kv_cache"
-RETRACT_RESTORE = f"{_PD}.decode.restore_kv_cache"
-RETRACT_DISCARD = f"{_PD}.decode.discard_kv_cache_backup"
+_PD = "sglang.srt.disaggregation"  # pd.py; retraction.py hooks these where SGLang defines them
+RETRACT_BACKUP, RETRACT_RESTORE, RETRACT_DISCARD = (  # (SGLang carries a hook to importers)
+    f"sglang.srt.mem_cache.common.{n}"
+    for n in ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup")
+)
 MOONCAKE_HOST_INDICES = f"{_PD}.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
 EARLY_SEND = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 WEIGHT_UPDATER = (

@@ -97,3 +97,25 @@ def test_only_cpu_tensor_backups_of_compacted_requests_are_retained(compacted: A
     assert not retain(served, cache, "none") and not retain(served, cache, "host_pool")
     assert not retain(plain, cache, "cpu_tensor")  # its path holds no compacted node
     assert repoint(plain, cache, cache.req_to_token_pool, cache.token_to_kv_pool_allocator) == 0
+
+
+def test_an_aborted_retracted_request_lets_the_prefix_go(compacted: Any) -> None:
+    """SGLang's scheduler discards the backup of a retracted request aborted by its client:
+    the plugin's hook on `discard_kv_cache_backup` unlocks the node (that the hook reaches the
+    scheduler's import: tests/sglang_ext/test_sglang_surface.py)."""
+    from sglang_ext.adapter import hooks, surface
+
+    assert (surface.RETRACT_DISCARD, hooks._release) in hooks.SERVING_HOOKS
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    node = cache.install(ids, prefix)
+    n = len(ids) + len(SUFFIX)
+    req = make_req(cache, "r", [*ids, *SUFFIX], len(ids))
+    hooks._retain(True, req, cache, cache.req_to_token_pool, cache.token_to_kv_pool_allocator,
+                  "cpu_tensor")  # fmt: skip
+    _retract(cache, req, n)
+    hooks._release(None, req, cache, "cpu_tensor")
+    check_accounting(cache)
+    cache.evict(EvictParams(num_tokens=POOL))
+    assert node not in cache.compacted_nodes()
