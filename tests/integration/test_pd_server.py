@@ -156,7 +156,7 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
           f"{resumed} resumed on their compacted prefix; first tokens as when run alone: "
           f"{agree} of {n_new}")  # fmt: skip
     assert agree, "no request was retracted: the pool was not tight enough"
-    assert all(n == n_new for n in agree), agree  # without the plugin's resume: [141] here
+    assert all(n == n_new for n in agree), agree
     assert resumed == retractions, (resumed, retractions)
     assert "disagree with the rows' first slots" not in decode_log
     for out in outs:
