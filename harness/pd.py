@@ -1,9 +1,10 @@
-"""A prefill/decode (PD) disaggregated SGLang pair on CPU, behind sglang-router (tests,
-benchmarks).
+"""A prefill/decode (PD) disaggregated SGLang pair on CPU, behind sglang-router (the PD tests).
 
 `pd_pair(...)` builds the two `SGLangServer`s: both `--device cpu` with the Mooncake transfer
-backend over TCP (`mooncake_tcp`) and one bootstrap port; decode keeps its own radix cache
-(`--disaggregation-decode-enable-radix-cache`) and refreshes its metrics every step.
+backend over TCP (`mooncake_tcp`) and one bootstrap port; prefill with `CPU_PREFILL_ENV` (no
+early send of its cached prefix, a CUDA-only step under overlap scheduling); decode keeps its
+own radix cache (`--disaggregation-decode-enable-radix-cache`) and refreshes its metrics every
+step.
 `PDRouter` runs sglang-router's mini load balancer in front of them. What they need beyond
 the project's venv (the Mooncake wheel, sglang-router, the libraries Mooncake links) is
 installed by `make pd-deps` (scripts/setup_pd_deps.sh) under `PD_DEPS`; `pd_env()` puts it on
