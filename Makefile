@@ -3,11 +3,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup kvpress-venv protos test test-fast lint demo bench clean help
+.PHONY: setup kvpress-venv pd-deps protos test test-fast lint demo bench clean help
 
 help:
 	@echo "make setup   - create/reuse .venv and install everything pinned (CPU)"
 	@echo "make kvpress-venv - create/reuse third_party/.kvpress-venv (NVIDIA kvpress, pinned)"
+	@echo "make pd-deps - create/reuse third_party/.pd-deps (Mooncake, sglang-router: a CPU PD pair)"
 	@echo "make protos  - regenerate compactor/service/gen from protos/ (commit the result)"
 	@echo "make test    - the whole test suite (real model, real SGLang server, kvpress peer check; CPU)"
 	@echo "make test-fast - the suite without SGLang server tests"
@@ -23,13 +24,18 @@ setup:
 kvpress-venv:
 	@bash scripts/setup_kvpress_venv.sh
 
+# What a CPU prefill/decode pair needs beyond .venv (the Mooncake wheel, sglang-router, the
+# libraries Mooncake links), for the PD test; pinned by sha256, idempotent, gitignored.
+pd-deps: setup
+	@PY=$(PY) bash scripts/setup_pd_deps.sh
+
 protos: setup
 	$(PY) scripts/gen_protos.py
 
 # Two pytest processes side by side: the tests that start SGLang servers one after another,
 # and the rest (scripts/run_tests.sh; TEST_STREAMS=1 for one process). Any non-zero pytest
 # exit fails the target, 5 (no test collected or run) included.
-test: setup kvpress-venv
+test: setup kvpress-venv pd-deps
 	PY=$(PY) bash scripts/run_tests.sh
 
 test-fast: setup kvpress-venv

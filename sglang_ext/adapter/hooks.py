@@ -15,6 +15,9 @@ have run. In every process:
   SGLang applied the hooks just before): a serving process refuses to start (RuntimeError
   naming each problem), one with compaction off logs them. The attention-backend and
   radix-cache factories repeat the check (once per process) in case this hook is missing.
+- AFTER `Scheduler.init_disaggregation`: on a CPU prefill server with the Mooncake transfer
+  backend, with or without `--compaction-endpoint`, turn off the sender's pinned-memory path
+  SGLang's CPU engine cannot run (`sglang_ext.adapter.pd.cpu_prefill_switch`, logged).
 - AFTER `ServerArgs.add_cli_args`: the `--compaction-*` flags (`sglang_ext.config`); none if
   SGLang did not apply the `from_cli_args` hook (the flags would be parsed and ignored).
 - AFTER `ServerArgs.from_cli_args`: with `--compaction-endpoint`, check SGLang's surface
@@ -39,6 +42,9 @@ Only in processes started with `ACTIVE_ENV` set (the scheduler of a server start
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
   there), which makes it the place of the ranks' per-iteration agreement (`sglang_ext.tp`).
+- AFTER `backup_kv_cache`, `restore_kv_cache` and `discard_kv_cache_backup` (SGLang carries
+  the hook to the modules that imported them): a request retracted on a PD decode server with a `cpu_tensor` backup
+  keeps its compacted prefix locked and resumes on it (`sglang_ext.adapter.retraction`).
 - AFTER each `update_weights_from_*` of SGLang's scheduler weight updater: compacted
   prefixes and results in flight are dropped (`CompactionRadixCache.on_weights_updated`);
   compaction goes on only after a disk update that reloaded the very same checkpoint
@@ -275,11 +281,62 @@ def weights_fingerprint(current: str | None, result: Any, recv_req: Any) -> str 
         return None
 
 
-# The hooks every process installs, each AFTER its target: the flags and the announcement.
+def _init_disaggregation(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `Scheduler.init_disaggregation(self)`, in every scheduler process
+    (compaction on or off): the CPU prefill switch (`sglang_ext.adapter.pd.cpu_prefill_switch`).
+    A failure is logged, never raised: the server starts as stock would."""
+    from sglang_ext.adapter.pd import cpu_prefill_switch
+
+    try:
+        cpu_prefill_switch(scheduler)
+    except Exception:
+        logger.exception("sglang_ext: the CPU prefill switch failed; SGLang's own path runs")
+
+
+def _retain(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `backup_kv_cache(req, tree_cache, req_to_token_pool, allocator, backend)`,
+    called by SGLang's `release_req` (PD decode retraction): keep the request's compacted
+    node locked while it is retracted (`sglang_ext.adapter.retraction.retain`)."""
+    backend = args[2] if len(args) > 2 else kwargs.get("backend")
+    if result and getattr(tree_cache, "guard", None) is not None:
+        from sglang_ext.adapter.retraction import retain
+
+        retain(req, tree_cache, str(backend))  # not guarded either: see _repoint
+
+
+def _repoint(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `restore_kv_cache(req, tree_cache, req_to_token_pool, allocator, backend)`
+    as PD decode's resume calls it: point the row back at the retained compacted prefix
+    (`sglang_ext.adapter.retraction.repoint`). Not guarded: a request resumed without its
+    compacted prefix would read packed entries as plain tokens, so a failure stops the
+    scheduler, as a failure of SGLang's own restore would."""
+    if getattr(tree_cache, "guard", None) is not None:
+        from sglang_ext.adapter.retraction import repoint
+
+        pool = args[0] if args else kwargs.get("req_to_token_pool")
+        allocator = args[1] if len(args) > 1 else kwargs.get("token_to_kv_pool_allocator")
+        repoint(req, tree_cache, pool, allocator)
+
+
+def _release(result: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on `discard_kv_cache_backup(req, tree_cache, backend)` as PD decode and the
+    scheduler's abort call it: unlock the compacted node retained for a request that never
+    resumes."""
+    guard = getattr(tree_cache, "guard", None)
+    if guard is not None:
+        from sglang_ext.adapter.retraction import release
+
+        guard.call("releasing a retracted request's compacted prefix", False, release, req,
+                   tree_cache)  # fmt: skip
+
+
+# The hooks every process installs, each AFTER its target: the flags, the announcement, and
+# the CPU prefill switch (it acts only in a CPU prefill scheduler with the Mooncake backend).
 FLAG_HOOKS: tuple[tuple[str, Any], ...] = (
     (surface.CONFIGURE_LOGGER, _announce),
     (surface.ADD_CLI_ARGS, _add_cli_args),
     (surface.FROM_CLI_ARGS, _from_cli_args),
+    (surface.INIT_DISAGGREGATION, _init_disaggregation),
 )
 # The hooks a serving process (ACTIVE_ENV set) installs too, each AFTER its target.
 SERVING_HOOKS: tuple[tuple[str, Any], ...] = (
@@ -287,4 +344,7 @@ SERVING_HOOKS: tuple[tuple[str, Any], ...] = (
     *((target, _weights_updated) for target in surface.WEIGHT_UPDATES),
     *((target, _graph_gate) for target in surface.GRAPH_GATES),
     (surface.INIT_NEW, _mark_batch),
+    (surface.RETRACT_BACKUP, _retain),
+    (surface.RETRACT_RESTORE, _repoint),
+    (surface.RETRACT_DISCARD, _release),
 )

@@ -9,7 +9,8 @@ attention backend, which wraps the user's `--attention-backend` (its name stored
 user's backend, CUDA graphs included. It refuses, with a ValueError naming the flag, what the
 plugin cannot serve with (no radix cache, paging, another radix-cache backend, the features of
 SGLang's default cache in `check_cache_features`, split prefill/decode attention backends, and
-the parallel layouts of `check_parallelism`; the wrapper refuses MLA, fp8 KV and the like when
+the parallel layouts of `check_parallelism` (prefill/decode disaggregation:
+`sglang_ext.adapter.pd`); the wrapper refuses MLA, fp8 KV and the like when
 it is built).
 Each setting it changes is noted on the record, old value -> new value with the reason, and
 logged by `log_changes` once SGLang has configured logging (the `configure_logger` hook of the
@@ -22,6 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sglang_ext.adapter.pd import check_disaggregation
 from sglang_ext.config import (
     ATTENTION_BACKEND,
     CPU_INNER_BACKEND,
@@ -95,9 +97,9 @@ def apply_to_server_args(server_args: Any, cfg: CompactionConfig) -> None:
     Raises:
         ValueError: the record selects something the plugin cannot serve with.
     """
+    check_parallelism(server_args, cfg)  # first: a PD decode server names its own flag
     if getattr(server_args, "disable_radix_cache", False):
         raise ValueError("--compaction-endpoint needs the radix cache; drop --disable-radix-cache")
-    check_parallelism(server_args, cfg)
     page_size = getattr(server_args, "page_size", None)
     if page_size not in (None, 1):
         raise ValueError(f"--compaction-endpoint supports page_size 1 only, got {page_size}")
@@ -212,20 +214,6 @@ def check_cache_features(server_args: Any) -> None:
         )
 
 
-# Why each prefill/decode role is refused (SGLang 0.5.23's disaggregation code, read there).
-_PD_WHY = {
-    "prefill": (
-        ": a prefill server sends its prompt KV to decode as ordinary token KV, so a compacted "
-        "prefix would arrive there as packed entries without their beta (wrong answers)"
-    ),
-    "decode": (
-        ": decode retraction backs a request's KV up by its row and re-allocates fresh slots "
-        "on resume, so a resumed request would read its compacted prefix as plain tokens "
-        "without beta; run the plugin on a server without --disaggregation-mode"
-    ),
-}
-
-
 def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     """ValueError naming the flag for a layout the plugin cannot serve with.
 
@@ -233,13 +221,13 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     (every rank would compact). Data-parallel replicas (`--dp-size`) each have their own
     scheduler, cache and TP group: they compact independently (the service's cache makes a
     shared document one compaction). Refused: pipeline parallelism (a rank holds some
-    layers), prefill/decode disaggregation (KV moves between servers), attention data
-    parallelism, context parallelism (KV split by tokens) and speculative decoding (draft
-    KV and verify steps the compacted prefix does not cover).
+    layers), attention data parallelism, context parallelism (KV split by tokens) and
+    speculative decoding (draft KV and verify steps the compacted prefix does not cover).
+    Prefill/decode disaggregation: on decode servers with their own radix cache only, as
+    `sglang_ext.adapter.pd.check_disaggregation` says.
     """
     refusals: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
         ("pp_size", "--pp-size", lambda v: v not in (None, 1)),
-        ("disaggregation_mode", "--disaggregation-mode", lambda v: v not in (None, "null")),
         ("enable_dp_attention", "--enable-dp-attention", bool),
         ("attn_dp_size", "--attn-dp-size", lambda v: v not in (None, 1)),
         ("attn_cp_size", "--attn-cp-size", lambda v: v not in (None, 1)),
@@ -249,8 +237,8 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     for name, flag, refused in refusals:
         value = getattr(server_args, name, None)
         if refused(value):
-            why = _PD_WHY.get(str(value), "") if name == "disaggregation_mode" else ""
-            raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}{why}")
+            raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}")
+    check_disaggregation(server_args)
     tp_size = getattr(server_args, "tp_size", None) or 1
     if tp_size > 1 and cfg.in_process:
         raise ValueError(

@@ -55,6 +55,14 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 INGEST_REQUESTS = f"{SCHEDULER}.ingest_requests"
+INIT_DISAGGREGATION = f"{SCHEDULER}.init_disaggregation"
+_PD = "sglang.srt.disaggregation"  # pd.py; retraction.py hooks these where SGLang defines them
+RETRACT_BACKUP, RETRACT_RESTORE, RETRACT_DISCARD = (  # (SGLang carries a hook to importers)
+    f"sglang.srt.mem_cache.common.{n}"
+    for n in ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup")
+)
+MOONCAKE_HOST_INDICES = f"{_PD}.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
+EARLY_SEND = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
@@ -109,6 +117,7 @@ _RADIX = f"{_MEM}.radix_cache.RadixCache"
 _BACKEND = f"{_ATTN}.base_attn_backend.AttentionBackend"
 _FWD = ("self", "q", "k", "v", "layer", "forward_batch")
 _CACHE = "CompactionRadixCache subclasses RadixCache"
+_POOLS = ("req_to_token_pool", "token_to_kv_pool_allocator", "backend")
 
 # fmt: off
 SURFACE: tuple[Symbol, ...] = (
@@ -133,6 +142,18 @@ SURFACE: tuple[Symbol, ...] = (
     _hook(ADD_CLI_ARGS, "adds the --compaction-* flags", ("parser",), serving=False),
     _hook(FROM_CLI_ARGS, "reads the flags, selects the plugin's backends, turns serving on",
           ("args",), serving=False),
+    _hook(INIT_DISAGGREGATION, "the CPU prefill switch (pd.py)", ("self",), serving=False),
+    *(Symbol("private", t, f"the CPU prefill switch (pd.py) {why}", serving=False)
+      for t, why in ((MOONCAKE_HOST_INDICES, "turns it off (_send_kv_chunk reads it)"),
+                     (f"sglang.srt.environ.envs.{EARLY_SEND}", "names it (a CUDA event)"),
+                     (f"{SCHEDULER}.enable_overlap", "reads it"))),
+    *(Symbol("private", f"{_MEM}.base_prefix_cache.BasePrefixCache.{name}", "PD decode calls "
+             f"it on the plugin's cache: it must call {calls}", params=("self", arg),
+             prefix=True, calls=calls) for name, arg, calls in (("lock", "node", "inc_lock_ref"),
+             ("unlock", "lock", "dec_lock_ref"), ("evict_for_alloc", "params", "evict"))),
+    *(_hook(t, "a retracted PD decode request keeps its compacted prefix", ("req", "tree_cache",
+            *rest)) for t, rest in ((RETRACT_BACKUP, _POOLS), (RETRACT_RESTORE, _POOLS),
+                                    (RETRACT_DISCARD, ("backend",)))),
     _hook(INGEST_REQUESTS, "the scheduler's safe point: installs finished compactions",
           ("self",)),
     Symbol("import", f"{SCHEDULER}.is_fully_idle", "an idle scheduler writes an install whole",
@@ -295,7 +316,10 @@ def _stored_by(cls: type, name: str) -> bool:
     """Whether a function of `cls` or its bases (not `object`) assigns `self.<name>`."""
     for klass in cls.__mro__[:-1]:
         for value in vars(klass).values():
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            fn = getattr(value, "__func__", value)
+            if callable(fn):  # a hooked method: SGLang's wrapper keeps it as __wrapped__
+                fn = inspect.unwrap(fn)
+            code = getattr(fn, "__code__", None)
             if isinstance(code, types.CodeType) and _stores(code, name):
                 return True
     return False

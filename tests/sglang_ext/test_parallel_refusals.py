@@ -1,6 +1,6 @@
 """`apply_to_server_args` refuses the parallel layouts and features the plugin cannot serve
 with, naming the flag, and leaves the record untouched; TP with a service and DP replicas
-are accepted."""
+are accepted (prefill/decode disaggregation: tests/sglang_ext/test_pd.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ INPROC = CompactionConfig(endpoint="inproc://")
             {"disaggregation_mode": "prefill"},
             "--disaggregation-mode 'prefill': .* without their beta",
         ),
-        ({"disaggregation_mode": "decode"}, "--disaggregation-mode 'decode': decode retraction"),
         ({"enable_dp_attention": True, "dp_size": 2}, "--enable-dp-attention True"),
         ({"attn_dp_size": 2}, "--attn-dp-size 2"),
         ({"attn_cp_size": 2}, "--attn-cp-size 2"),

@@ -13,7 +13,7 @@ import os
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_ext.adapter import hooks
+from sglang_ext.adapter import hooks, surface
 from sglang_ext.adapter.server_args import CONFIG_ATTR
 from tests.sglang_ext._fixtures import parse_flags
 
@@ -37,7 +37,11 @@ def test_without_the_marker_only_the_flag_hooks_are_registered(
 ) -> None:
     added = _register_fresh(monkeypatch)
     assert set(added) == {t for t, _ in hooks.FLAG_HOOKS}
-    assert not any("Scheduler" in t or "init_new" in t or "can_run_graph" in t for t in added)
+    # nothing per request or per forward; once per scheduler, the CPU prefill switch
+    once = {surface.INIT_DISAGGREGATION}
+    assert not any(
+        "Scheduler" in t or "init_new" in t or "can_run_graph" in t for t in set(added) - once
+    )
 
 
 def test_with_the_marker_the_serving_hooks_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:

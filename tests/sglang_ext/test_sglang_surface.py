@@ -209,6 +209,23 @@ def test_a_hook_replaced_by_the_original_is_named(
     assert len(problems) == 1 and problems[0].startswith(f"hook {target}: is not a HookRegistry")
 
 
+def test_retraction_hooks_reach_every_caller(applied: Any) -> None:
+    """The retraction hooks are registered where SGLang defines the functions; SGLang's
+    `HookRegistry` carries the wrapper to each module that imported them, where PD decode's
+    retraction, resume and the scheduler's abort call them."""
+    from sglang_ext.adapter.surface import _wrapped_hooks
+
+    for target, hook, callers in (
+        (surface.RETRACT_BACKUP, plugin._retain, ["sglang.srt.managers.schedule_batch"]),
+        (surface.RETRACT_RESTORE, plugin._repoint, ["sglang.srt.disaggregation.decode"]),
+        (surface.RETRACT_DISCARD, plugin._release,
+         ["sglang.srt.disaggregation.decode", "sglang.srt.managers.scheduler"]),
+    ):  # fmt: skip
+        name = target.rsplit(".", 1)[1]
+        for module in callers:
+            assert hook in _wrapped_hooks(getattr(sys.modules[module], name)), (module, name)
+
+
 def test_serving_hooks_are_checked_only_where_compaction_is_on(
     applied: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

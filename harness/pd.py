@@ -1,0 +1,134 @@
+"""A prefill/decode (PD) disaggregated SGLang pair on CPU, behind sglang-router (the PD tests).
+
+`pd_pair(...)` builds the two `SGLangServer`s: both `--device cpu` with the Mooncake transfer
+backend over TCP (`mooncake_tcp`) and one bootstrap port; prefill with `CPU_PREFILL_ENV` (no
+early send of its cached prefix, a CUDA-only step under overlap scheduling); decode keeps its
+own radix cache (`--disaggregation-decode-enable-radix-cache`) and refreshes its metrics every
+step.
+`PDRouter` runs sglang-router's mini load balancer in front of them. What they need beyond
+the project's venv (the Mooncake wheel, sglang-router, the libraries Mooncake links) is
+installed by `make pd-deps` (scripts/setup_pd_deps.sh) under `PD_DEPS`; `pd_env()` puts it on
+the children's paths. Every port is picked free on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.launch import ManagedProcess, SGLangServer, free_port
+
+__all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair"]
+
+PD_DEPS = Path(__file__).resolve().parent.parent / "third_party" / ".pd-deps"
+
+
+# SGLang's early send of prefill's cached prefix records a torch.cuda.Event under overlap
+# scheduling (see sglang_ext.adapter.pd._warn_early_send): off on a CPU prefill server.
+CPU_PREFILL_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+
+
+def pd_env(component: str = "server") -> dict[str, str]:
+    """Environment for a PD server (`server`: Mooncake on PYTHONPATH, its libraries on
+    LD_LIBRARY_PATH, SGLang's host IP on loopback) or the `router` (sglang-router).
+
+    Raises:
+        FileNotFoundError: `make pd-deps` has not run.
+    """
+    if not (PD_DEPS / ".setup-stamp").is_file():
+        raise FileNotFoundError(f"{PD_DEPS} is missing: run `make pd-deps`")
+    path = [str(PD_DEPS / ("router" if component == "router" else "site"))]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
+    env = {"PYTHONPATH": os.pathsep.join(path)}
+    if component != "router":
+        libs = [str(PD_DEPS / "libs" / d / "x86_64-linux-gnu") for d in ("usr/lib", "lib")]
+        if os.environ.get("LD_LIBRARY_PATH"):
+            libs.append(os.environ["LD_LIBRARY_PATH"])
+        env.update(LD_LIBRARY_PATH=os.pathsep.join(libs), SGLANG_HOST_IP="127.0.0.1")
+    return env
+
+
+def pd_pair(
+    model_path: str | Path,
+    log_dir: Path,
+    prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
+    max_total_tokens: int = 8192,
+    prefill_plugin: bool = True,
+) -> tuple[SGLangServer, SGLangServer, int]:
+    """(prefill, decode, prefill's bootstrap port), the servers not started. Prefill runs with the plugin installed and no
+    `--compaction-endpoint` unless `prefill_args` says otherwise (`prefill_plugin=False`:
+    SGLang without the plugin at all); decode gets `decode_args` (e.g. the plugin's flags)."""
+    bootstrap = free_port()
+    common = [
+        "--disaggregation-transfer-backend", "mooncake_tcp",
+        "--disaggregation-bootstrap-port", str(bootstrap), "--enable-metrics",
+    ]  # fmt: skip
+    prefill = SGLangServer(
+        model_path, log_dir / "prefill.log", max_total_tokens=max_total_tokens,
+        plugin=prefill_plugin, env={**pd_env(), **CPU_PREFILL_ENV},
+        extra_args=[*common, "--disaggregation-mode", "prefill", "--nccl-port",
+                    str(free_port()), *(prefill_args or [])],
+    )  # fmt: skip
+    decode = SGLangServer(
+        model_path, log_dir / "decode.log", max_total_tokens=max_total_tokens, env=pd_env(),
+        extra_args=[*common, "--disaggregation-mode", "decode", "--nccl-port", str(free_port()),
+                    "--disaggregation-decode-enable-radix-cache", "--decode-log-interval", "1",
+                    *(decode_args or [])],
+    )  # fmt: skip
+    return prefill, decode, bootstrap
+
+
+@dataclass
+class PDRouter(ManagedProcess):
+    """sglang-router's mini load balancer (`--pd-disaggregation --mini-lb`) in front of one
+    prefill server (its URL and bootstrap port) and one decode server."""
+
+    prefill_url: str
+    bootstrap_port: int
+    decode_url: str
+    log_path: str | Path
+    startup_timeout: float = 120.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    env: dict[str, str] = field(default_factory=lambda: pd_env("router"))
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--mini-lb", "--prefill", self.prefill_url, str(self.bootstrap_port),
+            "--decode", self.decode_url, "--host", self.host, "--port", str(self.port),
+        ]  # fmt: skip
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def generate(
+        self, text: str, max_new_tokens: int = 16, timeout: float = 600.0, **sampling: Any
+    ) -> Any:
+        """POST /generate through the router (greedy unless `sampling` says otherwise);
+        returns the JSON answer."""
+        import json
+
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        payload = {"text": text, "sampling_params": params}
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())

@@ -1,0 +1,163 @@
+"""Prefill/decode disaggregation end to end on CPU: sglang-router in front of a stock prefill
+server (the plugin installed, no `--compaction-endpoint`: its CPU switch only) and a decode
+server with the plugin (in-process compaction), on a shared-document workload sent through the
+router. From the servers' own figures: decode compacts the document and holds it in >= 8x
+fewer slots than its logical tokens; after the install every request matches the compacted
+prefix on decode and prefill transfers only what follows it (prefill's
+`sglang:kv_transfer_total_mb`, calibrated on the first request, which it sent whole); every
+request is answered. Then a decode pool too small for the requests running at once: the ones
+SGLang retracts resume on their compacted prefix. Needs `make pd-deps`."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from harness.launch import SGLangServer, start_all
+from harness.pd import PDRouter, pd_pair
+from harness.workload import compaction_args, document, metric, prompt, prompt_ids, questions
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+TIMEOUT_S = 400
+RATIO = 0.05
+SENT_MB = "sglang:kv_transfer_total_mb_sum"
+
+
+def _sent_mb(prefill: SGLangServer) -> float:
+    """Prefill's KV sent so far, MB (its histogram's sum; refreshed when a transfer ends)."""
+    return metric(prefill, SENT_MB)
+
+
+def test_decode_compacts_and_prefill_sends_only_the_suffix(
+    prepared_model: Path, tmp_path: Path
+) -> None:
+    doc, qs = document(70), questions()
+    decode_flags = [
+        *compaction_args("inproc://", RATIO, "am-highest", min_hits=2, min_prefix_tokens=256,
+                         timeout_s=TIMEOUT_S),
+        "--compaction-query-sources", "follow-up",
+        "--disaggregation-decode-retraction-backup", "none",
+    ]  # fmt: skip
+    prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+    with contextlib.ExitStack() as stack:
+        start_all(stack, [prefill, decode])
+        router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
+        start_all(stack, [router])
+        # before any compaction: the first request is sent whole, which calibrates MB per token
+        first = router.generate(prompt(doc, qs[0]), max_new_tokens=4)
+        n_first = len(prompt_ids(decode, prompt(doc, qs[0])))
+        mb_per_token = _wait_sent(prefill, 0.0) / n_first
+        router.generate(prompt(doc, qs[1]), max_new_tokens=4)  # the 2nd question: compaction
+        deadline = time.monotonic() + TIMEOUT_S
+        while metric(decode, "sglang:compaction_installed_total") < 1:
+            assert metric(decode, "sglang:compaction_fallbacks_total") == 0, decode.log_tail()
+            assert time.monotonic() < deadline, decode.log_tail()
+            time.sleep(2)
+        logical = metric(decode, "sglang:compaction_logical_tokens")
+        physical = metric(decode, "sglang:compaction_physical_tokens")
+        tree_before = metric(decode, "sglang:compaction_tree_slots")
+        after = []
+        for q in qs[2:5]:  # new questions, after the install
+            before_mb = _sent_mb(prefill)
+            out = router.generate(prompt(doc, q), max_new_tokens=8)
+            n_prompt = len(prompt_ids(decode, prompt(doc, q)))
+            sent = (_wait_sent(prefill, before_mb) - before_mb) / mb_per_token
+            after.append((q, out, n_prompt, sent))
+        tree_after = metric(decode, "sglang:compaction_tree_slots")
+        decode_log = Path(decode.log_path).read_text(errors="replace")
+        prefill_log = Path(prefill.log_path).read_text(errors="replace")
+    print(f"\nPD: prefix {logical:.0f} logical tokens in {physical:.0f} decode slots (tree "
+          f"{tree_before:.0f} slots at the install, {tree_after:.0f} at the end); the first "
+          f"request sent {n_first} tokens ({mb_per_token * n_first:.2f} MB)")  # fmt: skip
+    assert first["text"].strip(), first
+    # decode holds the compacted prefix: >= 8x fewer slots than the tokens it stands for,
+    # and its tree no longer holds the document whole beside it
+    assert logical >= 256 and 0 < physical * 8 <= logical, (logical, physical)
+    assert physical + tree_after < logical, (physical, tree_after, logical)
+    assert "sglang_ext: installed compacted prefix" in decode_log
+    assert "compacted requests are marked on the host" in decode_log  # served with beta
+    assert "disagree with the rows' first slots" not in decode_log
+    # prefill ran with the plugin's CPU switch, and never compacted
+    assert "MooncakeKVSender.supports_host_tensor_indices True -> False" in prefill_log
+    assert "installed compacted prefix" not in prefill_log
+    for i, (q, out, n_prompt, sent) in enumerate(after):
+        print(f"  {q!r}: {n_prompt} prompt tokens, prefill sent {sent:.1f}: {out['text']!r}")
+        assert out["text"].strip() and out["meta_info"]["completion_tokens"] > 0, out
+        # decode matched the whole compacted prefix (the first request after the install
+        # exactly it, later ones also the document's tail the earlier ones left below it),
+        # so prefill sent only what follows
+        assert sent <= n_prompt - logical + 0.5, (q, sent, n_prompt, logical)
+        if i == 0:
+            assert abs(sent - (n_prompt - logical)) < 0.5, (q, sent, n_prompt, logical)
+        assert sent < 0.5 * n_prompt, (q, sent, n_prompt)  # never the whole prompt
+
+
+def _wait_sent(prefill: SGLangServer, before: float, timeout_s: float = 30.0) -> float:
+    """Prefill's sent MB once it moved past `before` (the answer can arrive before prefill
+    records its transfer)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := _sent_mb(prefill)) <= before:
+        assert time.monotonic() < deadline, f"prefill recorded no KV transfer: {prefill.log_tail()}"
+        time.sleep(0.5)
+    return now
+
+
+def test_retracted_requests_resume_on_the_compacted_prefix(
+    prepared_model: Path, tmp_path: Path
+) -> None:
+    """A decode pool too small for the requests running at once: SGLang retracts some (their
+    KV backed up to the host, `cpu_tensor`) and resumes them later; each resumes on its
+    compacted prefix (the plugin's log) and answers token for token as it does when run alone
+    afterwards; every request is answered in full."""
+    doc, qs = document(40), questions()
+    decode_flags = [
+        *compaction_args("inproc://", RATIO, "am-highest", min_hits=2, min_prefix_tokens=256,
+                         timeout_s=TIMEOUT_S),
+        "--compaction-query-sources", "follow-up",
+        "--disaggregation-decode-retraction-backup", "cpu_tensor",
+        "--num-reserved-decode-tokens", "1", "--max-running-requests", "8",
+    ]  # fmt: skip
+    prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+    decode.max_total_tokens = 1000
+    n_new = 160
+    with contextlib.ExitStack() as stack:
+        start_all(stack, [prefill, decode])
+        router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
+        start_all(stack, [router])
+        for q in qs[:2]:
+            router.generate(prompt(doc, q), max_new_tokens=4)
+        deadline = time.monotonic() + TIMEOUT_S
+        while metric(decode, "sglang:compaction_installed_total") < 1:
+            assert metric(decode, "sglang:compaction_fallbacks_total") == 0, decode.log_tail()
+            assert time.monotonic() < deadline, decode.log_tail()
+            time.sleep(2)
+        with ThreadPoolExecutor(len(qs)) as pool:
+            outs = list(pool.map(
+                lambda q: router.generate(prompt(doc, q), max_new_tokens=n_new, ignore_eos=True),
+                qs,
+            ))  # fmt: skip
+        decode_log = Path(decode.log_path).read_text(errors="replace")
+        # a resumed request answers as it does alone (greedy): reading its prefix as plain
+        # tokens changes the answer after the resume
+        agree, retractions = [], 0
+        for q, out in zip(qs, outs):
+            if out["meta_info"].get("num_retractions"):
+                retractions += out["meta_info"]["num_retractions"]
+                alone = router.generate(prompt(doc, q), max_new_tokens=n_new, ignore_eos=True)
+                a, b = out["output_ids"], alone["output_ids"]
+                agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+    resumed = len(re.findall(r"resumed after retraction on its compacted prefix", decode_log))
+    print(f"\nPD retraction: {len(agree)} request(s) retracted ({retractions} time(s)), "
+          f"{resumed} resumed on their compacted prefix; first tokens as when run alone: "
+          f"{agree} of {n_new}")  # fmt: skip
+    assert agree, "no request was retracted: the pool was not tight enough"
+    assert all(n == n_new for n in agree), agree
+    assert resumed == retractions, (resumed, retractions)
+    assert "disagree with the rows' first slots" not in decode_log
+    for out in outs:
+        assert out["meta_info"]["completion_tokens"] == n_new, out["meta_info"]
