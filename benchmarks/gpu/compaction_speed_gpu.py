@@ -10,7 +10,7 @@ attention) and random weights, directly on the device (nothing is downloaded). T
 1. ``--T`` (32k) tokens: whole-model ``compact_prefix`` with each of ``--methods``
    (am-highest, am-omp-fast) at ``--ratio`` 0.1, with the reference queries the SGLang
    plugin sends (``sglang_ext.config.PLUGIN_SPEC``: the ``follow-up`` source with 32 greedy
-   answer tokens per follow-up, on-policy): ``--follow-ups`` random follow-up questions of
+   answer tokens per follow-up): ``--follow-ups`` random follow-up questions of
    ``--follow-up-tokens`` tokens each, in the service's KV chunks (``--chunk-tokens``, default
    ``AUTO_CHUNK_TOKENS``; ``none`` for one chunk). Each stage is timed (prefill, queries, then per layer
    selection / beta / values, synchronized; see ``benchmarks/offline/compaction_speed.py``) with the
@@ -107,10 +107,9 @@ def plugin_spec(method: str, ratio: float) -> Any:
         from compactor.spec import CompactionSpec, QueryConfig
 
         PLUGIN_SPEC = CompactionSpec(
-            method="am-highest",
+            method="kvzip",
             ratio=0.1,
             queries=QueryConfig(sources=("follow-up",), follow_up_answer_tokens=32),
-            on_policy=True,
         )
     return PLUGIN_SPEC.replace(method=method, ratio=ratio)
 

@@ -8,7 +8,7 @@ For each prefix length T (a needle document from the shipped filler): one
 ``compact_prefix`` per method with the spec a compaction gets in practice:
 
 - ``--queries plugin`` (default): the SGLang plugin's spec (``sglang_ext.config.PLUGIN_SPEC``:
-  the ``follow-up`` source, 32 greedy answer tokens per follow-up, on-policy) with
+  the ``follow-up`` source, 32 greedy answer tokens per follow-up) with
   ``--follow-ups`` questions (``harness.workload.many_questions``; the plugin sends at most
   ``max_follow_ups`` = 8);
 - ``--queries library``: the library default (repeat-prefill + self-study), which re-reads

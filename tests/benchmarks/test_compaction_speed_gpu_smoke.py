@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.config import PLUGIN_SPEC
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,7 +33,8 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     assert out["provenance"]["command"].endswith("--chunk-tokens 300")
     for rec in (*out["doc"], *out["big"]):
         assert "error" not in rec
-        assert rec["spec"]["queries"]["sources"] == ["follow-up"] and rec["spec"]["on_policy"]
+        assert rec["spec"]["queries"]["sources"] == ["follow-up"]
+        assert rec["spec"]["on_policy"] is PLUGIN_SPEC.on_policy
         stages = rec["wall_s"]
         assert {"prefill", "queries", "selection", "beta", "values", "compaction"} <= set(stages)
         fit = stages["selection"] + stages["beta"] + stages["values"]
@@ -51,3 +54,12 @@ def test_gpu_benchmark_starts_no_step_past_its_budget(
     out = json.loads((tmp_path / "compaction_speed_gpu_smoke.json").read_text())
     assert [r["skipped"] for r in out["doc"]] == ["not started: over --budget-s 0"] * 2
     assert out["layer"]["skipped"] and out["big"] == []
+
+
+def test_the_spelled_out_plugin_spec_is_the_plugin_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where sglang_ext is not importable the benchmark spells the plugin's spec out: the same."""
+    bench = _load_benchmark()
+    monkeypatch.setitem(sys.modules, "sglang_ext.config", None)  # import -> ImportError
+    assert bench.plugin_spec("am-highest", 0.2) == PLUGIN_SPEC.replace(
+        method="am-highest", ratio=0.2
+    )
