@@ -19,6 +19,13 @@ COPY requirements/ requirements/
 # On GPU, SGLang is installed WITH its dependencies (sgl-kernel, flashinfer) in the same
 # resolver run as our pins, so a conflict fails the build. No CPU sgl_kernel stand-in here.
 RUN pip install -r requirements/base.txt "$(grep '^sglang==' requirements/nodeps.txt)"
+# Prefill/decode disaggregation (deploy/k8s/overlays/pd): SGLang's Mooncake transfer backend
+# (the CUDA 12 wheel; its engine.so links libibverbs, libnl and libnuma) and the PD router,
+# the versions the CPU PD tests run (scripts/setup_pd_deps.sh: the non-CUDA Mooncake wheel).
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnl-3-200 \
+       libnl-route-3-200 libnuma1 && rm -rf /var/lib/apt/lists/* \
+    && pip install "mooncake-transfer-engine==0.3.13.post1" "sglang-router==0.3.2" \
+    && python -c "import sglang_router.launch_router"
 COPY pyproject.toml README.md ./
 COPY compactor/ compactor/
 COPY sglang_ext/ sglang_ext/
