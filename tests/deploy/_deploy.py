@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +91,9 @@ def render_kustomization(directory: Path) -> list[dict[str, Any]]:
             raise FileNotFoundError(f"{directory}/kustomization.yaml: resource {res} missing")
     for patch in kust.get("patches", []):
         ops = yaml.safe_load((directory / patch["path"]).read_text())
+        if isinstance(ops, dict):  # a strategic-merge patch: deployed only as `$patch: delete`
+            docs = _delete(docs, ops, f"{directory}: patch {patch['path']}")
+            continue
         sel = patch["target"]
         matches = [
             d
@@ -108,6 +112,18 @@ def render_kustomization(directory: Path) -> list[dict[str, Any]]:
             if name == image["name"]:
                 c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
     return docs
+
+
+def _delete(docs: list[dict[str, Any]], patch: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """`docs` without the one object a `$patch: delete` patch names (LookupError unless exactly
+    one matches; ValueError for any other strategic-merge patch, which deploy/ does not use)."""
+    if patch.get("$patch") != "delete":
+        raise ValueError(f"{where}: only `$patch: delete` strategic-merge patches are rendered")
+    key = (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+    kept = [d for d in docs if (d["apiVersion"], d["kind"], d["metadata"]["name"]) != key]
+    if len(kept) != len(docs) - 1:
+        raise LookupError(f"{where}: deletes {len(docs) - len(kept)} objects, not one")
+    return kept
 
 
 def apply_json_patch(doc: dict[str, Any], op: dict[str, Any]) -> None:
@@ -238,6 +254,27 @@ def ray_start_options() -> frozenset[str]:
     return frozenset(o for p in start.params for o in p.opts if o.startswith("--"))
 
 
+@functools.cache
+def router_parser() -> argparse.ArgumentParser | None:
+    """sglang-router's own `launch_router` parser (`RouterArgs.add_cli_args`, no prefix), from
+    the installed package or `make pd-deps`'s copy (harness.pd.PD_DEPS/router); None when
+    neither is there."""
+    import sys
+
+    from harness.pd import PD_DEPS
+
+    try:
+        from sglang_router.router_args import RouterArgs
+    except ImportError:
+        if not (PD_DEPS / "router" / "sglang_router").is_dir():
+            return None
+        sys.path.append(str(PD_DEPS / "router"))
+        from sglang_router.router_args import RouterArgs
+    parser = argparse.ArgumentParser(prog="sglang_router.launch_router")
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return parser
+
+
 SCRIPTS = {
     "/opt/compactor/healthcheck.py": "docker/healthcheck.py",
     "/opt/compactor/wait_for_gpus.py": "ray/wait_for_gpus.py",
@@ -253,6 +290,11 @@ def classify(argv: list[str]) -> tuple[str, list[str]] | None:
         ["python3", "-m", "sglang.launch_server"],
     ):
         return "sglang", argv[3:]
+    if argv[:3] in (
+        ["python", "-m", "sglang_router.launch_router"],
+        ["python3", "-m", "sglang_router.launch_router"],
+    ):
+        return "sglang-router", argv[3:]
     if argv[:1] in (["python"], ["python3"]) and len(argv) > 1 and argv[1] in SCRIPTS:
         return SCRIPTS[argv[1]], argv[2:]
     if argv[:2] == ["ray", "start"]:
@@ -271,8 +313,14 @@ def check_argv(program: str, args: list[str]) -> argparse.Namespace | None:
                 flag = a.split("=", 1)[0]
                 assert flag in opts, f"ray start has no option {flag}"
         return None
-    parser = {"compactor": compactor_parser, "sglang": sglang_parser}.get(program)
-    parser_obj = parser() if parser else script_parser(program)
+    parser_obj: argparse.ArgumentParser | None
+    if program == "sglang-router":
+        parser_obj = router_parser()
+        if parser_obj is None:
+            pytest.skip("sglang-router is not installed: run `make pd-deps`")
+    else:
+        parser = {"compactor": compactor_parser, "sglang": sglang_parser}.get(program)
+        parser_obj = parser() if parser else script_parser(program)
     known = set(_option_strings(parser_obj))
     for a in args:
         if a.startswith("--"):
@@ -290,3 +338,60 @@ def _option_strings(parser: argparse.ArgumentParser) -> Iterator[str]:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 yield from _option_strings(sub)
+
+
+# ---- what the rendered objects are ------------------------------------------------------------
+def sglang_servers(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(Deployment, container) for each container that runs `python -m sglang.launch_server`."""
+    out = []
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if any((k := classify(a)) and k[0] == "sglang" for a in container_argvs(c)):
+                out.append((d, c))
+    return out
+
+
+def compaction_clients(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The SGLang servers that dial the compaction service (`--compaction-endpoint`)."""
+    return [
+        (d, c)
+        for d, c in sglang_servers(docs)
+        if any("--compaction-endpoint" in a for a in container_argvs(c))
+    ]
+
+
+def ingress_allowed(
+    docs: list[dict[str, Any]], src: dict[str, str], dst: dict[str, str], port: int,
+    src_namespace: dict[str, str] | None = None,
+) -> bool:  # fmt: skip
+    """Whether the NetworkPolicies in `docs` let a pod labelled `src` (in the manifests' own
+    namespace, or one labelled `src_namespace`) open TCP `port` on a pod labelled `dst`: a pod
+    no policy selects takes everything; else some rule of a selecting policy must admit it.
+    Only the subset deploy/ writes: matchLabels, ingress, TCP ports by number."""
+    mine = [
+        p
+        for p in docs
+        if p["kind"] == "NetworkPolicy"
+        and p["spec"]["podSelector"].get("matchLabels", {}).items() <= dst.items()
+    ]
+    if not mine:
+        return True
+    for rule in (r for p in mine for r in p["spec"].get("ingress", [])):
+        if rule.get("ports") and port not in {q["port"] for q in rule["ports"]}:  # [] = all
+            continue
+        if "from" not in rule:  # every source
+            return True
+        for peer in rule["from"]:
+            ns_sel = peer.get("namespaceSelector")
+            if ns_sel is None:
+                ns_ok = src_namespace is None
+            else:
+                ns_ok = src_namespace is not None and (
+                    ns_sel.get("matchLabels", {}).items() <= src_namespace.items()
+                )
+            pod_sel = peer.get("podSelector", {}).get("matchLabels", {})
+            if ns_ok and pod_sel.items() <= src.items():
+                return True
+    return False

@@ -17,11 +17,13 @@ from tests.deploy._deploy import (
     OVERLAYS,
     check_argv,
     classify,
+    compaction_clients,
     container_argvs,
     dockerfile_argv,
     load_yaml_docs,
     pod_specs,
     render_kustomization,
+    sglang_servers,
     split_shell,
 )
 
@@ -94,8 +96,9 @@ def test_no_ray_port_is_reachable_from_outside_the_pool(docs: list[dict[str, Any
     port list admits the pool's own pods only; other rules open only the gRPC port to SGLang
     and the metrics port to Prometheus."""
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    sglang = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
-    sglang_labels = sglang[0]["spec"]["template"]["metadata"]["labels"]
+    # the SGLang servers with --compaction-endpoint (PD: decode only, never prefill)
+    clients = [d["spec"]["template"]["metadata"]["labels"] for d, _ in compaction_clients(docs)]
+    assert clients
     for name, _spec in pod_specs(docs):
         if name not in RAY_PODS:
             continue
@@ -112,7 +115,7 @@ def test_no_ray_port_is_reachable_from_outside_the_pool(docs: list[dict[str, Any
             for port in rule["ports"]:
                 assert port["port"] in OPEN_PORTS, f"{name}: port {port['port']} opened"
                 if OPEN_PORTS[port["port"]] == "sglang":
-                    assert [s["podSelector"]["matchLabels"] for s in sources] == [sglang_labels]
+                    assert [s["podSelector"]["matchLabels"] for s in sources] == clients
 
 
 def test_each_pod_mounts_only_the_secret_keys_it_reads(docs: list[dict[str, Any]]) -> None:
@@ -198,25 +201,58 @@ def test_sglang_admin_endpoints_need_the_admin_key(docs: list[dict[str, Any]]) -
     """--admin-api-key is set from the Secret: without it SGLang 0.5's admin-optional endpoints
     (/flush_cache, /update_weights_from_disk) answer any tenant."""
     documented = {d["metadata"]["name"]: d for d in load_yaml_docs(SECRET_EXAMPLE)}
-    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
-    (c,) = dep["spec"]["template"]["spec"]["containers"]
-    (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
-    value = argv[argv.index("--admin-api-key") + 1]
-    assert value.startswith("$(") and value.endswith(")"), "the key must not sit in the manifest"
-    ref = _env(c)[value[2:-1]]["secretKeyRef"]
-    assert ref["key"] in documented[ref["name"]]["stringData"]
+    servers = sglang_servers(docs)
+    assert servers
+    for dep, c in servers:  # every SGLang server: single, PD prefill and decode
+        (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
+        value = argv[argv.index("--admin-api-key") + 1]
+        assert value.startswith("$(") and value.endswith(")"), dep["metadata"]["name"]
+        ref = _env(c)[value[2:-1]]["secretKeyRef"]
+        assert ref["key"] in documented[ref["name"]]["stringData"]
+
+
+def _labels(dep: dict[str, Any]) -> dict[str, str]:
+    return dict(dep["spec"]["template"]["metadata"]["labels"])
 
 
 def test_sglang_and_metrics_ingress_are_closed(docs: list[dict[str, Any]]) -> None:
-    """A policy selects SGLang's pods and opens only its HTTP port, to named clients; every
-    Prometheus rule names its namespace (an empty namespaceSelector admits all of them)."""
+    """A policy selects each SGLang server's pods and opens only its HTTP port, to named
+    clients; only a PD server's peer (prefill <-> decode) reaches its other ports (Mooncake's,
+    chosen at run time), with no port list; every Prometheus rule names its namespace (an
+    empty namespaceSelector admits all of them)."""
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang"]
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    mine = [p for p in policies if _selects(p, labels)]
-    assert mine, "no NetworkPolicy selects SGLang: every port is open to every pod"
-    for rule in (r for p in mine for r in p["spec"]["ingress"]):
-        assert rule["from"] and [p["port"] for p in rule["ports"]] == [30000]
+    servers = sglang_servers(docs)
+    modes = {}
+    for dep, c in servers:
+        (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
+        modes[dep["metadata"]["name"]] = check_argv(*classify(argv))  # type: ignore[misc]
+    peer_of = {"prefill": "decode", "decode": "prefill"}
+    for dep, _c in servers:
+        name, labels = dep["metadata"]["name"], _labels(dep)
+        ns = modes[name]
+        peers = [
+            _labels(d)
+            for d, _ in servers
+            if modes[d["metadata"]["name"]].disaggregation_mode
+            == peer_of.get(ns.disaggregation_mode)
+        ]
+        mine = [p for p in policies if _selects(p, labels)]
+        assert mine, f"no NetworkPolicy selects {name}: every port is open to every pod"
+        for rule in (r for p in mine for r in p["spec"]["ingress"]):
+            assert rule["from"], f"{name}: a rule admits every source"
+            if "ports" in rule:  # HTTP; on prefill its bootstrap port too, to the router only
+                ports = [p["port"] for p in rule["ports"]]
+                allowed = [[ns.port]]
+                if ns.disaggregation_mode == "prefill":
+                    allowed.append([ns.disaggregation_bootstrap_port])
+                assert ports in allowed, f"{name}: ports {ports} opened"
+                if ports != [ns.port]:
+                    assert [set(src) for src in rule["from"]] == [{"podSelector"}], name
+            else:  # every port: the PD peer's pods only
+                assert peers, f"{name}: a rule without ports on a server with no PD peer"
+                for src in rule["from"]:
+                    assert set(src) == {"podSelector"}, f"{name}: {src} reaches every port"
+                    assert src["podSelector"]["matchLabels"] in peers, name
     for rule in (r for p in policies for r in p["spec"]["ingress"]):
         for src in rule["from"]:
             if "namespaceSelector" in src:
