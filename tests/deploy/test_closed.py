@@ -222,7 +222,7 @@ def test_sglang_and_metrics_ingress_are_closed(docs: list[dict[str, Any]]) -> No
     empty namespaceSelector admits all of them)."""
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     servers = sglang_servers(docs)
-    modes = {}
+    modes: dict[str, Any] = {}  # name -> parsed arguments
     for dep, c in servers:
         (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
         modes[dep["metadata"]["name"]] = check_argv(*classify(argv))  # type: ignore[misc]

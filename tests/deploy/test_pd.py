@@ -55,7 +55,7 @@ def _servers(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], Any]
     out = {}
     for dep, c in sglang_servers(docs):
         (argv,) = [a for a in container_argvs(c) if (k := classify(a)) and k[0] == "sglang"]
-        ns = check_argv(*classify(argv))  # type: ignore[misc]
+        ns: Any = check_argv(*classify(argv))  # type: ignore[misc]
         out[ns.disaggregation_mode] = (dep, ns)
     return out
 
