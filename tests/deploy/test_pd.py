@@ -138,6 +138,8 @@ def test_router_command_names_both_servers(docs: list[dict[str, Any]]) -> None:
     assert ports == {"http": r.port, "metrics": r.prometheus_port}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[kind]["httpGet"]["port"] == r.port
+    start = c["startupProbe"]  # outlasts the router's own wait for its servers
+    assert start["periodSeconds"] * start["failureThreshold"] >= r.worker_startup_timeout_secs
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/port"] == str(r.prometheus_port)
     svc = {p["name"]: p["targetPort"] for p in _service_for(docs, dep)["spec"]["ports"]}
