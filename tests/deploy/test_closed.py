@@ -217,9 +217,10 @@ def _labels(dep: dict[str, Any]) -> dict[str, str]:
 
 def test_sglang_and_metrics_ingress_are_closed(docs: list[dict[str, Any]]) -> None:
     """A policy selects each SGLang server's pods and opens only its HTTP port, to named
-    clients; only a PD server's peer (prefill <-> decode) reaches its other ports (Mooncake's,
-    chosen at run time), with no port list; every Prometheus rule names its namespace (an
-    empty namespaceSelector admits all of them)."""
+    clients (PD prefill: also its bootstrap port, to pods named by label only); only a PD
+    server's peer (prefill <-> decode) reaches its other ports (Mooncake's, chosen at run
+    time), with no port list; every Prometheus rule names its namespace (an empty
+    namespaceSelector admits all of them)."""
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     servers = sglang_servers(docs)
     modes: dict[str, Any] = {}  # name -> parsed arguments
