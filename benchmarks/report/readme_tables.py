@@ -237,6 +237,24 @@ def _methods_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("pd", "pd.json")
+def _pd(data: list[dict[str, Any]]) -> list[list[str]]:
+    """PD stock vs the plugin on decode (benchmarks/server/pd.py)."""
+    rows = [["PD pair", "decode KV slots held", "less KV", "decode peak in the run",
+             "most running", "req/s", "TTFT p50 / p95 s", "decode step ms",
+             "prefill sent MB"]]  # fmt: skip
+    base = data[0]["rows"][0]["decode_idle"]["held"]
+    for r in data[0]["rows"]:
+        held = r["decode_idle"]["held"]
+        rows.append([
+            r["config"], str(held), f"{base / held:.1f}x", str(r["decode_busy"]["peak_held"]),
+            str(r["decode_busy"]["max_running"]), f"{r['request_throughput']:.2f}",
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f}", f"{r['decode_step_s'] * 1000:.0f}",
+            f"{r['prefill_sent_mb']:.1f}",
+        ])  # fmt: skip
+    return rows
+
+
 @table("cluster", "cluster_sim.json")
 def _cluster(data: list[dict[str, Any]]) -> list[list[str]]:
     d = data[0]
