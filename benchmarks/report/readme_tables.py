@@ -42,6 +42,7 @@ DOCUMENTS = (
     "docs/results.md",
     "docs/gpu.md",
     "docs/benchmarks.md",
+    "docs/cluster.md",
     "sglang_ext/README.md",
 )
 MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
