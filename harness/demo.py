@@ -42,6 +42,7 @@ from harness.workload import (
     document,
     metric,
     needle_correct,
+    percentile,
     prompt,
     prompt_ids,
     questions,
@@ -53,11 +54,6 @@ from harness.workload import (
 from sglang_ext.config import PLUGIN_SPEC
 
 NEEDLE_COUNT = 3
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def warm_up(name: str, server: SGLangServer, docs: list[str], max_new_tokens: int) -> float:
@@ -90,7 +86,7 @@ def measure(
         "requests_per_s": len(results) / wall,
         "output_tokens_per_s": sum(len(r.output_ids) for r in results) / wall,
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p95_s": _percentile(ttfts, 0.95),
+        "ttft_p95_s": percentile(ttfts, 0.95),
         "answers": [
             {
                 "doc": d,

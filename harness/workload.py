@@ -267,6 +267,12 @@ def stream_all(url: str, prompts: list[str], max_new_tokens: int) -> tuple[list[
     return results, time.perf_counter() - t0
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The `q` quantile of `xs` (0 <= q <= 1) by nearest rank: an element of `xs`."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
 def prompt_ids(server: SGLangServer, text: str) -> list[int]:
     """The token ids `server` makes of `text` for /generate (its /tokenize, special tokens as
     /generate adds them)."""

@@ -47,6 +47,7 @@ from harness.workload import (
     compaction_args,
     document,
     metric,
+    percentile,
     prompt,
     questions,
     stream_all,
@@ -59,11 +60,6 @@ SENT_MB = "sglang:kv_transfer_total_mb_sum"
 WARM_QUESTIONS = 2  # the plugin's trigger: a path shared by this many different questions
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
 def timing_summary(results: list[Timed], wall_s: float) -> dict[str, float]:
     """Throughput, TTFT p50 / p95 and the mean decode step of one measured pass."""
     steps = [(r.latency_s - r.ttft_s) / (len(r.output_ids) - 1)
@@ -73,8 +69,8 @@ def timing_summary(results: list[Timed], wall_s: float) -> dict[str, float]:
         "requests": len(results),
         "wall_s": wall_s,
         "request_throughput": len(results) / wall_s,
-        "ttft_p50_s": _percentile(ttft, 0.5),
-        "ttft_p95_s": _percentile(ttft, 0.95),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p95_s": percentile(ttft, 0.95),
         "decode_step_s": statistics.mean(steps) if steps else float("nan"),
     }
 
