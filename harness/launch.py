@@ -190,8 +190,42 @@ class ManagedProcess:
         )
 
 
+class HTTPServer(ManagedProcess):
+    """A managed process serving SGLang's HTTP API on `host`:`port` (an SGLang server, or a
+    router in front of some): ready once `/health` answers 200."""
+
+    GENERATE_TIMEOUT_S = 300.0  # seconds a `generate` call waits for its answer
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def generate(self, text: str, max_new_tokens: int = 16, **sampling: Any) -> dict[str, Any]:
+        """POST /generate (greedy by default); returns the JSON answer."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        payload = {"text": text, "sampling_params": params}
+        return self.post("/generate", payload, self.GENERATE_TIMEOUT_S)
+
+    def post(self, path: str, payload: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            result: dict[str, Any] = json.loads(resp.read())
+        return result
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+
 @dataclass
-class SGLangServer(ManagedProcess):
+class SGLangServer(HTTPServer):
     """A real SGLang HTTP server for one model.
 
     Attributes:
@@ -216,10 +250,6 @@ class SGLangServer(ManagedProcess):
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
@@ -248,28 +278,6 @@ class SGLangServer(ManagedProcess):
         the group takes ~5 s: the scheduler dies first, and the main process, seeing a child
         crash, sleeps 5 s before its crash diagnostics. What is left is killed with the group."""
         os.kill(pid, signal.SIGINT)
-
-    def generate(self, text: str, max_new_tokens: int = 16, **sampling: Any) -> dict[str, Any]:
-        """POST /generate (greedy by default); returns the JSON answer."""
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
-        return self.post("/generate", {"text": text, "sampling_params": params})
-
-    def post(self, path: str, payload: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-        req = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            result: dict[str, Any] = json.loads(resp.read())
-        return result
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
 
 
 @dataclass

@@ -16,13 +16,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from harness.launch import ManagedProcess, SGLangServer, free_port
+from harness.launch import HTTPServer, SGLangServer, free_port
 
 __all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair"]
 
@@ -87,9 +84,11 @@ def pd_pair(
 
 
 @dataclass
-class PDRouter(ManagedProcess):
+class PDRouter(HTTPServer):
     """sglang-router's mini load balancer (`--pd-disaggregation --mini-lb`) in front of one
     prefill server (its URL and bootstrap port) and one decode server."""
+
+    GENERATE_TIMEOUT_S = 600.0
 
     prefill_url: str
     bootstrap_port: int
@@ -101,34 +100,9 @@ class PDRouter(ManagedProcess):
     env: dict[str, str] = field(default_factory=lambda: pd_env("router"))
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--mini-lb", "--prefill", self.prefill_url, str(self.bootstrap_port),
             "--decode", self.decode_url, "--host", self.host, "--port", str(self.port),
         ]  # fmt: skip
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def generate(
-        self, text: str, max_new_tokens: int = 16, timeout: float = 600.0, **sampling: Any
-    ) -> Any:
-        """POST /generate through the router (greedy unless `sampling` says otherwise);
-        returns the JSON answer."""
-        import json
-
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
-        payload = {"text": text, "sampling_params": params}
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
