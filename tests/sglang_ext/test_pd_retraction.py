@@ -25,6 +25,17 @@ from tests.sglang_ext._radix import (
 SUFFIX = [7, 8, 9, 10, 11]
 
 
+def _served(compacted: Any) -> tuple[Any, Any, Any, int]:
+    """A cache holding the compacted document, its node, and a request served from it (the
+    document plus `SUFFIX`, `n` tokens in all)."""
+    ids, prefix, fp = compacted
+    cache = make_cache(fp)
+    insert_fresh(cache, ids)
+    node = cache.install(ids, prefix)
+    req = make_req(cache, "r", [*ids, *SUFFIX], len(ids))
+    return cache, node, req, len(ids) + len(SUFFIX)
+
+
 def _retract(cache: Any, req: Any, n: int) -> None:
     """What SGLang's release_req does after the backup: free the request's own slots, unlock
     its node, give the row back, clear the request's tree state (`reset_for_retract`)."""
@@ -41,12 +52,8 @@ def _resume(cache: Any, req: Any, n: int) -> torch.Tensor:
 
 
 def test_a_retracted_request_resumes_on_its_compacted_prefix(compacted: Any) -> None:
-    ids, prefix, fp = compacted
-    cache = make_cache(fp)
-    insert_fresh(cache, ids)
-    node = cache.install(ids, prefix)
-    n_prefix, n = len(node.value), len(ids) + len(SUFFIX)
-    req = make_req(cache, "r", [*ids, *SUFFIX], len(ids))
+    cache, node, req, n = _served(compacted)
+    n_prefix = len(node.value)
     assert req.last_node is node
     assert retain(req, cache, "cpu_tensor")
     _retract(cache, req, n)
@@ -72,12 +79,7 @@ def test_a_retracted_request_resumes_on_its_compacted_prefix(compacted: Any) -> 
 
 
 def test_a_discarded_backup_unlocks_the_prefix(compacted: Any) -> None:
-    ids, prefix, fp = compacted
-    cache = make_cache(fp)
-    insert_fresh(cache, ids)
-    node = cache.install(ids, prefix)
-    n = len(ids) + len(SUFFIX)
-    req = make_req(cache, "r", [*ids, *SUFFIX], len(ids))
+    cache, node, req, n = _served(compacted)
     retain(req, cache, "cpu_tensor")
     _retract(cache, req, n)
     assert release(req, cache) and not release(req, cache)  # once
@@ -106,12 +108,7 @@ def test_an_aborted_retracted_request_lets_the_prefix_go(compacted: Any) -> None
     from sglang_ext.adapter import hooks, surface
 
     assert (surface.RETRACT_DISCARD, hooks._release) in hooks.SERVING_HOOKS
-    ids, prefix, fp = compacted
-    cache = make_cache(fp)
-    insert_fresh(cache, ids)
-    node = cache.install(ids, prefix)
-    n = len(ids) + len(SUFFIX)
-    req = make_req(cache, "r", [*ids, *SUFFIX], len(ids))
+    cache, node, req, n = _served(compacted)
     hooks._retain(True, req, cache, cache.req_to_token_pool, cache.token_to_kv_pool_allocator,
                   "cpu_tensor")  # fmt: skip
     _retract(cache, req, n)
