@@ -20,7 +20,15 @@ import pytest
 
 from harness.launch import SGLangServer, start_all
 from harness.pd import PDRouter, pd_pair
-from harness.workload import compaction_args, document, metric, prompt, prompt_ids, questions
+from harness.workload import (
+    compaction_args,
+    document,
+    metric,
+    prompt,
+    prompt_ids,
+    questions,
+    wait_for_compactions,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 TIMEOUT_S = 400
@@ -53,13 +61,9 @@ def test_decode_compacts_and_prefill_sends_only_the_suffix(
         n_first = len(prompt_ids(decode, prompt(doc, qs[0])))
         mb_per_token = _wait_sent(prefill, 0.0) / n_first
         router.generate(prompt(doc, qs[1]), max_new_tokens=4)  # the 2nd question: compaction
-        deadline = time.monotonic() + TIMEOUT_S
-        while metric(decode, "sglang:compaction_installed_total") < 1:
-            assert metric(decode, "sglang:compaction_fallbacks_total") == 0, decode.log_tail()
-            assert time.monotonic() < deadline, decode.log_tail()
-            time.sleep(2)
-        logical = metric(decode, "sglang:compaction_logical_tokens")
-        physical = metric(decode, "sglang:compaction_physical_tokens")
+        ended = wait_for_compactions(decode, 1, TIMEOUT_S, progress=False)
+        assert ended["installed_total"] == 1 and ended["fallbacks_total"] == 0, decode.log_tail()
+        logical, physical = ended["logical_tokens"], ended["physical_tokens"]
         tree_before = metric(decode, "sglang:compaction_tree_slots")
         after = []
         for q in qs[2:5]:  # new questions, after the install
@@ -131,11 +135,8 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
         start_all(stack, [router])
         for q in qs[:2]:
             router.generate(prompt(doc, q), max_new_tokens=4)
-        deadline = time.monotonic() + TIMEOUT_S
-        while metric(decode, "sglang:compaction_installed_total") < 1:
-            assert metric(decode, "sglang:compaction_fallbacks_total") == 0, decode.log_tail()
-            assert time.monotonic() < deadline, decode.log_tail()
-            time.sleep(2)
+        ended = wait_for_compactions(decode, 1, TIMEOUT_S, progress=False)
+        assert ended["installed_total"] == 1 and ended["fallbacks_total"] == 0, decode.log_tail()
         with ThreadPoolExecutor(len(qs)) as pool:
             outs = list(pool.map(
                 lambda q: router.generate(prompt(doc, q), max_new_tokens=n_new, ignore_eos=True),
