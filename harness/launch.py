@@ -117,6 +117,13 @@ class ManagedProcess:
         )
         log.close()
 
+    def restart(self) -> Any:
+        """Stop the process and start it again on the same port (a restart behind a fixed
+        address: whoever points at it keeps pointing at it); returns self."""
+        self.stop()
+        self._picked_port = False  # keep the port: a lost bind race now fails the start
+        return self.start()
+
     def stop(self) -> None:
         """Ask the process to stop (`_ask_to_stop`), SIGKILL its group once the leader is gone
         or after 15 s; safe to call twice."""

@@ -6,7 +6,9 @@ fewer slots than its logical tokens; after the install every request matches the
 prefix on decode and prefill transfers only what follows it (prefill's
 `sglang:kv_transfer_total_mb`, calibrated on the first request, which it sent whole); every
 request is answered. Then a decode pool too small for the requests running at once: the ones
-SGLang retracts resume on their compacted prefix. Needs `make pd-deps`."""
+SGLang retracts resume on their compacted prefix. Last, nothing is lost when decode's
+compaction service is down (the full prefix serves) or decode restarts (it compacts again).
+Needs `make pd-deps`."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import SGLangServer, start_all
+from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pd import PDRouter, pd_pair
 from harness.workload import (
     compaction_args,
@@ -162,3 +164,57 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
     assert "disagree with the rows' first slots" not in decode_log
     for out in outs:
         assert out["meta_info"]["completion_tokens"] == n_new, out["meta_info"]
+
+
+def test_service_outage_and_decode_restart_lose_no_request(
+    prepared_model: Path, tmp_path: Path
+) -> None:
+    """Decode against a real `compactor serve`. The service is down when a document's
+    compaction is due: the requests are answered from the full prefix (one fallback); the
+    service comes back and the next question's retry installs the fit. Then decode restarts on
+    its address, empty: the router and prefill keep serving through it, it compacts the
+    document again and prefill sends only the suffix again."""
+    doc, qs = document(40), questions()
+    service = CompactorService(prepared_model, tmp_path / "service.log", in_process=True)
+    with contextlib.ExitStack() as stack:
+        start_all(stack, [service])
+        decode_flags = [
+            *compaction_args(service.endpoint, RATIO, "am-highest", min_hits=2,
+                             min_prefix_tokens=256, timeout_s=TIMEOUT_S),
+            "--compaction-query-sources", "follow-up", "--compaction-retry-backoff", "0",
+            "--disaggregation-decode-retraction-backup", "none",
+        ]  # fmt: skip
+        prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+        start_all(stack, [prefill, decode])
+        router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
+        start_all(stack, [router])
+        answered = [router.generate(prompt(doc, qs[0]), max_new_tokens=8)]
+        n_first = len(prompt_ids(decode, prompt(doc, qs[0])))
+        mb_per_token = _wait_sent(prefill, 0.0) / n_first
+
+        service.stop()  # the outage: nothing listens at decode's endpoint
+        answered.append(router.generate(prompt(doc, qs[1]), max_new_tokens=8))  # due now
+        outage = wait_for_compactions(decode, 1, TIMEOUT_S, progress=False)
+        assert outage["fallbacks_total"] == 1 and outage["installed_total"] == 0, outage
+        service.restart()
+        answered.append(router.generate(prompt(doc, qs[2]), max_new_tokens=8))  # the retry
+        back = wait_for_compactions(decode, 2, TIMEOUT_S, progress=False)
+        assert back["installed_total"] == 1, decode.log_tail()
+
+        decode.restart()  # same address: the router and prefill keep it
+        for q in qs[3:5]:  # the new decode's own two hits of the document
+            answered.append(router.generate(prompt(doc, q), max_new_tokens=8))
+        again = wait_for_compactions(decode, 1, TIMEOUT_S, progress=False)
+        assert again["installed_total"] == 1 and again["fallbacks_total"] == 0, decode.log_tail()
+        before_mb = _sent_mb(prefill)
+        answered.append(router.generate(prompt(doc, qs[5]), max_new_tokens=8))
+        n_prompt = len(prompt_ids(decode, prompt(doc, qs[5])))
+        sent = (_wait_sent(prefill, before_mb) - before_mb) / mb_per_token
+    logical = again["logical_tokens"]
+    print(f"\nPD outage/restart: {len(answered)} requests answered; after the restart the "
+          f"prefix is {logical:.0f} tokens in {again['physical_tokens']:.0f} slots and prefill "
+          f"sent {sent:.1f} of {n_prompt} prompt tokens")  # fmt: skip
+    for out in answered:
+        assert out["text"].strip() and out["meta_info"]["completion_tokens"] > 0, out
+    assert 0 < again["physical_tokens"] * 8 <= logical, again
+    assert abs(sent - (n_prompt - logical)) < 0.5, (sent, n_prompt, logical)
