@@ -5,7 +5,8 @@ backend over TCP (`mooncake_tcp`) and one bootstrap port; prefill with `CPU_PREF
 early send of its cached prefix, a CUDA-only step under overlap scheduling); decode keeps its
 own radix cache (`--disaggregation-decode-enable-radix-cache`) and refreshes its metrics every
 step.
-`PDRouter` runs sglang-router's mini load balancer in front of them. What they need beyond
+`PDRouter` runs sglang-router's mini load balancer in front of them; `pd_teacher_forced`
+scores an answer through it as decode reads it. What they need beyond
 the project's venv (the Mooncake wheel, sglang-router, the libraries Mooncake links) is
 installed by `make pd-deps` (scripts/setup_pd_deps.sh) under `PD_DEPS`; `pd_env()` puts it on
 the children's paths. Every port is picked free on loopback.
@@ -16,12 +17,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.launch import HTTPServer, SGLangServer, free_port
+from harness.workload import Forced
 
-__all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair"]
+__all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair", "pd_teacher_forced"]
 
 PD_DEPS = Path(__file__).resolve().parent.parent / "third_party" / ".pd-deps"
 
@@ -106,3 +110,44 @@ class PDRouter(HTTPServer):
             "--mini-lb", "--prefill", self.prefill_url, str(self.bootstrap_port),
             "--decode", self.decode_url, "--host", self.host, "--port", str(self.port),
         ]  # fmt: skip
+
+
+def pd_teacher_forced(
+    router: HTTPServer, prompt: Sequence[int], answer: Sequence[int], parallel: int = 4
+) -> Forced:
+    """Score `answer` after `prompt` (token ids) through a PD pair, as decode reads it.
+
+    A PD prefill server computes every log-prob of the prompt itself (over its own full
+    cache), so `harness.workload.teacher_forced` would never reach decode. Here each answer
+    token j >= 1 is the second token of its own greedy request, ``input_ids`` = prompt +
+    answer[:j-1]: prefill makes the first token (which must be answer[j-1]), decode the
+    second, over its own cache, and reports the log-prob of answer[j] and its top-1 there.
+    Token 0 is prefill's, as in serving.
+
+    Raises:
+        ValueError: `answer` has fewer than two tokens.
+        RuntimeError: prefill's greedy token differs from the answer's (that position would
+            not be teacher-forced).
+    """
+    answer = [int(t) for t in answer]
+    if len(answer) < 2:
+        raise ValueError(f"an answer of {len(answer)} token(s): decode scores from the second on")
+
+    def second(j: int) -> tuple[float, int, float, int]:
+        out = router.post("/generate", {
+            "input_ids": [*prompt, *answer[: j - 1]], "return_logprob": True,
+            "top_logprobs_num": 1, "token_ids_logprob": [answer[j]],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+        })  # fmt: skip
+        meta = out["meta_info"]
+        first = int(out["output_ids"][0])
+        if first != answer[j - 1]:
+            raise RuntimeError(f"prefill's token {first} at answer position {j - 1} is not the "
+                               f"answer's {answer[j - 1]}")  # fmt: skip
+        head = meta["output_token_logprobs"][0]
+        return (float(head[0]), first, float(meta["output_token_ids_logprobs"][1][0][0]),
+                int(meta["output_top_logprobs"][1][0][1]))  # fmt: skip
+
+    with ThreadPoolExecutor(parallel) as pool:
+        rows = list(pool.map(second, range(1, len(answer))))
+    return Forced([rows[0][0]] + [r[2] for r in rows], [rows[0][1]] + [r[3] for r in rows])
