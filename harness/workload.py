@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -290,6 +291,22 @@ class Forced:
     def agreement(self, answer: Sequence[int]) -> list[bool]:
         """Per token: is the server's top-1 the answer's token (does not compound)."""
         return [int(a) == b for a, b in zip(answer, self.top1, strict=True)]
+
+
+def logprob_gap(a: Sequence[Forced], b: Sequence[Forced], skip: int = 0) -> float:
+    """Mean |log-prob difference| of two scorings of the same answers, over every answer's
+    tokens from token `skip` on."""
+    return statistics.mean(
+        abs(x - y)
+        for fa, fb in zip(a, b, strict=True)
+        for x, y in zip(fa.logprobs[skip:], fb.logprobs[skip:], strict=True)
+    )
+
+
+def top1_share(forced: Sequence[Forced], answers: Sequence[Sequence[int]], skip: int = 0) -> float:
+    """Share of the answers' tokens (from token `skip` on) that are the scoring's top-1."""
+    hits = [h for f, a in zip(forced, answers, strict=True) for h in f.agreement(a)[skip:]]
+    return sum(hits) / len(hits)
 
 
 def teacher_forced(server: SGLangServer, prompt: Sequence[int], answer: Sequence[int]) -> Forced:

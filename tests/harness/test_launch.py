@@ -94,3 +94,12 @@ def test_a_port_the_caller_chose_is_never_changed(tmp_path: Path) -> None:
             proc.start()
         proc.stop()
         assert proc.port == port
+
+
+def test_a_restart_keeps_a_picked_port(tmp_path: Path) -> None:
+    with _Binder(log_path=tmp_path / "log") as proc:
+        port, first = proc.port, proc.pid
+        proc.restart()
+        assert proc.port == port and proc.pid != first
+        with socket.socket() as probe, pytest.raises(OSError):  # the new child holds it
+            probe.bind(("127.0.0.1", port))

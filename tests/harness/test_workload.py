@@ -6,7 +6,9 @@ import pytest
 
 from harness.workload import (
     NEEDLE_VALUES,
+    Forced,
     document,
+    logprob_gap,
     many_questions,
     needle_correct,
     needles,
@@ -14,6 +16,7 @@ from harness.workload import (
     prose_document,
     prose_unseen_questions,
     questions,
+    top1_share,
     unseen_questions,
 )
 
@@ -85,3 +88,16 @@ def test_prose_documents_have_no_needles_and_differ() -> None:
     assert all(needle_correct(q, "falcon", 0) is None for q in unseen)
     with pytest.raises(ValueError, match="-2"):
         prose_document(10, -2)
+
+
+def test_logprob_gap_and_top1_share_pair_the_answers_tokens() -> None:
+    answers = [[5, 6, 7], [8, 9]]
+    a = [Forced([-1.0, -2.0, -0.5], [5, 6, 1]), Forced([-0.1, -0.2], [8, 2])]
+    b = [Forced([-1.5, -2.0, -1.0], [5, 6, 7]), Forced([-0.1, -0.7], [8, 9])]
+    assert logprob_gap(a, b) == pytest.approx((0.5 + 0 + 0.5 + 0 + 0.5) / 5)
+    assert logprob_gap(a, b, skip=1) == pytest.approx((0 + 0.5 + 0.5) / 3)
+    assert top1_share(a, answers) == pytest.approx(3 / 5)
+    assert top1_share(a, answers, skip=1) == pytest.approx(1 / 3)
+    assert top1_share(b, answers) == 1.0
+    with pytest.raises(ValueError):  # a different number of answers or tokens
+        logprob_gap(a, b[:1])

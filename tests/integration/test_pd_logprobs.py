@@ -17,7 +17,6 @@ Needs `make pd-deps`."""
 from __future__ import annotations
 
 import contextlib
-import statistics
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,13 @@ from harness.workload import (
     Forced,
     compaction_args,
     document,
+    logprob_gap,
     metric,
     prompt,
     prompt_ids,
     questions,
     teacher_forced,
+    top1_share,
     wait_for_compactions,
 )
 
@@ -42,19 +43,6 @@ RATIO = 0.05
 ANSWER_TOKENS = 12
 ROWS = "sglang:compaction_compacted_rows_total"
 NOISE = 0.02  # mean |log-prob gap| allowed between two stock deployments (numerics only)
-
-
-def _gap(a: list[Forced], b: list[Forced]) -> float:
-    """Mean |log-prob difference| over the answer tokens decode scores (all but the first)."""
-    return statistics.mean(
-        abs(x - y) for fa, fb in zip(a, b) for x, y in zip(fa.logprobs[1:], fb.logprobs[1:])
-    )
-
-
-def _top1(a: list[Forced], answers: list[list[int]]) -> float:
-    """Share of the scored tokens whose top-1 is the answer's."""
-    hits = [h for f, ans in zip(a, answers) for h in f.agreement(ans)[1:]]
-    return sum(hits) / len(hits)
 
 
 def test_pd_answers_stay_as_close_to_stock_as_a_single_plugin_servers(
@@ -113,18 +101,18 @@ def test_pd_answers_stay_as_close_to_stock_as_a_single_plugin_servers(
             forced[f"PD {name}"] = [pd_teacher_forced(router, p, a) for p, a in zip(pids, answers)]
             rows[f"PD {name}"] = metric(decode, ROWS) - before
 
-    noise = _gap(forced["PD stock"], forced["single stock"])
-    single_gap = _gap(forced["single plugin"], forced["single stock"])
-    pd_gap = _gap(forced["PD plugin"], forced["PD stock"])
+    noise = logprob_gap(forced["PD stock"], forced["single stock"], skip=1)
+    single_gap = logprob_gap(forced["single plugin"], forced["single stock"], skip=1)
+    pd_gap = logprob_gap(forced["PD plugin"], forced["PD stock"], skip=1)
     print(f"\nmean |log-prob gap| over {len(scored)} x {ANSWER_TOKENS - 1} tokens: PD stock vs "
           f"single stock {noise:.4f}; single plugin vs stock {single_gap:.4f}; PD plugin vs PD "
           f"stock {pd_gap:.4f}; compacted rows {rows}")  # fmt: skip
     for name, f in forced.items():
-        print(f"  {name:13} top-1 = stock's answer: {_top1(f, answers):.2f}")
+        print(f"  {name:13} top-1 = stock's answer: {top1_share(f, answers, skip=1):.2f}")
     # the measurement: PD scores as a single server does, and the plugin's deployments read
     # their compacted prefixes for every scored request
     assert noise < NOISE, noise
-    assert _top1(forced["PD stock"], answers) == 1.0
+    assert top1_share(forced["PD stock"], answers, skip=1) == 1.0
     assert rows["single plugin"] >= len(scored), rows
     assert rows["PD plugin"] >= len(scored) * (ANSWER_TOKENS - 1), rows
     assert rows["PD stock"] == 0, rows
