@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.launch import HTTPServer, SGLangServer, free_port
-from harness.workload import Forced
+from harness.workload import UNSCORED, Forced
 
 __all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair", "pd_teacher_forced"]
 
@@ -122,12 +122,14 @@ def pd_teacher_forced(
     token j >= 1 is the second token of its own greedy request, ``input_ids`` = prompt +
     answer[:j-1]: prefill makes the first token (which must be answer[j-1]), decode the
     second, over its own cache, and reports the log-prob of answer[j] and its top-1 there.
-    Token 0 is prefill's, as in serving.
+    Token 0 is prefill's, as in serving. Where prefill's greedy token is not the answer's
+    (a near-tie that prefill's numerics break the other way), the next token cannot be scored
+    this way: its log-prob is NaN and its top-1 -1 (`logprob_gap` and `top1_share` skip it).
+    Prefill's tokens do not depend on decode, so two pairs with the same prefill skip the
+    same positions.
 
     Raises:
         ValueError: `answer` has fewer than two tokens.
-        RuntimeError: prefill's greedy token differs from the answer's (that position would
-            not be teacher-forced).
     """
     answer = [int(t) for t in answer]
     if len(answer) < 2:
@@ -142,10 +144,9 @@ def pd_teacher_forced(
         meta = out["meta_info"]
         first = int(out["output_ids"][0])
         if first != answer[j - 1]:
-            raise RuntimeError(f"prefill's token {first} at answer position {j - 1} is not the "
-                               f"answer's {answer[j - 1]}")  # fmt: skip
-        head = meta["output_token_logprobs"][0]
-        return (float(head[0]), first, float(meta["output_token_ids_logprobs"][1][0][0]),
+            return UNSCORED, -1, UNSCORED, -1
+        return (float(meta["output_token_logprobs"][0][0]), first,
+                float(meta["output_token_ids_logprobs"][1][0][0]),
                 int(meta["output_top_logprobs"][1][0][1]))  # fmt: skip
 
     with ThreadPoolExecutor(parallel) as pool:

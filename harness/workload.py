@@ -13,6 +13,7 @@ asked `many_questions(n, prose=True)` before and `prose_unseen_questions()` afte
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -280,10 +281,14 @@ def prompt_ids(server: SGLangServer, text: str) -> list[int]:
     return [int(t) for t in server.post("/tokenize", {"prompt": text})["tokens"]]
 
 
+UNSCORED = math.nan  # the log-prob of an answer token a scoring could not reach
+
+
 @dataclass
 class Forced:
     """One answer scored teacher-forced on a server: per answer token, the server's log-prob
-    of it and its own top-1 token there."""
+    of it and its own top-1 token there (`UNSCORED` and -1 where the scoring could not reach
+    it, see `harness.pd.pd_teacher_forced`)."""
 
     logprobs: list[float]
     top1: list[int]
@@ -295,17 +300,20 @@ class Forced:
 
 def logprob_gap(a: Sequence[Forced], b: Sequence[Forced], skip: int = 0) -> float:
     """Mean |log-prob difference| of two scorings of the same answers, over every answer's
-    tokens from token `skip` on."""
+    tokens from token `skip` on that both scored."""
     return statistics.mean(
         abs(x - y)
         for fa, fb in zip(a, b, strict=True)
         for x, y in zip(fa.logprobs[skip:], fb.logprobs[skip:], strict=True)
+        if not (math.isnan(x) or math.isnan(y))
     )
 
 
 def top1_share(forced: Sequence[Forced], answers: Sequence[Sequence[int]], skip: int = 0) -> float:
-    """Share of the answers' tokens (from token `skip` on) that are the scoring's top-1."""
-    hits = [h for f, a in zip(forced, answers, strict=True) for h in f.agreement(a)[skip:]]
+    """Share of the answers' tokens (from token `skip` on, those scored) that are the
+    scoring's top-1."""
+    hits = [h for f, a in zip(forced, answers, strict=True)
+            for h, t in zip(f.agreement(a)[skip:], f.top1[skip:], strict=True) if t >= 0]  # fmt: skip
     return sum(hits) / len(hits)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,7 @@ def run_config(
         **timing_summary(results, wall),
         "answers": [r.text for r in results],
         "scoring_compacted_rows": compacted_rows,
+        "unscored_tokens": sum(math.isnan(x) for f in forced for x in f.logprobs),
     }
     return row, Scored(ids, answers, forced)
 

@@ -6,6 +6,7 @@ import pytest
 
 from harness.workload import (
     NEEDLE_VALUES,
+    UNSCORED,
     Forced,
     document,
     logprob_gap,
@@ -101,3 +102,7 @@ def test_logprob_gap_and_top1_share_pair_the_answers_tokens() -> None:
     assert top1_share(b, answers) == 1.0
     with pytest.raises(ValueError):  # a different number of answers or tokens
         logprob_gap(a, b[:1])
+    # a token one scoring could not reach counts in neither figure
+    c = [Forced([-1.0, UNSCORED, -0.5], [5, -1, 1]), Forced([-0.1, -0.2], [8, 2])]
+    assert logprob_gap(c, b) == pytest.approx((0.5 + 0.5 + 0 + 0.5) / 4)
+    assert top1_share(c, answers) == pytest.approx(2 / 4)

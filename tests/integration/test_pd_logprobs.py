@@ -17,6 +17,8 @@ Needs `make pd-deps`."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -108,7 +110,9 @@ def test_pd_answers_stay_as_close_to_stock_as_a_single_plugin_servers(
           f"single stock {noise:.4f}; single plugin vs stock {single_gap:.4f}; PD plugin vs PD "
           f"stock {pd_gap:.4f}; compacted rows {rows}")  # fmt: skip
     for name, f in forced.items():
-        print(f"  {name:13} top-1 = stock's answer: {top1_share(f, answers, skip=1):.2f}")
+        unscored = sum(math.isnan(x) for x in itertools.chain(*(x.logprobs for x in f)))
+        print(f"  {name:13} top-1 = stock's answer: {top1_share(f, answers, skip=1):.2f} "
+              f"({unscored} token(s) prefill's greedy did not reach)")  # fmt: skip
     # the measurement: PD scores as a single server does, and the plugin's deployments read
     # their compacted prefixes for every scored request
     assert noise < NOISE, noise
