@@ -20,6 +20,13 @@ a split: `dev` (0, 1, ...) to choose defaults, `heldout` (1000, 1001, ...) to re
 
     .venv/bin/python -m benchmarks.offline.ruler --quick     # a minute or two: structure, pairing
     .venv/bin/python -m benchmarks.offline.ruler             # the suite
+    .venv/bin/python -m benchmarks.offline.ruler --merge A.json B.json --json ruler.json
+
+`--merge` runs nothing: it joins result files of runs that split the suite (by setting,
+method, press or haystack) into one, after checking that an item shared by two of them got
+the same stock answer score in both and that no (item, setting, method, ratio) is in two; the
+summary is recomputed, each record names its part, and each part's provenance and config
+are kept.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ def _parse(argv: list[str] | None) -> Any:
         threads=(1, "torch threads"),
         tasks=("niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe",
                "comma-separated RULER tasks (compactor.eval.ruler)"),
+        haystacks=("filler,essays", "the prose the NIAH tasks and vt hide needles in "
+                   "(compactor.eval.niah.HAYSTACKS; cwe and fwe have none)"),
         methods=("am-highest,kvzip,kvzip:refit=am", "our methods, NAME[:KEY=VALUE...]"),
         ratios=("0.1,0.05,0.02", "kept fractions (0.1 = 10x)"),
         settings=("agnostic,multi-query", "agnostic and/or multi-query (see above)"),
@@ -81,9 +90,16 @@ def _parse(argv: list[str] | None) -> Any:
         ),
     )
     add_options(p, json=(str(RESULTS / "ruler.json"), "where the results go"))
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="join these result files into --json (runs nothing; see above)",
+    )
     p.add_argument("--kvpress-side", nargs=2, metavar=("MODEL_DIR", "ITEMS_JSON"),
                    help=argparse.SUPPRESS)  # fmt: skip
-    add_options(p, quick=(False, "2 tasks, 1 seed, 512 tokens, 1 ratio, repeat-prefill queries"))
+    add_options(p, quick=(False, "2 tasks x 2 haystacks, 1 seed, 512 tokens, 1 ratio, "
+                          "repeat-prefill queries"))  # fmt: skip
     args = p.parse_args(argv)
     if args.split not in SPLIT_SEED:
         p.error(f"--split must be one of {sorted(SPLIT_SEED)}, got {args.split!r}")
@@ -91,6 +107,7 @@ def _parse(argv: list[str] | None) -> Any:
         p.error(f"--base must be one of {', '.join(BASES)}, got {args.base!r}")
     if args.quick:
         args.tasks, args.tokens, args.seeds, args.ratios = "niah_single,vt", "512", 1, "0.1"
+        args.haystacks = "filler,essays"
         args.methods, args.query_sources = "am-highest", "repeat-prefill"
         args.presses = "snapkv" if KVPRESS_PY.exists() else ""
     return args
@@ -129,7 +146,7 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
     items as token ids (what the kvpress side answers)."""
     from compactor.eval.harness import EvalCase, build_reference, evaluate_prefix
     from compactor.eval.niah import question_text
-    from compactor.eval.ruler import make_ruler
+    from compactor.eval.ruler import HAYSTACK_TASKS, make_ruler
     from compactor.eval.runner import method_spec
     from compactor.pipeline import Hooks, compact_prefix
 
@@ -139,16 +156,16 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
     records, items = [], []
     seed0 = SPLIT_SEED[args.split]
     for tokens in (int(t) for t in _csv(args.tokens)):
-        for task in _csv(args.tasks):
+        for task, haystack in _task_haystacks(args, HAYSTACK_TASKS):
             for seed in range(seed0, seed0 + args.seeds):
-                case = make_ruler(tok, task, tokens, seed)
+                case = make_ruler(tok, task, tokens, seed, haystack)
                 ids, scored = enc(case.prefix), case.questions[0]
                 ref = build_reference(
                     model, tok, EvalCase(f"{task}-{seed}", ids, [enc(scored.text)],
                                          [scored.answers]), case.answer_tokens)  # fmt: skip
                 others = [q.text for q in case.questions[1:]]
                 others += [question_text(tok, g) for g in GENERIC]
-                item = {"task": task, "tokens": len(ids), "seed": seed,
+                item = {"task": task, "haystack": haystack, "tokens": len(ids), "seed": seed,
                         "stock_score": ref.niah_scores[0]}  # fmt: skip
                 items.append({**item, "prefix_ids": ids, "question_ids": enc(scored.text),
                               "answers": scored.answers, "answer_tokens": case.answer_tokens,
@@ -171,10 +188,17 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
                                             "token_agreement": m["agreement"],
                                             "logprob_gap": m["logppl_gap"],
                                             "seconds": time.perf_counter() - t0})  # fmt: skip
-                print(
-                    f"{task} T={len(ids)} seed={seed}: stock {ref.niah_scores[0]:.2f}", flush=True
-                )
+                print(f"{task} ({haystack}) T={len(ids)} seed={seed}: stock "
+                      f"{ref.niah_scores[0]:.2f}", flush=True)  # fmt: skip
     return records, items
+
+
+def _task_haystacks(args: Any, haystack_tasks: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(task, haystack) pairs to run: every haystack of `--haystacks` for a task that has one,
+    the default (filler) for the others."""
+    haystacks = _csv(args.haystacks)
+    return [(t, h) for t in _csv(args.tasks)
+            for h in (haystacks if t in haystack_tasks else ["filler"])]  # fmt: skip
 
 
 def run_kvpress(args: Any, items: list[dict[str, Any]], model_dir: Path) -> list[dict[str, Any]]:
@@ -198,7 +222,7 @@ def run_kvpress(args: Any, items: list[dict[str, Any]], model_dir: Path) -> list
     work.with_suffix(".out").unlink()
     records = []
     for item, got in zip(items, answers, strict=True):
-        base = {k: item[k] for k in ("task", "tokens", "seed", "stock_score")}
+        base = {k: item[k] for k in ("task", "haystack", "tokens", "seed", "stock_score")}
         for key, (answer, seconds) in got.items():
             press, ratio = key.split("@")
             if press == "none":  # kvpress without a press gives stock's answer (first in `got`)
@@ -243,16 +267,25 @@ def kvpress_side(model_dir: str, items_json: str) -> None:
     Path(items_json).with_suffix(".out").write_text(json.dumps(out))
 
 
+def overall(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The summary rows over every task and haystack (files from before haystacks have no
+    "haystack" key: their rows are over the filler)."""
+    return [s for s in summary if s["task"] == "all" and s.get("haystack", "all") == "all"]
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Paired figures per (setting, method, ratio), over all tasks and per task."""
+    """Paired figures per (setting, method, ratio): over all items, per task and per
+    haystack."""
     from compactor.eval.paired import paired_summary
 
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        groups[(r["setting"], r["method"], r["ratio"], "all")].append(r)
-        groups[(r["setting"], r["method"], r["ratio"], r["task"])].append(r)
+        key = (r["setting"], r["method"], r["ratio"])
+        groups[(*key, "all", "all")].append(r)
+        groups[(*key, r["task"], "all")].append(r)
+        groups[(*key, "all", r["haystack"])].append(r)
     out = []
-    for (setting, method, ratio, task), rs in sorted(groups.items()):
+    for (setting, method, ratio, task, haystack), rs in sorted(groups.items()):
         per_token = rs[0]["token_agreement"] is not None  # kvpress's rows have none
         summary = paired_summary(
             [r["stock_score"] == 1.0 for r in rs],
@@ -261,8 +294,40 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             [r["logprob_gap"] for r in rs] if per_token else [],
         )
         out.append({"setting": setting, "method": method, "ratio": ratio, "task": task,
-                    "compression": round(1 / ratio, 1), **summary})  # fmt: skip
+                    "haystack": haystack, "compression": round(1 / ratio, 1),
+                    **summary})  # fmt: skip
     return out
+
+
+def _item_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["task"], r.get("haystack", "filler"), r["tokens"], r["seed"])
+
+
+def merge(paths: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(records, parts) of the result files at `paths` (see `--merge`).
+
+    Raises:
+        ValueError: an item with two stock scores, or a record in two files.
+    """
+    records: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    stock: dict[tuple[Any, ...], float] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for i, path in enumerate(paths):
+        data = json.loads(Path(path).read_text())
+        parts.append({"file": Path(path).name, "provenance": data["provenance"],
+                      "config": data["config"], "base_specs": data.get("base_specs")})  # fmt: skip
+        for r in data["items"]:
+            key = _item_key(r)
+            if stock.setdefault(key, r["stock_score"]) != r["stock_score"]:
+                raise ValueError(f"{path}: item {key} has stock score {r['stock_score']}, "
+                                 f"another file {stock[key]}")  # fmt: skip
+            run = (key, r["setting"], r["method"], r["ratio"])
+            if run in seen:
+                raise ValueError(f"{path}: {run} is in two files")
+            seen.add(run)
+            records.append({**r, "haystack": key[1], "part": i})
+    return records, parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.kvpress_side:
         kvpress_side(*args.kvpress_side)
         return 0
+    if args.merge:
+        from harness.provenance import provenance
+
+        records, parts = merge(args.merge)
+        merged = {"provenance": provenance(argv), "parts": parts,
+                  "summary": summarize(records), "items": records}  # fmt: skip
+        return _write(args.json, merged)
     import torch
 
     from compactor import hf
@@ -296,13 +368,18 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(records),
         "items": records,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    for s in out["summary"]:
-        if s["task"] == "all":
-            print(f"{s['setting']:12} {s['method']:28} {s['compression']:5}x  "
-                  f"stock {s['stock_accuracy']:.2f}  ours {s['accuracy']:.2f}  "
-                  f"retention {s['retention']}  agree/token {s.get('token_agreement')}")  # fmt: skip
+    return _write(args.json, out)
+
+
+def _write(path: str, out: dict[str, Any]) -> int:
+    """Write the results to `path` and print the summary over all items."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    for s in overall(out["summary"]):
+        print(f"{s['setting']:12} {s['method']:28} {s['compression']:5}x  {s['items']:3} items  "
+              f"stock {s['stock_accuracy']:.2f}  ours {s['accuracy']:.2f}  "
+              f"retention {s['retention']}  agree/token {s.get('token_agreement')}")  # fmt: skip
+    print(f"wrote {path}")
     return 0
 
 

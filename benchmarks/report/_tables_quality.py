@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.offline.ruler import overall
 from benchmarks.report._tables_lib import frac, num, rec, short, table
 
 
@@ -185,7 +186,7 @@ def _ruler_cell(s: dict[str, Any]) -> str:
 )
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     """All tasks together: per setting and method, one column per compression."""
-    summary = [s for d in data for s in d["summary"] if s["task"] == "all"]
+    summary = [s for d in data for s in overall(d["summary"])]
     ratios = sorted({s["ratio"] for s in summary}, reverse=True)
     first = summary[0]
     rows = [["setting", "method", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
@@ -209,9 +210,7 @@ def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
 )
 def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
     """Our kvzip before and after the sink keys joined its softmax: dev, then held-out."""
-    runs = [
-        [s for s in d["summary"] if s["task"] == "all" and s["method"] == "kvzip"] for d in data
-    ]
+    runs = [[s for s in overall(d["summary"]) if s["method"] == "kvzip"] for d in data]
     ratios = sorted({s["ratio"] for s in runs[0]}, reverse=True)
     rows = [["split", "kvzip's softmax", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
     for (split, when), summary in zip(
@@ -256,7 +255,7 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
     files = dict(zip(dict.fromkeys(f for _, _, f, _ in _DEFAULTS), data, strict=True))
     rows = [["split", "defaults", "setting", "10x", "20x", "per-token agreement"]]
     for split, label, name, method in _DEFAULTS:
-        summary = [s for s in files[name]["summary"] if s["task"] == "all"]
+        summary = overall(files[name]["summary"])
         for setting in dict.fromkeys(s["setting"] for s in summary if s["method"] == method):
             picked = [rec(summary, setting=setting, method=method, ratio=r) for r in (0.1, 0.05)]
             agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)

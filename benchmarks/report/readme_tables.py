@@ -256,6 +256,21 @@ def _pd(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("pd_logprobs", "pd.json")
+def _pd_logprobs(data: list[dict[str, Any]]) -> list[list[str]]:
+    """PD's mixed numerics: stock's answers scored teacher-forced (benchmarks/server/pd.py)."""
+    lp = data[0]["logprobs"]
+    rows = [["scored on", "against", "mean abs log-prob gap", "top-1 = stock's answer"]]
+    for key, scored, against in (
+        ("gap_pd_plugin_vs_pd_stock", "pd_plugin", "pd_stock"),
+        ("gap_single_plugin_vs_single_stock", "single_plugin", "single_stock"),
+        ("gap_pd_stock_vs_single_stock", "pd_stock", "single_stock"),
+    ):
+        rows.append([scored.replace("_", " "), against.replace("_", " "), f"{lp[key]:.3f}",
+                     f"{lp['top1'][scored]:.2f}"])  # fmt: skip
+    return rows
+
+
 @table("cluster", "cluster_sim.json")
 def _cluster(data: list[dict[str, Any]]) -> list[list[str]]:
     d = data[0]

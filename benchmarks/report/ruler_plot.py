@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS
+from benchmarks.offline.ruler import overall
 
 FILES = ("ruler.json", "ruler_multiquery.json", "ruler_default_method.json", "ruler_kvpress.json")
 
@@ -26,10 +27,9 @@ FILES = ("ruler.json", "ruler_multiquery.json", "ruler_default_method.json", "ru
 def curves(summaries: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, ...]]]]:
     """setting -> method -> [(compression, accuracy, ci low, ci high)] by compression."""
     out: dict[str, dict[str, list[tuple[float, ...]]]] = defaultdict(lambda: defaultdict(list))
-    for s in summaries:
-        if s["task"] == "all":
-            lo, hi = s["accuracy_ci"]
-            out[s["setting"]][s["method"]].append((s["compression"], s["accuracy"], lo, hi))
+    for s in overall(summaries):
+        lo, hi = s["accuracy_ci"]
+        out[s["setting"]][s["method"]].append((s["compression"], s["accuracy"], lo, hi))
     for methods in out.values():
         for points in methods.values():
             points.sort()
@@ -45,7 +45,7 @@ def plot(files: list[Path], png: Path) -> None:
 
     data = [json.loads(f.read_text()) for f in files]
     summaries = [s for d in data for s in d["summary"]]
-    stock = {round(s["stock_accuracy"], 6) for s in summaries if s["task"] == "all"}
+    stock = {round(s["stock_accuracy"], 6) for s in overall(summaries)}
     if len(stock) != 1:
         raise ValueError(f"the files score different items: stock accuracies {sorted(stock)}")
     by_setting = curves(summaries)

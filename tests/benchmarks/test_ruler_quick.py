@@ -24,25 +24,30 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
     assert "follow-up" in data["base_specs"]["multi-query"]["queries"]["sources"]
     ours = [r for r in data["items"] if r["method"] == "am-highest"]
     tasks, settings = {"niah_single", "vt"}, {"agnostic", "multi-query"}
+    haystacks = {"filler", "essays"}
     assert {r["task"] for r in ours} == tasks and {r["setting"] for r in ours} == settings
-    assert len(ours) == len(tasks) * len(settings)  # 1 seed, 1 method, 1 ratio
+    assert {(r["task"], r["haystack"]) for r in ours} == {(t, h) for t in tasks for h in haystacks}
+    assert len(ours) == len(tasks) * len(haystacks) * len(settings)  # 1 seed, method, ratio
     for task in tasks:  # one stock answer per item, the same in both settings
-        assert len({r["stock_score"] for r in data["items"] if r["task"] == task}) == 1
+        for h in haystacks:
+            item = [r for r in data["items"] if (r["task"], r["haystack"]) == (task, h)]
+            assert len({r["stock_score"] for r in item}) == 1
     for r in ours:
         assert 0 <= r["score"] <= 1 and 0 <= r["token_agreement"] <= 1
     press = [r for r in data["items"] if r["method"] == "kvpress:snapkv"]
     if KVPRESS_PY.exists():  # the same items through kvpress, query-agnostic
-        assert sorted((r["task"], r["setting"]) for r in press) == sorted(
-            (t, "agnostic") for t in tasks
+        assert sorted((r["task"], r["haystack"], r["setting"]) for r in press) == sorted(
+            (t, h, "agnostic") for t in tasks for h in haystacks
         )
         assert all(isinstance(r["kvpress_stock_agrees"], bool) for r in press)
     else:
         assert press == []
-    summary = {(s["method"], s["setting"], s["task"]): s for s in data["summary"]}
+    summary = {(s["method"], s["setting"], s["task"], s["haystack"]): s for s in data["summary"]}
     for setting in settings:
-        for task in (*tasks, "all"):
-            s = summary[("am-highest", setting, task)]
-            assert s["items"] == (2 if task == "all" else 1)
+        groups = [("all", "all"), *((t, "all") for t in tasks), *(("all", h) for h in haystacks)]
+        for task, haystack in groups:
+            s = summary[("am-highest", setting, task, haystack)]
+            assert s["items"] == (4 if (task, haystack) == ("all", "all") else 2)
             m = s["mcnemar"]
             assert m["both"] + m["stock_only"] + m["ours_only"] + m["neither"] == s["items"]
             assert s["compression"] == 10.0 and s["token_agreement_ci"] is not None
