@@ -17,14 +17,15 @@ def _s(setting: str, method: str, compression: float, acc: float, task: str = "a
 
 def test_curves_group_by_setting_and_method_in_compression_order() -> None:
     got = curves([_s("agnostic", "kvzip", 20.0, 0.4), _s("agnostic", "kvzip", 10.0, 0.6),
-                  _s("multi-query", "kvzip", 10.0, 0.7), _s("agnostic", "kvzip", 10.0, 0.0, "vt")])  # fmt: skip
+                  _s("multi-query", "kvzip", 10.0, 0.7), _s("agnostic", "kvzip", 10.0, 0.0, "vt"),
+                  {**_s("agnostic", "kvzip", 10.0, 0.0), "haystack": "essays"}])  # fmt: skip
     points = got["agnostic"]["kvzip"]
     assert [p[0] for p in points] == [10.0, 20.0]
     assert [p[1:] for p in points] == [
         pytest.approx((0.6, 0.5, 0.7)),
         pytest.approx((0.4, 0.3, 0.5)),
     ]
-    assert list(got["multi-query"]) == ["kvzip"]  # per-task rows are left out
+    assert list(got["multi-query"]) == ["kvzip"]  # per-task and per-haystack rows are left out
 
 
 def test_plot_of_the_committed_files_and_a_refusal(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.offline.ruler import KVPRESS_PY
 from harness.provenance import ROOT
 
@@ -72,3 +74,32 @@ def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
     assert setting_spec("spec", "repeat-prefill", "agnostic", None).queries.sources == (
         "repeat-prefill",
     )
+
+
+def test_merge_joins_parts_and_refuses_what_disagrees(tmp_path: Path) -> None:
+    from benchmarks.offline.ruler import merge
+
+    def part(name: str, method: str, stock: float, haystack: str | None = None) -> str:
+        item = {"task": "niah_single", "tokens": 1990, "seed": 1000, "stock_score": stock,
+                "setting": "agnostic", "method": method, "ratio": 0.1, "score": 1.0,
+                "token_agreement": None, "logprob_gap": None, "seconds": 1.0}  # fmt: skip
+        if haystack:
+            item["haystack"] = haystack
+        path = tmp_path / name
+        path.write_text(json.dumps({"provenance": {"command": name}, "config": {},
+                                    "items": [item]}))  # fmt: skip
+        return str(path)
+
+    old, new = part("a.json", "kvzip", 1.0), part("b.json", "kvpress:kvzip", 1.0, "filler")
+    records, parts = merge([old, new])
+    assert [r["part"] for r in records] == [0, 1] and [p["file"] for p in parts] == [
+        "a.json",
+        "b.json",
+    ]
+    assert {r["haystack"] for r in records} == {"filler"}  # a file from before haystacks
+    with pytest.raises(ValueError, match=r"stock score 0\.0"):
+        merge([old, part("c.json", "snapkv", 0.0)])
+    with pytest.raises(ValueError, match="in two files"):
+        merge([old, part("d.json", "kvzip", 1.0)])
+    essays = part("e.json", "kvzip", 0.0, "essays")  # another item: another haystack
+    assert len(merge([old, essays])[0]) == 2
