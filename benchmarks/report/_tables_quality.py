@@ -2,8 +2,7 @@
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
 (`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
-RULER-style suite, ruler.json, ruler_multiquery.json and ruler_default_method.json with
-ruler_kvpress.json (`ruler`),
+RULER-style suite, ruler.json (`ruler`, and per haystack `ruler_haystacks`),
 our kvzip before and after the sinks joined its softmax (`ruler_kvzip`), and the defaults
 before and after they were chosen on it (`ruler_defaults`).
 """
@@ -177,16 +176,10 @@ def _ruler_cell(s: dict[str, Any]) -> str:
     return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
 
 
-@table(
-    "ruler",
-    "ruler.json",
-    "ruler_multiquery.json",
-    "ruler_default_method.json",
-    "ruler_kvpress.json",
-)
+@table("ruler", "ruler.json")
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
-    """All tasks together: per setting and method, one column per compression."""
-    summary = [s for d in data for s in overall(d["summary"])]
+    """All tasks and haystacks together: per setting and method, one column per compression."""
+    summary = overall(data[0]["summary"])
     ratios = sorted({s["ratio"] for s in summary}, reverse=True)
     first = summary[0]
     rows = [["setting", "method", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
@@ -201,12 +194,30 @@ def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("ruler_haystacks", "ruler.json")
+def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Query-agnostic, per haystack: stock's accuracy, then each method's cells."""
+    rows = [["haystack", "method", "10x", "20x", "50x"]]
+    for s0 in [s for s in data[0]["summary"] if s["task"] == "all" and s["haystack"] != "all"]:
+        if (s0["setting"], s0["method"], s0["ratio"]) != ("agnostic", "kvzip", 0.1):
+            continue
+        hay = s0["haystack"]
+        rows.append([hay, f"stock ({s0['items']} items)",
+                     *([f"accuracy {s0['stock_accuracy']:.2f}"] * 3)])  # fmt: skip
+        mine = [s for s in data[0]["summary"]
+                if s["task"] == "all" and s["haystack"] == hay and s["setting"] == "agnostic"]  # fmt: skip
+        for method in dict.fromkeys(s["method"] for s in mine):
+            rows.append([hay, method, *(_ruler_cell(rec(mine, method=method, ratio=r))
+                                        for r in (0.1, 0.05, 0.02))])  # fmt: skip
+    return rows
+
+
 @table(
     "ruler_kvzip",
     "ruler_dev_kvzip_before.json",
     "ruler_dev_kvzip_after.json",
     "ruler_before_sinks.json",
-    "ruler.json",
+    "ruler_agnostic.json",
 )
 def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
     """Our kvzip before and after the sink keys joined its softmax: dev, then held-out."""
@@ -241,7 +252,7 @@ _DEFAULTS = (
      "kvzip:refit=am"),
     ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler_dev_plugin_offpolicy.json", "kvzip"),
     ("held-out", "CLI/service, old", "ruler_default_method.json", "am-omp-fast"),
-    ("held-out", "CLI/service, new", "ruler.json", "kvzip"),
+    ("held-out", "CLI/service, new", "ruler_agnostic.json", "kvzip"),
     ("held-out", "CLI/service, new", "ruler_multiquery.json", "kvzip"),
     ("held-out", "plugin, old", "ruler_plugin_old.json", "am-highest"),
     ("held-out", "plugin, new", "ruler_plugin_new.json", "kvzip"),

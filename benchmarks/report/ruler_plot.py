@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks import RESULTS
 from benchmarks.offline.ruler import overall
 
-FILES = ("ruler.json", "ruler_multiquery.json", "ruler_default_method.json", "ruler_kvpress.json")
+FILES = ("ruler.json",)
 
 
 def curves(summaries: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, ...]]]]:
