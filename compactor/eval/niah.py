@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata, resources
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -113,7 +114,7 @@ def _essays_text() -> str:
     )
     paras = []
     for f in files:
-        text = " ".join(dist.locate_file(f).read_text(encoding="utf-8").split())
+        text = " ".join(Path(str(dist.locate_file(f))).read_text(encoding="utf-8").split())
         text = _DATELINE.sub("", text)  # "January 2017People ...", "May 2001 (rev. ...) ..."
         paras.append(re.sub(r"([a-z][.!?])([A-Z])", r"\1 \2", text))  # "job.I don't"
     return "\n\n".join(paras)
