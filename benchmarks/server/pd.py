@@ -2,7 +2,7 @@
 workload through sglang-router in front of a prefill and a decode server (CPU, the embedded
 model, `harness.pd`).
 
-    .venv/bin/python -m benchmarks.server.pd         # ~6 min on 2 cores; needs `make pd-deps`
+    .venv/bin/python -m benchmarks.server.pd         # ~16 min on 2 cores; needs `make pd-deps`
 
 Two configurations, one after the other, each a fresh pair behind a fresh router:
 
