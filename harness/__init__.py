@@ -5,7 +5,8 @@
 - `harness.launch`: starts and stops real server processes (`SGLangServer`,
   `CompactorService`) for the tests, the benchmarks and the demo.
 - `harness.workload`: the shared needle documents, their questions, and clients for a live
-  server.
+  server; `harness.forced`: answers scored teacher-forced on one, and compared.
+- `harness.pd`: a prefill/decode pair behind sglang-router on CPU, and scoring through it.
 - `harness.provenance`: what produced a result file (command, commit, machine, date).
 
 The plugin (`sglang_ext`) never imports this package; importing it has no side effects.

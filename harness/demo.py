@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.forced import teacher_forced
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pool import PoolReading, PoolSampler, pool_size, read_pool
 from harness.workload import (
@@ -47,7 +48,6 @@ from harness.workload import (
     prompt_ids,
     questions,
     stream_all,
-    teacher_forced,
     unseen_questions,
     wait_for_compactions,
 )

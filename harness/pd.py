@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.forced import UNSCORED, Forced
 from harness.launch import HTTPServer, SGLangServer, free_port
-from harness.workload import UNSCORED, Forced
 
 __all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair", "pd_teacher_forced"]
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import add_options
+from harness.forced import teacher_forced
 from harness.launch import SGLangServer, start_all
 from harness.provenance import provenance
 from harness.workload import (
@@ -58,7 +59,6 @@ from harness.workload import (
     prose_document,
     prose_unseen_questions,
     questions,
-    teacher_forced,
     unseen_questions,
 )
 

@@ -48,23 +48,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS, add_options, script_parser
+from harness.forced import Forced, logprob_gap, teacher_forced, top1_share
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pd import PDRouter, pd_pair, pd_teacher_forced
 from harness.pool import PoolSampler, pool_size, read_pool
 from harness.workload import (
-    Forced,
     Timed,
     compaction_args,
     document,
-    logprob_gap,
     metric,
     percentile,
     prompt,
     prompt_ids,
     questions,
     stream_all,
-    teacher_forced,
-    top1_share,
     wait_for_compactions,
 )
 from sglang_ext.config import PLUGIN_SPEC

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness.forced import UNSCORED, Forced, logprob_gap, top1_share
 from harness.workload import (
     NEEDLE_VALUES,
-    UNSCORED,
-    Forced,
     document,
-    logprob_gap,
     many_questions,
     needle_correct,
     needles,
@@ -17,7 +15,6 @@ from harness.workload import (
     prose_document,
     prose_unseen_questions,
     questions,
-    top1_share,
     unseen_questions,
 )
 

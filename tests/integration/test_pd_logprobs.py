@@ -23,19 +23,16 @@ from pathlib import Path
 
 import pytest
 
+from harness.forced import Forced, logprob_gap, teacher_forced, top1_share
 from harness.launch import SGLangServer, start_all
 from harness.pd import PDRouter, pd_pair, pd_teacher_forced
 from harness.workload import (
-    Forced,
     compaction_args,
     document,
-    logprob_gap,
     metric,
     prompt,
     prompt_ids,
     questions,
-    teacher_forced,
-    top1_share,
     wait_for_compactions,
 )
 
