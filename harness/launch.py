@@ -119,8 +119,12 @@ class ManagedProcess:
 
     def restart(self) -> Any:
         """Stop the process and start it again on the same port (a restart behind a fixed
-        address: whoever points at it keeps pointing at it); returns self."""
+        address: whoever points at it keeps pointing at it); returns self. The log of the
+        life before is kept beside the new one, as `<log>.before-restart`."""
         self.stop()
+        log = Path(self.log_path)
+        if log.exists():
+            log.replace(log.with_name(log.name + ".before-restart"))
         self._picked_port = False  # keep the port: a lost bind race now fails the start
         return self.start()
 

@@ -101,5 +101,6 @@ def test_a_restart_keeps_a_picked_port(tmp_path: Path) -> None:
         port, first = proc.port, proc.pid
         proc.restart()
         assert proc.port == port and proc.pid != first
+        assert "listening" in (tmp_path / "log.before-restart").read_text()  # the first life
         with socket.socket() as probe, pytest.raises(OSError):  # the new child holds it
             probe.bind(("127.0.0.1", port))

@@ -25,6 +25,7 @@ from harness.pd import PDRouter, pd_pair
 from harness.workload import (
     compaction_args,
     document,
+    many_questions,
     metric,
     prompt,
     prompt_ids,
@@ -35,6 +36,7 @@ from harness.workload import (
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 TIMEOUT_S = 400
 RATIO = 0.05
+RECONNECT_S = 120  # gRPC's reconnect backoff after an outage is capped at 120 s
 SENT_MB = "sglang:kv_transfer_total_mb_sum"
 
 
@@ -171,9 +173,10 @@ def test_service_outage_and_decode_restart_lose_no_request(
 ) -> None:
     """Decode against a real `compactor serve`. The service is down when a document's
     compaction is due: the requests are answered from the full prefix (one fallback); the
-    service comes back and the next question's retry installs the fit. Then decode restarts on
-    its address, empty: the router and prefill keep serving through it, it compacts the
-    document again and prefill sends only the suffix again."""
+    service comes back and a next question's retry installs the fit (the first ones may still
+    find decode's channel reconnecting). Then decode restarts on its address, empty: the
+    router and prefill keep serving through it, it compacts the document again and prefill
+    sends only the suffix again."""
     doc, qs = document(40), questions()
     service = CompactorService(prepared_model, tmp_path / "service.log", in_process=True)
     with contextlib.ExitStack() as stack:
@@ -182,6 +185,7 @@ def test_service_outage_and_decode_restart_lose_no_request(
             *compaction_args(service.endpoint, RATIO, "am-highest", min_hits=2,
                              min_prefix_tokens=256, timeout_s=TIMEOUT_S),
             "--compaction-query-sources", "follow-up", "--compaction-retry-backoff", "0",
+            "--compaction-max-retries", "20",
             "--disaggregation-decode-retraction-backup", "none",
         ]  # fmt: skip
         prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
@@ -197,8 +201,16 @@ def test_service_outage_and_decode_restart_lose_no_request(
         outage = wait_for_compactions(decode, 1, TIMEOUT_S, progress=False)
         assert outage["fallbacks_total"] == 1 and outage["installed_total"] == 0, outage
         service.restart()
-        answered.append(router.generate(prompt(doc, qs[2]), max_new_tokens=8))  # the retry
-        back = wait_for_compactions(decode, 2, TIMEOUT_S, progress=False)
+        # each new question may send the document again; until decode's gRPC channel has
+        # reconnected (its backoff), such a retry fails fast and is one more fallback
+        ended, deadline = 1, time.monotonic() + RECONNECT_S
+        for q in [qs[2], *(q for q in many_questions(24) if q not in qs)]:
+            answered.append(router.generate(prompt(doc, q), max_new_tokens=8))  # a retry
+            back = wait_for_compactions(decode, ended + 1, TIMEOUT_S, progress=False)
+            ended = int(back["installed_total"] + back["fallbacks_total"])
+            if back["installed_total"] or time.monotonic() > deadline:
+                break
+            time.sleep(2.0)
         assert back["installed_total"] == 1, decode.log_tail()
 
         decode.restart()  # same address: the router and prefill keep it
