@@ -151,7 +151,8 @@ def job(ids, pfx, fit_round=0, epoch=0, job_id=0, error=None):
 
 def lifecycle(tp=None):
     pool, tree, runner = Pool(), DictTree(), Runner()
-    cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=4)
+    # one poll writes a whole result, however busy the machine (as tests/sglang_ext/_radix.py)
+    cfg = CompactionConfig(endpoint="inproc://", min_prefix_tokens=4, install_step_ms=1e9)
     lc = InstallLifecycle(tree, cfg, "fp", pool, BetaStore.of_pool(pool), PoolShape.of(pool),
                           runner=runner, tp=tp)
     tree.lc = lc
