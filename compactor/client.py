@@ -158,9 +158,14 @@ class _Base(Generic[R]):
         # with a signing key (a file is read again when it changes), every result must carry
         # its HMAC under that key, bound to the request it answers
         self.signing_key = signing_key
+        # the channel reconnects on the retry policy's schedule, not gRPC's (1 s growing to
+        # 120 s): after a long outage a service that is back is reached within `max_s`,
+        # where gRPC's backoff would fail every attempt fast for up to two minutes
         self.options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", round(self.retry.initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", round(self.retry.max_s * 1000)),
         ]
 
     def set_token(self, token: str | None) -> None:

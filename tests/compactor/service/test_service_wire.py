@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from compactor.client import AsyncCompactorClient, CompactorClient
+from compactor.client import AsyncCompactorClient, CompactorClient, RetryPolicy
 from compactor.service.convert import compact_request
 from compactor.service.gen.compactor.v1 import compactor_pb2 as pb
 from compactor.service.gen.compactor.v1 import compactor_pb2_grpc as pb_grpc
@@ -112,6 +113,50 @@ def test_async_client_cancels_an_over_limit_stream(hostile) -> None:
             assert info.value.limit == 1 << 20
 
     asyncio.run(go())
+
+
+class Info(pb_grpc.CompactorServicer):
+    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> pb.ModelInfo:
+        return pb.ModelInfo()
+
+
+def _info_server(port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    pb_grpc.add_CompactorServicer_to_server(Info(), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
+@pytest.mark.parametrize(("max_s", "reached"), [(0.2, True), (10.0, False)])
+def test_the_channel_reconnects_on_the_retry_policys_schedule(max_s, reached) -> None:
+    """A service that went away and came back on its address is reached again within the
+    policy's `max_s`, whatever gRPC's own reconnect backoff (1 s growing to 120 s) would be.
+    With a 10 s policy the channel is still backing off 0.6 s later, and fails fast."""
+    server, port = _info_server()
+    policy = RetryPolicy(attempts=1, initial_s=max_s, max_s=max_s)
+    with CompactorClient(f"127.0.0.1:{port}", retry=policy) as c:
+        c.model_info(timeout=10)
+        server.stop(grace=None).wait()
+        for _ in range(5):  # a dropped connection reconnects at once; a refused one backs off
+            with pytest.raises(grpc.RpcError) as info:
+                c.model_info(timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            if "failed to connect" in (info.value.details() or ""):
+                break
+        else:
+            raise AssertionError(f"no refused connect: {info.value.details()}")
+        server, _ = _info_server(port)
+        try:
+            time.sleep(0.6)
+            if reached:
+                c.model_info(timeout=10)
+            else:
+                with pytest.raises(grpc.RpcError) as info:
+                    c.model_info(timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            server.stop(grace=None)
 
 
 @pytest.fixture(scope="module")
