@@ -49,6 +49,9 @@ def plot(files: list[Path], png: Path) -> None:
     if len(stock) != 1:
         raise ValueError(f"the files score different items: stock accuracies {sorted(stock)}")
     by_setting = curves(summaries)
+    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
+    names = sorted({m for methods in by_setting.values() for m in methods})
+    color = {m: colors[i % len(colors)] for i, m in enumerate(names)}  # one per method
     fig, axes = plt.subplots(1, len(by_setting), figsize=(6 * len(by_setting), 4.5), sharey=True)
     for ax, (setting, methods) in zip(
         [axes] if len(by_setting) == 1 else axes, sorted(by_setting.items()), strict=True
@@ -57,7 +60,9 @@ def plot(files: list[Path], png: Path) -> None:
             x, y, lo, hi = zip(*points, strict=True)
             err = [[a - b for a, b in zip(y, lo, strict=True)],
                    [b - a for a, b in zip(y, hi, strict=True)]]  # fmt: skip
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method)
+            style = ":" if method.startswith("kvpress:") else "-"  # the presses dotted
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method, linestyle=style,
+                        color=color[method])  # fmt: skip
         ax.axhline(next(iter(stock)), color="black", linestyle="--", label="stock")
         ax.set_xscale("log")
         ticks = sorted({x for points in methods.values() for x, *_ in points})
