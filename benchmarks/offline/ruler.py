@@ -273,6 +273,15 @@ def overall(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for s in summary if s["task"] == "all" and s.get("haystack", "all") == "all"]
 
 
+def on_every_item(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`overall` rows of the methods that ran on every item (a part run on one haystack
+    only leaves its methods to the per-haystack rows)."""
+    rows = overall(summary)
+    n = max(s["items"] for s in rows)
+    part = {s["method"] for s in rows if s["items"] < n}
+    return [s for s in rows if s["method"] not in part]
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Paired figures per (setting, method, ratio): over all items, per task and per
     haystack."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS
-from benchmarks.offline.ruler import overall
+from benchmarks.offline.ruler import on_every_item
 
 FILES = ("ruler.json",)
 
@@ -27,7 +27,7 @@ FILES = ("ruler.json",)
 def curves(summaries: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, ...]]]]:
     """setting -> method -> [(compression, accuracy, ci low, ci high)] by compression."""
     out: dict[str, dict[str, list[tuple[float, ...]]]] = defaultdict(lambda: defaultdict(list))
-    for s in overall(summaries):
+    for s in on_every_item(summaries):
         lo, hi = s["accuracy_ci"]
         out[s["setting"]][s["method"]].append((s["compression"], s["accuracy"], lo, hi))
     for methods in out.values():
@@ -45,7 +45,7 @@ def plot(files: list[Path], png: Path) -> None:
 
     data = [json.loads(f.read_text()) for f in files]
     summaries = [s for d in data for s in d["summary"]]
-    stock = {round(s["stock_accuracy"], 6) for s in overall(summaries)}
+    stock = {round(s["stock_accuracy"], 6) for s in on_every_item(summaries)}
     if len(stock) != 1:
         raise ValueError(f"the files score different items: stock accuracies {sorted(stock)}")
     by_setting = curves(summaries)

@@ -28,6 +28,12 @@ def test_curves_group_by_setting_and_method_in_compression_order() -> None:
     assert list(got["multi-query"]) == ["kvzip"]  # per-task and per-haystack rows are left out
 
 
+def test_a_method_run_on_part_of_the_items_is_left_out() -> None:
+    got = curves([_s("agnostic", "kvzip", 10.0, 0.6), {**_s("agnostic", "gvote", 10.0, 0.1),
+                  "items": 4}])  # fmt: skip
+    assert list(got["agnostic"]) == ["kvzip"]
+
+
 def test_plot_of_the_committed_files_and_a_refusal(tmp_path: Path) -> None:
     import json
 
@@ -37,8 +43,8 @@ def test_plot_of_the_committed_files_and_a_refusal(tmp_path: Path) -> None:
     plot([RESULTS / f for f in FILES], png)
     assert png.stat().st_size > 10_000
     other = tmp_path / "other.json"
-    other.write_text(
-        json.dumps({"summary": [{**_s("agnostic", "x", 10.0, 0.5), "stock_accuracy": 0.5}]})
-    )
+    n = max(s["items"] for s in json.loads((RESULTS / FILES[0]).read_text())["summary"])
+    x = {**_s("agnostic", "x", 10.0, 0.5), "stock_accuracy": 0.5, "items": n}
+    other.write_text(json.dumps({"summary": [x]}))
     with pytest.raises(ValueError, match="different items"):
         plot([RESULTS / FILES[0], other], tmp_path / "x.png")
