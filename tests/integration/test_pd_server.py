@@ -36,7 +36,7 @@ from harness.workload import (
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 TIMEOUT_S = 400
 RATIO = 0.05
-RECONNECT_S = 120  # gRPC's reconnect backoff after an outage is capped at 120 s
+RECONNECT_S = 30  # the client's reconnect backoff is capped at its retry policy's max_s (5 s)
 SENT_MB = "sglang:kv_transfer_total_mb_sum"
 
 
@@ -173,10 +173,10 @@ def test_service_outage_and_decode_restart_lose_no_request(
 ) -> None:
     """Decode against a real `compactor serve`. The service is down when a document's
     compaction is due: the requests are answered from the full prefix (one fallback); the
-    service comes back and a next question's retry installs the fit (the first ones may still
-    find decode's channel reconnecting). Then decode restarts on its address, empty: the
-    router and prefill keep serving through it, it compacts the document again and prefill
-    sends only the suffix again."""
+    service comes back and a question's retry installs the fit within RECONNECT_S (the first
+    ones may still find decode's channel reconnecting). Then decode restarts on its address,
+    empty: the router and prefill keep serving through it, it compacts the document again and
+    prefill sends only the suffix again."""
     doc, qs = document(40), questions()
     service = CompactorService(prepared_model, tmp_path / "service.log", in_process=True)
     with contextlib.ExitStack() as stack:
@@ -202,13 +202,13 @@ def test_service_outage_and_decode_restart_lose_no_request(
         assert outage["fallbacks_total"] == 1 and outage["installed_total"] == 0, outage
         service.restart()
         # each new question may send the document again; until decode's gRPC channel has
-        # reconnected (its backoff), such a retry fails fast and is one more fallback
+        # reconnected (within its 5 s backoff), such a retry fails fast and is one more fallback
         ended, deadline = 1, time.monotonic() + RECONNECT_S
-        for q in [qs[2], *(q for q in many_questions(24) if q not in qs)]:
+        for n, q in enumerate([qs[2], *(q for q in many_questions(24) if q not in qs)]):
             answered.append(router.generate(prompt(doc, q), max_new_tokens=8))  # a retry
             back = wait_for_compactions(decode, ended + 1, TIMEOUT_S, progress=False)
             ended = int(back["installed_total"] + back["fallbacks_total"])
-            if back["installed_total"] or time.monotonic() > deadline:
+            if back["installed_total"] or (n >= 2 and time.monotonic() > deadline):
                 break
             time.sleep(2.0)
         assert back["installed_total"] == 1, decode.log_tail()
