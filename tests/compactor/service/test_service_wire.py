@@ -54,16 +54,24 @@ class Hostile(pb_grpc.CompactorServicer):
             self.sent += 1
 
 
+def _serve(
+    servicer: pb_grpc.CompactorServicer, port: int = 0, workers: int = 1
+) -> tuple[grpc.Server, int]:
+    """A started gRPC server of `servicer` on loopback (`port` 0: a free one), and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_CompactorServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
 @pytest.fixture
 def hostile() -> Iterator[Any]:
     servers = []
 
     def start(announce: int) -> tuple[Hostile, str]:
         servicer = Hostile(announce)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        pb_grpc.add_CompactorServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, port = _serve(servicer, workers=2)
         servers.append(server)
         return servicer, f"127.0.0.1:{port}"
 
@@ -120,20 +128,12 @@ class Info(pb_grpc.CompactorServicer):
         return pb.ModelInfo()
 
 
-def _info_server(port: int = 0) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    pb_grpc.add_CompactorServicer_to_server(Info(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    return server, port
-
-
 @pytest.mark.parametrize(("max_s", "reached"), [(0.2, True), (10.0, False)])
 def test_the_channel_reconnects_on_the_retry_policys_schedule(max_s, reached) -> None:
     """A service that went away and came back on its address is reached again within the
     policy's `max_s`, whatever gRPC's own reconnect backoff (1 s growing to 120 s) would be.
     With a 10 s policy the channel is still backing off 0.6 s later, and fails fast."""
-    server, port = _info_server()
+    server, port = _serve(Info())
     policy = RetryPolicy(attempts=1, initial_s=max_s, max_s=max_s)
     with CompactorClient(f"127.0.0.1:{port}", retry=policy) as c:
         c.model_info(timeout=10)
@@ -146,7 +146,7 @@ def test_the_channel_reconnects_on_the_retry_policys_schedule(max_s, reached) ->
                 break
         else:
             raise AssertionError(f"no refused connect: {info.value.details()}")
-        server, _ = _info_server(port)
+        server, _ = _serve(Info(), port)
         try:
             time.sleep(0.6)
             if reached:
