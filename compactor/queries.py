@@ -31,6 +31,7 @@ cancellation).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,13 +49,17 @@ __all__ = [
     "QueryConfig",
     "QueryPlan",
     "collect_queries",
+    "collect_reference",
     "plan_queries",
     "pool_queries",
     "random_queries",
     "reservoir",
+    "suffix_lse",
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
+# Bytes of one block of :func:`suffix_lse`'s logits [H_q, rows, m] fp32.
+SUFFIX_LSE_BYTES = 64 << 20
 # Tokens of one self-study prompt a worker runs (the prompts are batched, so each row is as
 # long as the longest; the service also caps their characters, WorkLimits).
 MAX_SELF_STUDY_PROMPT_TOKENS = 512
@@ -198,48 +203,118 @@ def collect_queries(
     Each source is capped at ``max_queries_per_head`` (reservoir), then the concatenation.
     `checkpoint` is called with "query collection" before each continuation runs.
     """
+    return collect_reference(model, state, plan, layers, checkpoint)[0]
+
+
+def collect_reference(
+    model: Any,
+    state: hf.PrefixState,
+    plan: QueryPlan,
+    layers: Sequence[int] | None = None,
+    checkpoint: Checkpoint | None = None,
+    with_suffix_lse: bool = False,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """:func:`collect_queries`, and with `with_suffix_lse` each query's :func:`suffix_lse`
+    over its own continuation's keys, pooled and drawn alike: ``({layer: [H_kv, n, D]},
+    {layer: [H_kv, n]})`` (the second empty without it)."""
     info = hf.model_info(model)
     wanted = list(range(info.num_layers)) if layers is None else list(layers)
     recorded: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
+    lse: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
     for cont in plan.continuations:
         if checkpoint is not None:
             checkpoint("query collection")
+        run = state.fork()
         with hf.record_queries(model, wanted) as rec:
-            state.fork().forward(model, cont.tokens, last_only=True)
+            run.forward(model, cont.tokens, last_only=True)
         for layer in wanted:  # a long continuation runs as several forward calls
             calls = rec[layer]
-            recorded[layer].append(calls[0] if len(calls) == 1 else torch.cat(calls, dim=1))
-    return {layer: pool_queries(model, plan, recorded[layer], layer) for layer in wanted}
+            q = calls[0] if len(calls) == 1 else torch.cat(calls, dim=1)
+            recorded[layer].append(q)
+            if with_suffix_lse:
+                lse[layer].append(suffix_lse(q, run.appended_keys(layer), info.sm_scale))
+    pooled = {
+        layer: pool_queries(model, plan, recorded[layer], layer, lse[layer] or None)
+        for layer in wanted
+    }
+    suffix = {layer: p[1] for layer, p in pooled.items() if p[1] is not None}
+    return {layer: p[0] for layer, p in pooled.items()}, suffix
+
+
+def suffix_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """log sum_{j <= i} exp(scale * q_i . k_j): [H_q, m] fp32, for the queries [H_q, m, D] and
+    keys [H_kv, m, D] of the same m appended tokens (query head h reads KV head h // G).
+
+    The log of the softmax mass (before normalising) that each token's query gives the
+    tokens after the prefix up to itself; computed in blocks of query rows whose logits stay
+    within SUFFIX_LSE_BYTES.
+    """
+    hq, m, _ = queries.shape
+    if keys.dim() != 3 or keys.shape[1] != m or hq % keys.shape[0]:
+        raise ValueError(
+            f"keys must be [H_kv | {hq}, m={m}, D], got {tuple(keys.shape)} for {tuple(queries.shape)}"
+        )
+    k = keys.float().repeat_interleave(hq // keys.shape[0], dim=0)  # [H_q, m, D]
+    rows = max(1, SUFFIX_LSE_BYTES // (4 * hq * m))
+    pos = torch.arange(m, device=queries.device)
+    out = []
+    for a in range(0, m, rows):
+        b = min(m, a + rows)
+        logits = torch.bmm(queries[:, a:b].float(), k[:, :b].transpose(1, 2)).mul_(scale)
+        logits.masked_fill_(pos[None, :b] > pos[a:b, None], -math.inf)
+        out.append(logits.logsumexp(-1))
+    return torch.cat(out, dim=1)
 
 
 def pool_queries(
-    model: Any, plan: QueryPlan, recorded: Sequence[torch.Tensor], layer: int
-) -> torch.Tensor:
-    """One layer's reference queries [H_kv, n, D] fp32 from the continuations' own queries.
+    model: Any,
+    plan: QueryPlan,
+    recorded: Sequence[torch.Tensor],
+    layer: int,
+    recorded_lse: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer's reference queries [H_kv, n, D] fp32 from the continuations' own queries,
+    and their suffix log-sum-exp [H_kv, n] when `recorded_lse` is given (else None).
 
     `recorded` holds the post-RoPE queries [H_q, n_j, D] of every continuation of `plan`,
-    in order (from :func:`collect_queries` or an on-policy ``hf.LayerStream``); the prefix-side
-    sources (``context-prefill``, ``random``) are added here. Each source is capped at
-    ``max_queries_per_head`` (reservoir), then the concatenation.
+    in order (from :func:`collect_reference` or an on-policy ``hf.LayerStream``), and
+    `recorded_lse` their :func:`suffix_lse` [H_q, n_j]; the prefix-side sources
+    (``context-prefill``, ``random``) are added here (with no mass after the prefix: -inf).
+    Each source is capped at ``max_queries_per_head`` (reservoir), then the concatenation;
+    a query and its log-sum-exp travel as one row.
     """
     if len(recorded) != len(plan.continuations):
         raise ValueError(
             f"{len(recorded)} recorded query sets for {len(plan.continuations)} continuations"
         )
+    if recorded_lse is not None and len(recorded_lse) != len(recorded):
+        raise ValueError(f"{len(recorded_lse)} suffix lse sets for {len(recorded)} query sets")
     info = hf.model_info(model)
     cfg = plan.config
     cap, seed, group = cfg.max_queries_per_head, cfg.seed, info.group_size
+
+    def row(q: torch.Tensor, lse: torch.Tensor | None) -> torch.Tensor:
+        """[.., n, D] queries, with their log-sum-exp as column D when it is asked for."""
+        if recorded_lse is None:
+            return q
+        lse = torch.full_like(q[..., 0], -math.inf) if lse is None else lse.float()
+        return torch.cat([q, lse.unsqueeze(-1)], dim=-1)
+
     parts = []
     for j, (cont, q) in enumerate(zip(plan.continuations, recorded)):
-        pooled = hf.pool_gqa(q[:, cont.keep_from :].float(), info.num_kv_heads)
+        lse = None if recorded_lse is None else recorded_lse[j][:, cont.keep_from :]
+        pooled = hf.pool_gqa(row(q[:, cont.keep_from :].float(), lse), info.num_kv_heads)
         parts.append(reservoir(pooled, cap, seed + 1 + j, group))
     if "context-prefill" in cfg.sources and plan.context_queries is not None:
-        parts.append(reservoir(plan.context_queries[layer], cap, seed, group))
+        parts.append(reservoir(row(plan.context_queries[layer], None), cap, seed, group))
     if "random" in cfg.sources and plan.query_norms is not None:
         norms = plan.query_norms[layer]
         count = -(-cfg.random_count // group) * group  # a multiple of G keeps the layout
-        parts.append(random_queries(norms, count, info.head_dim, seed + layer))
-    return reservoir(cat_pooled(parts, group), cap, seed, group)
+        parts.append(row(random_queries(norms, count, info.head_dim, seed + layer), None))
+    out = reservoir(cat_pooled(parts, group), cap, seed, group)
+    if recorded_lse is None:
+        return out, None
+    return out[..., :-1].contiguous(), out[..., -1].contiguous()
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

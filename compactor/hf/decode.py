@@ -188,6 +188,13 @@ class PrefixState:
         uniform = self._uniform_layers()[layer]  # once per state: one host sync
         return prefix_mask(self.bias[layer], self.num_new, q_len, num_q_heads, dtype, uniform)
 
+    def appended_keys(self, layer: int) -> torch.Tensor:
+        """The post-RoPE keys [H_kv, num_new, D] of the tokens this one sequence appended, in
+        `layer` (a view of the cache). ValueError before the first append or on a batch."""
+        if self._cache is None:
+            raise ValueError("appended_keys: this state has appended no sequence")
+        return self._cache.layers[layer].keys[0, :, self.slots :]
+
     def _ensure_cache(self, device: torch.device) -> Any:
         """The one sequence's cache, starting with the prefix slots [1, H_kv, S, D]."""
         if self._cache is None:

@@ -29,6 +29,7 @@ def attention_probs(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    suffix_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention [H, n, T] fp32 of queries [H, n, D] over keys [H, T, D].
 
@@ -39,6 +40,10 @@ def attention_probs(
     tokens): they take their share of every query's mass, as in the model, and their columns
     are dropped from the result. Without them, a query that mostly reads the sinks looks as
     sharp as one that reads a single key.
+    suffix_lse: [H, n] the log of each query's softmax mass over the keys after the prefix
+    (its own continuation's, causally: ``compactor.queries``), one more term of its softmax;
+    -inf where there is none. Without it, a query that mostly reads its own recent tokens
+    looks like a sharp read of whichever prefix key gets its leftover mass.
     """
     s = 0
     if sinks is not None and sinks.shape[1]:
@@ -53,7 +58,10 @@ def attention_probs(
         pos = (T - window) + torch.arange(n, device=dev) % window  # [n], sinks included in T
         future = torch.arange(T, device=dev).unsqueeze(0) > pos.unsqueeze(1)  # [n, T]
         logits.masked_fill_(future.unsqueeze(0), -math.inf)
-    return torch.softmax(logits, dim=-1)[..., s:]
+    if suffix_lse is None:
+        return torch.softmax(logits, dim=-1)[..., s:]
+    logits = torch.cat([logits, suffix_lse.float().unsqueeze(-1)], dim=-1)
+    return torch.softmax(logits, dim=-1)[..., s:-1]
 
 
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:

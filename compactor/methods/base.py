@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 
 import torch
 
-from compactor.methods.context import check_sinks
+from compactor.methods.context import check_sinks, check_suffix_lse
 from compactor.methods.refit import refit as am_refit
 from compactor.methods.selection import Selection, keep_selected, pack_layer, topk_selection
 from compactor.methods.targets import Targets, reference_targets
@@ -69,6 +69,10 @@ class LayerInput:
         sinks: [H_kv, s, D] the keys kept verbatim before these (the pipeline's sink tokens),
             which share the reference queries' softmax; None when there are none. Scoring
             methods normalise with them (``attention_probs(..., sinks=)``).
+        suffix_lse: [H_kv, n] the log of each reference query's softmax mass over the keys
+            after the prefix (its own continuation's, causal), for methods with
+            ``needs_suffix_lse`` (KVzip); None otherwise, or where the pipeline has none
+            (on-policy).
     """
 
     keys: torch.Tensor
@@ -78,11 +82,13 @@ class LayerInput:
     sm_scale: float | None = None
     context: LayerContext | None = None
     sinks: torch.Tensor | None = None
+    suffix_lse: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         budgets = check_layer_inputs(self.keys, self.values, self.queries, self.budgets)
         object.__setattr__(self, "budgets", tuple(budgets))
         check_sinks(self.sinks, self.keys)
+        check_suffix_lse(self.suffix_lse, self.queries)
         resolve_sm_scale(self.sm_scale, self.D)
 
     @property
@@ -143,7 +149,7 @@ class CompactionMethod(ABC):
 
     Subclasses validate their fields in ``__post_init__`` (ValueError, never assert) and
     implement :meth:`compact`. A method that needs a LayerContext sets ``needs_context``; one
-    that chooses its own budget, whatever the spec's ratio or tokens, sets ``own_budget``.
+    that reads ``LayerInput.suffix_lse`` sets ``needs_suffix_lse``; one that chooses its own budget, whatever the spec's ratio or tokens, sets ``own_budget``.
     One whose result for a KV head depends on that head's keys, values, queries and budget
     alone (no state across heads, no context, an empty report) sets ``heads_independent``:
     the pipeline may then compact several chunks of a layer in one call, stacked along
@@ -152,6 +158,7 @@ class CompactionMethod(ABC):
 
     name: ClassVar[str] = ""
     needs_context: ClassVar[bool] = False
+    needs_suffix_lse: ClassVar[bool] = False
     own_budget: ClassVar[bool] = False
     heads_independent: ClassVar[bool] = False
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -149,13 +150,17 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
     Score of a key = max over the reference queries (meant to be repeat-prefill ones:
     the model re-reading the context) and over the group's query heads of its attention,
     the softmax taken with the verbatim sink keys in it (as in the model: a query that mostly
-    reads the sinks gives the other keys little).
+    reads the sinks gives the other keys little), and with the query's mass over its own
+    continuation's keys (``LayerInput.suffix_lse``; as in KVzip's context reconstruction: a
+    query that mostly reads the tokens just repeated gives the prefix little).
     ``layerwise=False`` (KVzip's default): the prefix's whole budget is split over layers by a
     global top-k of the scores of every layer's heads (:meth:`plan_layers`), so a layer whose
     heads read a few keys sharply keeps more of them than one that reads everything a little.
     ``non_uniform=True``: a layer's budget sum(t_h) is split over its KV heads the same way
     (each head keeps >= 1). Report: {"budgets": the kept count per KV head}.
     """
+
+    needs_suffix_lse: ClassVar[bool] = True
 
     non_uniform: bool = True
     layerwise: bool = False
@@ -168,7 +173,9 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
 
     def score(self, x: LayerInput) -> torch.Tensor:
         """Max attention [H, T] over the reference queries (and the group's heads)."""
-        return attention_probs(x.keys, x.queries, x.scale, sinks=x.sinks).amax(1)
+        return attention_probs(
+            x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
+        ).amax(1)
 
     def pick(self, x: LayerInput) -> Picked:
         scores = self.score(x)
@@ -185,10 +192,11 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
             return [x.budget] * x.L
         scale = resolve_sm_scale(x.sm_scale, x.keys[0].shape[-1])
         sinks: Sequence[torch.Tensor | None] = x.sinks or [None] * x.L
+        suffix: Sequence[torch.Tensor | None] = x.suffix_lse or [None] * x.L
         scores = torch.stack(
             [
-                attention_probs(k, q, scale, sinks=sk).amax(1)
-                for k, q, sk in zip(x.keys, x.queries, sinks, strict=True)
+                attention_probs(k, q, scale, sinks=sk, suffix_lse=lse).amax(1)
+                for k, q, sk, lse in zip(x.keys, x.queries, sinks, suffix, strict=True)
             ]
         )  # [L, H_kv, T]
         kept = scores.flatten().topk(x.L * x.H * x.budget).indices // (x.H * x.T)

@@ -38,6 +38,7 @@ __all__ = [
     "build_layer_contexts",
     "rope_cos_sin",
     "wants_context",
+    "wants_suffix_lse",
 ]
 
 
@@ -48,6 +49,15 @@ def check_sinks(sinks: torch.Tensor | None, keys: torch.Tensor) -> None:
     H, _, D = keys.shape
     if sinks.dim() != 3 or sinks.shape[0] != H or sinks.shape[2] != D:
         raise ValueError(f"sinks must be [H_kv={H}, s, D={D}], got {tuple(sinks.shape)}")
+
+
+def check_suffix_lse(suffix_lse: torch.Tensor | None, queries: torch.Tensor) -> None:
+    """ValueError unless `suffix_lse` is None or [H_kv, n] beside queries [H_kv, n, D]."""
+    if suffix_lse is not None and tuple(suffix_lse.shape) != tuple(queries.shape[:2]):
+        raise ValueError(
+            f"suffix_lse must be [H_kv, n]={tuple(queries.shape[:2])}, "
+            f"got {tuple(suffix_lse.shape)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +143,8 @@ class PlannerInput:
         sm_scale: logit scale (None: 1/sqrt(D)).
         sinks: sinks[l] [H_kv, s, D], the verbatim keys before keys[l] that share the
             softmax (see :class:`~compactor.methods.base.LayerInput`), or None.
+        suffix_lse: suffix_lse[l] [H_kv, n], the log of each query's softmax mass after the
+            prefix (see :class:`~compactor.methods.base.LayerInput`), or None.
 
     Raises:
         ValueError: keys and queries not one per layer, layers of different [H_kv, T], or
@@ -144,9 +156,17 @@ class PlannerInput:
     budget: int
     sm_scale: float | None = None
     sinks: Sequence[torch.Tensor] | None = None
+    suffix_lse: Sequence[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         keys, queries = self.keys, self.queries
+        if self.suffix_lse is not None:
+            if len(self.suffix_lse) != len(queries):
+                raise ValueError(
+                    f"need suffix_lse for every layer, got {len(self.suffix_lse)}/{len(queries)}"
+                )
+            for lse, q in zip(self.suffix_lse, queries, strict=True):
+                check_suffix_lse(lse, q)
         if self.sinks is not None:
             if len(self.sinks) != len(keys):
                 raise ValueError(f"need sinks for every layer, got {len(self.sinks)}/{len(keys)}")
@@ -187,12 +207,13 @@ class LayerBudgetPlanner(ABC):
         budget: int,
         sm_scale: float | None = None,
         sinks: Sequence[torch.Tensor] | None = None,
+        suffix_lse: Sequence[torch.Tensor] | None = None,
     ) -> list[int]:
         """Per-layer budget per KV head from keys[l] [H_kv, T, D] and queries[l] [H_kv, n, D]
-        (sinks[l] [H_kv, s, D] before them, or None); the mean over layers equals ``budget``
-        (up to rounding and per-layer floors). ValueError when the arguments do not fit (see
-        :class:`PlannerInput`)."""
-        return self.plan_layers(PlannerInput(keys, queries, budget, sm_scale, sinks))
+        (sinks[l] [H_kv, s, D] before them, suffix_lse[l] [H_kv, n], or None); the mean over
+        layers equals ``budget`` (up to rounding and per-layer floors). ValueError when the
+        arguments do not fit (see :class:`PlannerInput`)."""
+        return self.plan_layers(PlannerInput(keys, queries, budget, sm_scale, sinks, suffix_lse))
 
     @abstractmethod
     def plan_layers(self, x: PlannerInput) -> list[int]:
@@ -202,6 +223,12 @@ class LayerBudgetPlanner(ABC):
 def wants_context(method: Any) -> bool:
     """True when ``method`` declares ``needs_context = True``."""
     return bool(getattr(method, "needs_context", False))
+
+
+def wants_suffix_lse(method: Any) -> bool:
+    """True when ``method`` declares ``needs_suffix_lse = True`` (it reads
+    ``LayerInput.suffix_lse``, which costs one more attention pass per continuation)."""
+    return bool(getattr(method, "needs_suffix_lse", False))
 
 
 def rope_cos_sin(

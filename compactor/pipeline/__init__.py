@@ -110,7 +110,7 @@ def compact_prefix(
             follow-ups and self-study prompts to hold out (:func:`.target.split_held_out`).
     """
     from compactor.methods import get_method
-    from compactor.methods.context import build_layer_contexts, wants_context
+    from compactor.methods.context import build_layer_contexts, wants_context, wants_suffix_lse
 
     hooks = hooks or Hooks()
     watch = Stopwatch()
@@ -130,7 +130,15 @@ def compact_prefix(
         info = hf.model_info(model)
         plan = plan_budgets(model, ceiling, meth, T, fp)
     inputs = prepare_inputs(
-        model, tokenizer, ids, spec, follow_ups, hooks.reuse, watch, hooks.checkpoint
+        model,
+        tokenizer,
+        ids,
+        spec,
+        follow_ups,
+        hooks.reuse,
+        watch,
+        hooks.checkpoint,
+        wants_suffix_lse(meth),
     )
     # Methods that need the layer's inputs (GVote, CompressKV) get a LayerContext per layer
     # (one extra prefill); a LayerBudgetPlanner (KVCompose) sets per-layer budgets up front.
@@ -148,7 +156,7 @@ def compact_prefix(
         with watch.measure("prefill"):
             plan = plan_budgets(model, spec, meth, T, fp)
     plan = plan.with_layer_budgets(
-        meth, inputs.prefill.keys, inputs.queries, info.sm_scale, spec.on_policy
+        meth, inputs.prefill.keys, inputs.queries, info.sm_scale, spec.on_policy, inputs.suffix_lse
     )
     report: dict[str, Any] = {}
     layers, per_layer = compact_layers(

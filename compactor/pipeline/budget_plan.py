@@ -66,11 +66,13 @@ class BudgetPlan:
         queries: dict[int, torch.Tensor],
         sm_scale: float,
         on_policy: bool,
+        suffix_lse: dict[int, torch.Tensor] | None = None,
     ) -> BudgetPlan:
         """Add a LayerBudgetPlanner method's per-layer budgets (off-policy, one chunk only).
 
         keys: per layer [H_kv, T, D] (the non-sink part is planned); queries: per layer
-        [H_kv, n, D]. Returns this plan when the method plans nothing.
+        [H_kv, n, D]; suffix_lse: per layer [H_kv, n] or None / empty (``LayerInput``).
+        Returns this plan when the method plans nothing.
         """
         from compactor.methods.context import LayerBudgetPlanner
 
@@ -83,6 +85,7 @@ class BudgetPlan:
             self.budget - s,
             sm_scale,
             [k[:, :s] for k in keys] if s else None,
+            [suffix_lse[li] for li in range(len(keys))] if suffix_lse else None,
         )
         return replace(self, layer_budgets=planned)
 

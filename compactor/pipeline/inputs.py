@@ -6,14 +6,14 @@ Shape legend: T prefix tokens, n reference queries, H_kv KV heads, D head dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from compactor import hf
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import Checkpoint, QueryPlan, collect_queries, plan_queries
+from compactor.queries import Checkpoint, QueryPlan, collect_reference, plan_queries
 from compactor.spec import CompactionSpec
 
 __all__ = ["Inputs", "prepare_inputs", "resolve_fingerprint"]
@@ -26,12 +26,15 @@ class Inputs:
     prefill: keys/values per layer [H_kv, T, D]. plan: the fixed query continuations.
     queries: off-policy reference queries ``{layer: [H_kv, n, D]}`` fp32 (a private copy the
     loop may pop from; empty on-policy). stream: the on-policy ``hf.LayerStream`` (or None).
+    suffix_lse: ``{layer: [H_kv, n]}`` each off-policy query's log mass after the prefix
+    (``compactor.queries.suffix_lse``), for a method that reads it; else empty.
     """
 
     prefill: hf.PrefillResult
     plan: QueryPlan
     queries: dict[int, torch.Tensor]
     stream: hf.LayerStream | None
+    suffix_lse: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_inputs(
@@ -43,6 +46,7 @@ def prepare_inputs(
     reuse: dict[Any, Any] | None,
     watch: Stopwatch,
     checkpoint: Checkpoint | None = None,
+    with_suffix_lse: bool = False,
 ) -> Inputs:
     """Prefill `ids` [T] and draw the reference queries of `spec.queries`.
 
@@ -50,31 +54,35 @@ def prepare_inputs(
     follow-ups, on_policy): a hit skips both stages (they then time ~0 s). Times the
     "prefill" and "queries" stages into `watch`. `checkpoint` is called per generated token
     and per collected continuation (``compactor.queries``): it may raise to abort.
+    `with_suffix_lse`: also each off-policy query's log mass after the prefix (the method
+    reads it: ``compactor.methods.context.wants_suffix_lse``).
     """
     qcfg = spec.queries
     need_q = bool({"context-prefill", "random"} & set(qcfg.sources))
-    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())), spec.on_policy)
+    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())), spec.on_policy, with_suffix_lse)
     hit = reuse.get(key) if reuse is not None else None
     with watch.measure("prefill"):
         pre = hit[0] if hit is not None else hf.prefill(model, ids, with_queries=need_q)
     with watch.measure("queries"):
         if hit is not None:
-            _, plan, all_queries = hit
+            _, plan, all_queries, suffix = hit
         else:
             plan = plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups, checkpoint)
-            all_queries = (
-                {}
+            all_queries, suffix = (
+                ({}, {})
                 if spec.on_policy
-                else collect_queries(model, hf.PrefixState.full(pre), plan, checkpoint=checkpoint)
+                else collect_reference(
+                    model, hf.PrefixState.full(pre), plan, None, checkpoint, with_suffix_lse
+                )
             )
             if reuse is not None:
-                reuse[key] = (pre, plan, all_queries)
+                reuse[key] = (pre, plan, all_queries, suffix)
         stream = (
             hf.LayerStream(model, len(ids), [c.tokens for c in plan.continuations])
             if spec.on_policy
             else None
         )
-    return Inputs(pre, plan, dict(all_queries), stream)
+    return Inputs(pre, plan, dict(all_queries), stream, dict(suffix))
 
 
 def resolve_fingerprint(model: Any) -> str:

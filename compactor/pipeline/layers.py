@@ -47,7 +47,7 @@ def compact_layers(
 ) -> tuple[list[CompactedLayer], tuple[float, ...]]:
     """Compact every layer in order; returns (layers on the model's device, wall s per layer).
 
-    Mutates: `inputs.queries` (each layer's queries are dropped once used; on-policy they are
+    Mutates: `inputs.queries` and `inputs.suffix_lse` (each layer's are dropped once used; on-policy they are
     pooled from `inputs.stream`, which advances), `watch` ("queries" and "compaction"
     stages) and `report` (the method's report, see :func:`_run_method`). `before_layer` is
     called with each layer index first (the service's cancellation point: it may raise).
@@ -68,17 +68,19 @@ def compact_layers(
             before_layer(li)
         if stream is not None:
             with watch.measure("queries"):
-                queries[li] = pool_queries(model, inputs.plan, stream.queries(), li)
+                queries[li] = pool_queries(model, inputs.plan, stream.queries(), li)[0]
         with watch.measure("compaction") as lap:
             k, v, q = pre.keys[li], pre.values[li], queries[li]
+            lse = inputs.suffix_lse.get(li)
             done: dict[int, CompactedLayer] = {}
             for group in groups:
                 spans = [(s + plan.bounds[ci][0], s + plan.bounds[ci][1]) for ci in group]
                 ctx = contexts[li].for_span(*spans[0]) if contexts else None
                 per_head = [x for ci in group for x in plan.per_head(li, ci, info.num_kv_heads)]
                 kc, vc, qc = _stack_chunks(k, v, q, spans)
+                lc = None if lse is None else lse.repeat(len(group), 1)
                 sinks = k[:, :s] if s and len(group) == 1 else None
-                res = _run_method(meth, kc, vc, qc, per_head, info.sm_scale, ctx, sinks, report)
+                res = _run_method(meth, kc, vc, qc, per_head, info.sm_scale, ctx, sinks, report, lc)
                 done.update(zip(group, _split_heads(res, len(group))))
             parts = [(s + a, done[ci]) for ci, (a, _) in enumerate(plan.bounds)]
             layers.append(assemble_layer((k[:, :s], v[:, :s]) if s else None, parts))
@@ -87,6 +89,7 @@ def compact_layers(
             with watch.measure("queries"):
                 stream.advance(*layers[-1].padded(max(layers[-1].head_lengths()), k.dtype))
         queries.pop(li, None)
+        inputs.suffix_lse.pop(li, None)
     return layers, tuple(per_layer)
 
 
@@ -150,17 +153,19 @@ def _run_method(
     context: Any,
     sinks: torch.Tensor | None,
     report: dict[str, Any],
+    suffix_lse: torch.Tensor | None = None,
 ) -> CompactedLayer:
     """The one call into the method: compact one chunk, then record the method's report.
 
     keys, values [H_kv, T_c, D] of the chunk; queries [H_kv, n, D]; per_head [H_kv] budgets;
     context: the chunk's LayerContext or None; sinks [H_kv, s, D] the verbatim sink keys
-    (None: none, or several chunks stacked as heads). Mutates `report`: a non-empty report of the
+    (None: none, or several chunks stacked as heads); suffix_lse [H_kv, n] or None (see
+    ``LayerInput``). Mutates `report`: a non-empty report of the
     method (GVote: kept counts and "ratio") is appended to ``report["method_report"]`` (one
     per layer and chunk that reported), and "chosen_ratio" is the mean "ratio" of those
     reports when every one has it (methods that pick their own budget), else None.
     """
-    x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context, sinks)
+    x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context, sinks, suffix_lse)
     res = meth.compact(x)
     if res.report:
         report.setdefault("method_report", []).append(res.report)

@@ -44,11 +44,12 @@ import torch
 
 from compactor import hf
 from compactor.attention_errors import attention_errors
+from compactor.methods.context import wants_suffix_lse
 from compactor.pipeline.budget_plan import plan_budgets
 from compactor.pipeline.inputs import Inputs
 from compactor.pipeline.layers import compact_layers
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import Continuation, QueryPlan, collect_queries
+from compactor.queries import Continuation, QueryPlan, collect_queries, collect_reference
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedLayer
 
@@ -173,8 +174,10 @@ def choose_ratio(
     with watch.measure("queries"):
         full = hf.PrefixState.full(pre)
         held_q = collect_queries(model, full, held_plan, checkpoint=checkpoint)
-        fit_q = (
-            {} if spec.on_policy else collect_queries(model, full, fit_plan, checkpoint=checkpoint)
+        fit_q, fit_lse = (
+            ({}, {})
+            if spec.on_policy
+            else collect_reference(model, full, fit_plan, None, checkpoint, wants_suffix_lse(meth))
         )
     tried: list[tuple[float, float]] = []
     for ratio in spec.candidate_ratios():
@@ -183,9 +186,9 @@ def choose_ratio(
         if spec.on_policy:
             with watch.measure("queries"):
                 stream = hf.LayerStream(model, T, [c.tokens for c in fit_plan.continuations])
-        fit_inputs = Inputs(pre, fit_plan, dict(fit_q), stream)
+        fit_inputs = Inputs(pre, fit_plan, dict(fit_q), stream, dict(fit_lse))
         plan = plan_budgets(model, cand, meth, T, model_fingerprint).with_layer_budgets(
-            meth, pre.keys, fit_q, info.sm_scale, spec.on_policy
+            meth, pre.keys, fit_q, info.sm_scale, spec.on_policy, fit_lse
         )
         layers, _ = compact_layers(
             model, meth, fit_inputs, plan, contexts, watch, {}, before_layer, progress=False

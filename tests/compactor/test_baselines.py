@@ -140,6 +140,40 @@ def test_kvzip_does_not_keep_what_only_a_sink_reader_touches() -> None:
     assert kvzip.plan_layer_budgets([keys, other], [q, q], 1, 1.0, [sink, sink]) == [1, 1]
 
 
+def test_attention_probs_share_the_softmax_with_the_suffix() -> None:
+    """suffix_lse is one more logit per query row: the probabilities over the prefix keys are
+    those of a softmax over [keys, the suffix's own keys]; -inf (no suffix) changes nothing."""
+    k, _, q = _rand(H=2, T=12, n=5, seed=5)
+    own = torch.randn(2, 5, 3, D, generator=torch.Generator().manual_seed(6))  # 3 per row
+    lse = torch.einsum("hnd,hnjd->hnj", q, own).mul(0.25).logsumexp(-1)  # [H, n]
+    logits = torch.cat([q @ k.transpose(1, 2) * 0.25, lse.unsqueeze(-1)], -1)
+    want = torch.softmax(logits, -1)[..., :-1]
+    assert torch.allclose(attention_probs(k, q, 0.25, suffix_lse=lse), want, atol=1e-6)
+    none = torch.full_like(lse, -math.inf)
+    assert torch.allclose(attention_probs(k, q, 0.25, suffix_lse=none), attention_probs(k, q, 0.25))
+    with pytest.raises(ValueError, match="suffix_lse must be"):
+        LayerInput(k, k, q, (2, 2), suffix_lse=lse[:, :4])
+
+
+def test_kvzip_does_not_keep_what_only_a_reader_of_its_own_tokens_touches() -> None:
+    """q0 reads its own continuation (log mass 10) and key 0 a little (2); q1 reads key 1
+    (1.5). Scored over the prefix alone, q0's leftover looks like a sharp read of key 0; with
+    its own tokens in the softmax key 0 gets 3e-4 and key 1 is kept, as the model reads."""
+    q = torch.eye(4)[:2].unsqueeze(0)  # [1, 2, 4]
+    keys = torch.tensor([[[2.0, 0, 0, 0], [0, 1.5, 0, 0], [0, 0, 0, 0]]])
+    suffix = torch.tensor([[10.0, -math.inf]])
+    kvzip = get_method("kvzip")
+    assert kvzip.needs_suffix_lse
+    alone = kvzip.pick(LayerInput(keys, keys, q, (1,), 1.0)).selection
+    shared = kvzip.pick(LayerInput(keys, keys, q, (1,), 1.0, suffix_lse=suffix)).selection
+    assert alone.per_head()[0].tolist() == [0]
+    assert shared.per_head()[0].tolist() == [1]
+    other = torch.tensor([[[0.0, 0, 0, 0], [0, 1.2, 0, 0], [0, 0, 0, 0]]])
+    assert kvzip.plan_layer_budgets([keys, other], [q, q], 1, 1.0) == [2, 1]
+    plan = kvzip.plan_layer_budgets([keys, other], [q, q], 1, 1.0, None, [suffix, suffix])
+    assert plan == [1, 1]
+
+
 def test_global_topk_budgets_floor_and_total() -> None:
     s = torch.tensor([[9.0, 8.0, 7.0, 6.0], [0.1, 0.0, 0.0, 0.0]])
     assert global_topk_budgets(s, 4) == [3, 1]

@@ -64,6 +64,37 @@ def test_sinks_kept_with_beta_zero_and_budget(tiny):
     assert layer.kept_indices[10:20].tolist() == [0, 1, 2, 3, 4, 5, 23, 24, 25, 43]
 
 
+def test_kvzip_gets_each_querys_mass_after_the_prefix_off_policy(tiny, monkeypatch):
+    """The pipeline hands kvzip (``needs_suffix_lse``) the queries' suffix log-sum-exp, one per
+    query row (chunks too: the rows repeat with the queries); on-policy it has none."""
+    from compactor.methods.baselines import KVzip
+
+    seen: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
+    real = KVzip.score
+
+    def spy(self, x):
+        lse = x.suffix_lse
+        seen.append((tuple(x.queries.shape[:2]), None if lse is None else tuple(lse.shape)))
+        if lse is not None:
+            assert bool(torch.isfinite(lse).all())  # repeat-prefill: every query has its own
+        return real(self, x)
+
+    monkeypatch.setattr(KVzip, "score", spy)
+    ids = random_ids(40, seed=6)
+    for kw in ({}, {"chunk_size": 13}):
+        seen.clear()
+        compact_prefix(tiny, None, ids, _spec("kvzip", ratio=0.3, **kw), hooks=QUIET)
+        assert seen and all(lse == q for q, lse in seen)
+    seen.clear()  # the ratio search's candidates too (fitted on two follow-ups, one held out)
+    follow = QueryConfig(sources=("follow-up",))
+    spec = _spec("kvzip", target_error=0.5, queries=follow)
+    compact_prefix(tiny, None, ids, spec, [[1, 2, 3], [4, 5], [6, 7, 8]], hooks=QUIET)
+    assert seen and all(lse == q for q, lse in seen)
+    seen.clear()
+    compact_prefix(tiny, None, ids, _spec("kvzip", ratio=0.3, on_policy=True), hooks=QUIET)
+    assert seen and all(lse is None for _, lse in seen)
+
+
 def test_on_policy_runs_and_matches_shapes(tiny):
     ids = random_ids(30, seed=3)
     a, _ = compact_prefix(

@@ -60,6 +60,53 @@ def test_sources_shapes_and_repeat_prefill_semantics(tiny):
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
 
 
+def test_suffix_lse_is_the_models_mass_over_the_repeated_tokens(tiny):
+    """repeat-prefill over C: each query's suffix log-sum-exp is the log-sum-exp of its logits
+    over the keys of the second copy up to itself, as the model's C+C forward has them; under
+    a reservoir cap every pooled query keeps its own value, and the prefix-side sources
+    (context-prefill, random) have none (-inf)."""
+    from transformers import DynamicCache
+
+    from compactor.queries import collect_reference
+
+    ids, T = random_ids(24, seed=3), 24
+    pre = hf.prefill(tiny, ids, with_queries=True)
+    cache = DynamicCache()
+    with hf.record_queries(tiny, [1]) as rec:
+        tiny(input_ids=torch.tensor([ids + ids]), past_key_values=cache, use_cache=True)
+    q, k = rec[1][0][:, T:].float(), cache.layers[1].keys[0, :, T:].float()  # [4|2, T, 16]
+    logits = q @ k.repeat_interleave(2, 0).transpose(1, 2) * hf.model_info(tiny).sm_scale
+    logits.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    want_q, want = hf.pool_gqa(q, 2), logits.logsumexp(-1).reshape(2, 2 * T)
+
+    only = QueryConfig(sources=("repeat-prefill",), max_queries_per_head=10_000)
+    plan = plan_queries(tiny, None, ids, pre, only)
+    full = hf.PrefixState.full(pre)
+    got_q, got = collect_reference(tiny, full, plan, [1], with_suffix_lse=True)
+    torch.testing.assert_close(got_q[1], want_q, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1], want, atol=1e-3, rtol=0)
+    assert collect_reference(tiny, full, plan, [1])[1] == {}
+
+    mixed = QueryConfig(
+        sources=("repeat-prefill", "context-prefill", "random"),
+        max_queries_per_head=20,
+        random_count=4,
+    )
+    plan = plan_queries(tiny, None, ids, pre, mixed)
+    got_q, got = collect_reference(tiny, full, plan, [1], with_suffix_lse=True)
+    assert got_q[1].shape == (2, 20, 16) and got[1].shape == (2, 20)
+    repeated = 0
+    for h in range(2):
+        for row, lse in zip(got_q[1][h], got[1][h]):
+            match = ((want_q[h] - row).abs().amax(-1) < 1e-4).nonzero()
+            if len(match):  # a repeat-prefill query: its own value
+                torch.testing.assert_close(lse, want[h, match[0, 0]], atol=1e-3, rtol=0)
+                repeated += 1
+            else:  # context-prefill or random: no mass after the prefix
+                assert lse == float("-inf")
+    assert 0 < repeated < 40
+
+
 def test_follow_up_answers_are_the_full_prefix_greedy_answers(tiny):
     ids = random_ids(20, seed=5)
     pre = hf.prefill(tiny, ids)
