@@ -2,8 +2,8 @@
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
 (`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
-RULER-style suite, ruler.json (`ruler`, and per haystack `ruler_haystacks`),
-our kvzip before and after the sinks joined its softmax (`ruler_kvzip`), and the defaults
+RULER-style suite, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip as the
+sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the defaults
 before and after they were chosen on it (`ruler_defaults`).
 """
 
@@ -213,27 +213,31 @@ def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-@table(
-    "ruler_kvzip",
-    "ruler_dev_kvzip_before.json",
-    "ruler_dev_kvzip_after.json",
-    "ruler_before_sinks.json",
-    "ruler_agnostic.json",
-)
+# Our kvzip's softmax, step by step: (split, haystack, what it holds, file); query-agnostic.
+_KVZIP_STEPS = (
+    ("dev", "filler", "the prefix", "ruler_dev_kvzip_before.json"),
+    ("dev", "filler", "+ the sinks", "ruler_dev_kvzip_after.json"),
+    ("dev", "filler", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix.json"),
+    ("dev", "essays", "+ the sinks", "ruler_dev_kvzip_essays.json"),
+    ("dev", "essays", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix_essays.json"),
+    ("held-out", "filler", "the prefix", "ruler_before_sinks.json"),
+    ("held-out", "filler", "+ the sinks", "ruler_agnostic.json"),
+    ("held-out", "filler", "+ the sinks + its own tokens", "ruler_suffix_filler_agnostic.json"),
+    ("held-out", "essays", "+ the sinks", "ruler_essays.json"),
+    ("held-out", "essays", "+ the sinks + its own tokens", "ruler_suffix_essays.json"),
+)  # fmt: skip
+
+
+@table("ruler_kvzip", *(f for *_, f in _KVZIP_STEPS))
 def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
-    """Our kvzip before and after the sink keys joined its softmax: dev, then held-out."""
-    runs = [[s for s in overall(d["summary"]) if s["method"] == "kvzip"] for d in data]
-    ratios = sorted({s["ratio"] for s in runs[0]}, reverse=True)
-    rows = [["split", "kvzip's softmax", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
-    for (split, when), summary in zip(
-        (("dev", "without the sinks"), ("dev", "with them"),
-         ("held-out", "without the sinks"), ("held-out", "with them")),
-        runs,
-        strict=True,
-    ):  # fmt: skip
-        picked = [rec(summary, ratio=r) for r in ratios]
+    """What each reference query's softmax holds beside the scored keys, per split and
+    haystack: retention at 10x and 20x, then the per-token agreement at both."""
+    rows = [["split", "haystack", "kvzip's softmax", "10x", "20x", "per-token agreement"]]
+    for (split, hay, what, _), d in zip(_KVZIP_STEPS, data, strict=True):
+        summary = overall(d["summary"])
+        picked = [rec(summary, method="kvzip", setting="agnostic", ratio=r) for r in (0.1, 0.05)]
         agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
-        rows.append([split, when, *(_ruler_cell(s) for s in picked), agree])
+        rows.append([split, hay, what, *(_ruler_cell(s) for s in picked), agree])
     return rows
 
 
