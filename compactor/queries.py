@@ -58,8 +58,10 @@ __all__ = [
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
-# Bytes of one block of :func:`suffix_lse`'s logits [H_q, rows, m] fp32.
+# Bytes of one block of :func:`suffix_lse`'s logits [H_q, rows, m] fp32: on the CPU, and on an
+# accelerator (where a 32k-token continuation would otherwise run as thousands of small blocks).
 SUFFIX_LSE_BYTES = 64 << 20
+SUFFIX_LSE_BYTES_ACCEL = 1 << 30
 # Tokens of one self-study prompt a worker runs (the prompts are batched, so each row is as
 # long as the longest; the service also caps their characters, WorkLimits).
 MAX_SELF_STUDY_PROMPT_TOKENS = 512
@@ -247,7 +249,7 @@ def suffix_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
 
     The log of the softmax mass (before normalising) that each token's query gives the
     tokens after the prefix up to itself; computed in blocks of query rows whose logits stay
-    within SUFFIX_LSE_BYTES.
+    within SUFFIX_LSE_BYTES (SUFFIX_LSE_BYTES_ACCEL off the CPU).
     """
     hq, m, _ = queries.shape
     if keys.dim() != 3 or keys.shape[1] != m or hq % keys.shape[0]:
@@ -255,7 +257,8 @@ def suffix_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
             f"keys must be [H_kv | {hq}, m={m}, D], got {tuple(keys.shape)} for {tuple(queries.shape)}"
         )
     k = keys.float().repeat_interleave(hq // keys.shape[0], dim=0)  # [H_q, m, D]
-    rows = max(1, SUFFIX_LSE_BYTES // (4 * hq * m))
+    budget = SUFFIX_LSE_BYTES if queries.device.type == "cpu" else SUFFIX_LSE_BYTES_ACCEL
+    rows = max(1, budget // (4 * hq * m))
     pos = torch.arange(m, device=queries.device)
     out = []
     for a in range(0, m, rows):
