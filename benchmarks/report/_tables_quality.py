@@ -176,6 +176,14 @@ def _ruler_cell(s: dict[str, Any]) -> str:
     return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
 
 
+def _ruler_10x_20x(summary: list[dict[str, Any]], **match: Any) -> list[str]:
+    """The cells at 10x and 20x of the summary row matching `match`, then the per-token
+    agreement at both ("0.98 / 0.97")."""
+    picked = [rec(summary, **match, ratio=r) for r in (0.1, 0.05)]
+    agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
+    return [*(_ruler_cell(s) for s in picked), agree]
+
+
 @table("ruler", "ruler.json")
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     """All tasks and haystacks together: per setting and method, one column per compression.
@@ -234,10 +242,8 @@ def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
     haystack: retention at 10x and 20x, then the per-token agreement at both."""
     rows = [["split", "haystack", "kvzip's softmax", "10x", "20x", "per-token agreement"]]
     for (split, hay, what, _), d in zip(_KVZIP_STEPS, data, strict=True):
-        summary = overall(d["summary"])
-        picked = [rec(summary, method="kvzip", setting="agnostic", ratio=r) for r in (0.1, 0.05)]
-        agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
-        rows.append([split, hay, what, *(_ruler_cell(s) for s in picked), agree])
+        cells = _ruler_10x_20x(overall(d["summary"]), method="kvzip", setting="agnostic")
+        rows.append([split, hay, what, *cells])
     return rows
 
 
@@ -273,7 +279,6 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
     for split, label, name, method in _DEFAULTS:
         summary = overall(files[name]["summary"])
         for setting in dict.fromkeys(s["setting"] for s in summary if s["method"] == method):
-            picked = [rec(summary, setting=setting, method=method, ratio=r) for r in (0.1, 0.05)]
-            agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
-            rows.append([split, label, setting, *(_ruler_cell(s) for s in picked), agree])
+            cells = _ruler_10x_20x(summary, setting=setting, method=method)
+            rows.append([split, label, setting, *cells])
     return rows
