@@ -50,39 +50,46 @@ def prepare_inputs(
 ) -> Inputs:
     """Prefill `ids` [T] and draw the reference queries of `spec.queries`.
 
-    `reuse` (mutated) caches (prefill, plan, off-policy queries) per (prefix, query config,
-    follow-ups, on_policy): a hit skips both stages (they then time ~0 s). Times the
-    "prefill" and "queries" stages into `watch`. `checkpoint` is called per generated token
-    and per collected continuation (``compactor.queries``): it may raise to abort.
+    `reuse` (mutated) caches (prefill, plan, off-policy queries, their suffix lse or None) per
+    (prefix, query config, follow-ups, on_policy): a hit skips both stages (they then time
+    ~0 s), except the query collection when the suffix lse is asked for and the hit has none
+    (it is then collected, with the queries, once more and cached). Times the "prefill" and
+    "queries" stages into `watch`. `checkpoint` is called per generated token and per
+    collected continuation (``compactor.queries``): it may raise to abort.
     `with_suffix_lse`: also each off-policy query's log mass after the prefix (the method
     reads it: ``compactor.methods.context.wants_suffix_lse``).
     """
     qcfg = spec.queries
     need_q = bool({"context-prefill", "random"} & set(qcfg.sources))
-    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())), spec.on_policy, with_suffix_lse)
+    key = (tuple(ids), qcfg, tuple(map(tuple, follow_ups or ())), spec.on_policy)
     hit = reuse.get(key) if reuse is not None else None
     with watch.measure("prefill"):
         pre = hit[0] if hit is not None else hf.prefill(model, ids, with_queries=need_q)
     with watch.measure("queries"):
-        if hit is not None:
+        want_suffix = with_suffix_lse and not spec.on_policy
+        if hit is not None and (hit[3] is not None or not want_suffix):
             _, plan, all_queries, suffix = hit
         else:
-            plan = plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups, checkpoint)
+            plan = (
+                hit[1]
+                if hit is not None
+                else plan_queries(model, tokenizer, ids, pre, qcfg, follow_ups, checkpoint)
+            )
             all_queries, suffix = (
                 ({}, {})
                 if spec.on_policy
                 else collect_reference(
-                    model, hf.PrefixState.full(pre), plan, None, checkpoint, with_suffix_lse
+                    model, hf.PrefixState.full(pre), plan, None, checkpoint, want_suffix
                 )
             )
             if reuse is not None:
-                reuse[key] = (pre, plan, all_queries, suffix)
+                reuse[key] = (pre, plan, all_queries, suffix if want_suffix else None)
         stream = (
             hf.LayerStream(model, len(ids), [c.tokens for c in plan.continuations])
             if spec.on_policy
             else None
         )
-    return Inputs(pre, plan, dict(all_queries), stream, dict(suffix))
+    return Inputs(pre, plan, dict(all_queries), stream, dict(suffix or {}) if want_suffix else {})
 
 
 def resolve_fingerprint(model: Any) -> str:

@@ -95,6 +95,45 @@ def test_kvzip_gets_each_querys_mass_after_the_prefix_off_policy(tiny, monkeypat
     assert seen and all(lse is None for _, lse in seen)
 
 
+def test_a_shared_reuse_collects_the_suffix_lse_once_and_only_when_asked(tiny, monkeypatch):
+    """Hooks.reuse shared by methods with and without ``needs_suffix_lse``: one prefill, one
+    query plan; the queries are collected again once (with the suffix) when kvzip follows a
+    method that did not need it, never after; a method without the need gets none."""
+    from compactor.methods.baselines import KVzip, SnapKV
+    from compactor.pipeline import inputs as inputs_mod
+
+    calls = {"prefill": 0, "collect": []}
+    real_prefill, real_collect = inputs_mod.hf.prefill, inputs_mod.collect_reference
+
+    def prefill(*a, **kw):
+        calls["prefill"] += 1
+        return real_prefill(*a, **kw)
+
+    def collect(*a, **kw):
+        calls["collect"].append(a[-1])  # with_suffix_lse
+        return real_collect(*a, **kw)
+
+    monkeypatch.setattr(inputs_mod.hf, "prefill", prefill)
+    monkeypatch.setattr(inputs_mod, "collect_reference", collect)
+    got: list[tuple[str, bool]] = []  # (method, handed a suffix lse)
+    for cls in (KVzip, SnapKV):
+        real_score = cls.score
+
+        def spy(self, x, real=real_score):
+            got.append((self.name, x.suffix_lse is not None))
+            return real(self, x)
+
+        monkeypatch.setattr(cls, "score", spy)
+    hooks = Hooks(progress=False, reuse={})
+    ids = random_ids(40, seed=7)
+    for method in ("snapkv", "kvzip", "kvzip", "snapkv"):
+        prefix, _ = compact_prefix(tiny, None, ids, _spec(method, ratio=0.3), hooks=hooks)
+        assert prefix.num_layers == 2
+    assert calls == {"prefill": 1, "collect": [False, True]}
+    assert {"kvzip", "snapkv"} == {name for name, _ in got}
+    assert all(has == (name == "kvzip") for name, has in got)
+
+
 def test_on_policy_runs_and_matches_shapes(tiny):
     ids = random_ids(30, seed=3)
     a, _ = compact_prefix(
