@@ -254,7 +254,8 @@ def suffix_lse(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
     hq, m, _ = queries.shape
     if keys.dim() != 3 or keys.shape[1] != m or hq % keys.shape[0]:
         raise ValueError(
-            f"keys must be [H_kv | {hq}, m={m}, D], got {tuple(keys.shape)} for {tuple(queries.shape)}"
+            f"keys must be [H_kv | {hq}, m={m}, D], got {tuple(keys.shape)} "
+            f"for queries {tuple(queries.shape)}"
         )
     k = keys.float().repeat_interleave(hq // keys.shape[0], dim=0)  # [H_q, m, D]
     budget = SUFFIX_LSE_BYTES if queries.device.type == "cpu" else SUFFIX_LSE_BYTES_ACCEL

@@ -149,7 +149,8 @@ class CompactionMethod(ABC):
 
     Subclasses validate their fields in ``__post_init__`` (ValueError, never assert) and
     implement :meth:`compact`. A method that needs a LayerContext sets ``needs_context``; one
-    that reads ``LayerInput.suffix_lse`` sets ``needs_suffix_lse``; one that chooses its own budget, whatever the spec's ratio or tokens, sets ``own_budget``.
+    that reads ``LayerInput.suffix_lse`` sets ``needs_suffix_lse``; one that chooses its own
+    budget, whatever the spec's ratio or tokens, sets ``own_budget``.
     One whose result for a KV head depends on that head's keys, values, queries and budget
     alone (no state across heads, no context, an empty report) sets ``heads_independent``:
     the pipeline may then compact several chunks of a layer in one call, stacked along

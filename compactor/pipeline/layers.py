@@ -47,10 +47,11 @@ def compact_layers(
 ) -> tuple[list[CompactedLayer], tuple[float, ...]]:
     """Compact every layer in order; returns (layers on the model's device, wall s per layer).
 
-    Mutates: `inputs.queries` and `inputs.suffix_lse` (each layer's are dropped once used; on-policy they are
-    pooled from `inputs.stream`, which advances), `watch` ("queries" and "compaction"
-    stages) and `report` (the method's report, see :func:`_run_method`). `before_layer` is
-    called with each layer index first (the service's cancellation point: it may raise).
+    Mutates: `inputs.queries` and `inputs.suffix_lse` (each layer's are dropped once used;
+    on-policy the queries are pooled from `inputs.stream`, which advances), `watch`
+    ("queries" and "compaction" stages) and `report` (the method's report, see
+    :func:`_run_method`). `before_layer` is called with each layer index first (the
+    service's cancellation point: it may raise).
     """
     info = hf.model_info(model)
     pre, queries, stream, s = inputs.prefill, inputs.queries, inputs.stream, plan.sinks
@@ -160,10 +161,10 @@ def _run_method(
     keys, values [H_kv, T_c, D] of the chunk; queries [H_kv, n, D]; per_head [H_kv] budgets;
     context: the chunk's LayerContext or None; sinks [H_kv, s, D] the verbatim sink keys
     (None: none, or several chunks stacked as heads); suffix_lse [H_kv, n] or None (see
-    ``LayerInput``). Mutates `report`: a non-empty report of the
-    method (GVote: kept counts and "ratio") is appended to ``report["method_report"]`` (one
-    per layer and chunk that reported), and "chosen_ratio" is the mean "ratio" of those
-    reports when every one has it (methods that pick their own budget), else None.
+    ``LayerInput``). Mutates `report`: a non-empty report of the method (GVote: kept counts
+    and "ratio") is appended to ``report["method_report"]`` (one per layer and chunk that
+    reported), and "chosen_ratio" is the mean "ratio" of those reports when every one has it
+    (methods that pick their own budget), else None.
     """
     x = LayerInput(keys, values, queries, tuple(per_head), sm_scale, context, sinks, suffix_lse)
     res = meth.compact(x)
