@@ -52,8 +52,8 @@ SPEC_PREFIX = "compaction-"
 # Method and policy: chosen on the RULER-style dev seeds (benchmarks/offline/ruler.py --base
 # plugin; the "defaults" table of docs/results.md). Needle retention at 10x, fitted also to other
 # questions about the context / query-agnostic: am-highest on-policy (the default before) 0.57 /
-# 0.00; kvzip on-policy 0.71 / 0.14; kvzip off-policy (8192 queries per head, the spec's default)
-# 0.86 / 0.86. Held-out: see the table.
+# 0.00; kvzip on-policy 0.71 / 0.14; kvzip off-policy (8192 queries per head, the spec's default
+# then; 16384 since: compactor.spec.compaction) 0.86 / 0.86. Held-out: see the table.
 PLUGIN_SPEC = CompactionSpec(
     method="kvzip",
     ratio=0.1,

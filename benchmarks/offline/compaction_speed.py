@@ -11,8 +11,8 @@ For each prefix length T (a needle document from the shipped filler): one
   the ``follow-up`` source, 32 greedy answer tokens per follow-up) with
   ``--follow-ups`` questions (``harness.workload.many_questions``; the plugin sends at most
   ``max_follow_ups`` = 8);
-- ``--queries library``: the library default (repeat-prefill + self-study), which re-reads
-  the whole prefix once more (its cost grows like a second prefill).
+- ``--queries library``: the library default (``CompactionSpec()``: repeat-prefill), which
+  re-reads the whole prefix once more (its cost grows like a second prefill).
 
 The chunk size is the service's rule (``auto_chunk_size`` with ``--chunk-tokens``, default
 the service's ``AUTO_CHUNK_TOKENS``): what ``compactor serve`` would compute for that prefix.

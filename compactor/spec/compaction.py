@@ -93,11 +93,15 @@ class CompactionSpec:
             sensitivity-curves JSON path (see ``compactor.head_budgets.curves``).
     """
 
-    # The defaults (method kvzip, repeat-prefill queries, 8192 per head, off-policy) were chosen
+    # The defaults (method kvzip, repeat-prefill queries, off-policy) were chosen
     # on the RULER-style dev seeds and reported on the held-out ones (benchmarks/offline/ruler.py;
     # the "defaults" table of docs/results.md). Dev, query-agnostic, 10x: am-omp-fast with
     # repeat-prefill + self-study at 2048 kept no needle, kvzip with those queries 0.29, kvzip
     # with repeat-prefill at 8192 0.86; held-out: 0.00 -> 0.71 (multi-query 0.00 -> 0.71).
+    # The cap then went 8192 -> 16384 per head, above what repeat-prefill yields for any prefix
+    # the embedded model can repeat (G x T: ~12k at 4k tokens; none dropped at random), on the
+    # ~4k-token items where the reservoir lost kvzip the keys of dropped readers (the "~4k"
+    # table of docs/results.md).
     method: str = knob("kvzip", "method", "registered compaction method name", "str")
     method_params: dict[str, Any] = field(
         default_factory=dict,

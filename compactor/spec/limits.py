@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from compactor.spec.fields import SpecError
 from compactor.spec.method_limits import Caps, check_method_params
+from compactor.spec.queries import MAX_QUERIES_PER_HEAD
 
 if TYPE_CHECKING:
     from compactor.spec.compaction import CompactionSpec
@@ -43,7 +44,7 @@ class WorkLimits:
     at the first one over."""
 
     max_queries: int = _cap(
-        8192, "reference queries kept per KV head (queries.max_queries_per_head)"
+        MAX_QUERIES_PER_HEAD, "reference queries kept per KV head (queries.max_queries_per_head)"
     )
     max_random_queries: int = _cap(8192, "queries of the random source (queries.random_count)")
     max_self_study_tokens: int = _cap(

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 from compactor.spec.fields import SpecError, is_int, is_number, knob
 
-__all__ = ["QUERY_SOURCES", "SELF_STUDY_PROMPTS", "QueryConfig"]
+__all__ = ["MAX_QUERIES_PER_HEAD", "QUERY_SOURCES", "SELF_STUDY_PROMPTS", "QueryConfig"]
+
+# Reference queries kept per KV head: the default, and the service's cap
+# (`compactor.spec.limits.WorkLimits.max_queries`). Above what repeat-prefill yields for any
+# prefix the embedded model can repeat (G x T, ~12k at 4k tokens): none dropped at random.
+MAX_QUERIES_PER_HEAD = 16384
 
 QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
 SELF_STUDY_PROMPTS = (
@@ -35,7 +40,7 @@ class QueryConfig:
         seed: seeds the reservoirs, random queries and sampling.
     Raises SpecError (a ValueError naming the field) when built with a bad value.
 
-    The defaults (repeat-prefill, 8192 per head) are the ones chosen for the default method
+    The defaults (repeat-prefill, 16384 per head) are the ones chosen for the default method
     on the RULER-style dev seeds and reported on the held-out ones: see
     :class:`compactor.spec.CompactionSpec`.
     """
@@ -47,7 +52,7 @@ class QueryConfig:
         "csv",
     )
     max_queries_per_head: int = knob(
-        8192, "max-queries", "reservoir cap of queries per KV head", "int"
+        MAX_QUERIES_PER_HEAD, "max-queries", "reservoir cap of queries per KV head", "int"
     )
     self_study_tokens: int = knob(
         24, "self-study-tokens", "tokens generated per self-study prompt", "int"

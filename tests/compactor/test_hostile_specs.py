@@ -47,7 +47,7 @@ def test_every_numeric_parameter_at_a_billion_is_refused(method: str, param: str
     [
         ("am-omp", {"nnls_iters": 1e9}, "method_params.nnls_iters must be an integer"),
         ("am-omp-fast", {"k": 2.0}, "method_params.k must be an integer"),
-        ("gvote", {"S": 10**8}, r"method_params.S = 100000000 is outside \[1, queries = 8192\]"),
+        ("gvote", {"S": 10**8}, r"method_params.S = 100000000 is outside \[1, queries = 16384\]"),
         ("gvote", {"horizon": 10**9}, r"method_params.horizon = 1000000000 is outside \[1, prefix"),
         ("snapkv", {"kernel": 10**7 + 1}, r"method_params.kernel = 10000001 is outside \[1, prefix"),
         ("h2o", {"window": 10**9}, r"method_params.window = 1000000000 is outside \[0, prefix"),

@@ -154,7 +154,7 @@ def test_plugin_flags_default_to_the_plugin_spec() -> None:
     assert (cfg.spec.method, cfg.spec.ratio, cfg.spec.tokens) == ("kvzip", 0.1, None)
     assert cfg.spec.queries.sources == ("follow-up",)
     assert cfg.spec.on_policy is False and cfg.spec.queries.follow_up_answer_tokens == 32
-    assert cfg.spec.queries.max_queries_per_head == 8192
+    assert cfg.spec.queries.max_queries_per_head == 16384
 
 
 def test_query_option_flags_parse_and_validate() -> None:
