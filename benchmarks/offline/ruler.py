@@ -36,11 +36,11 @@ import json
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS, ROOT, add_options, script_parser
+from benchmarks.offline.ruler_results import merge, overall, summarize
 
 SPLIT_SEED = {"dev": 0, "heldout": 1000}
 KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
@@ -64,6 +64,8 @@ def _parse(argv: list[str] | None) -> Any:
         tokens=("2000", "comma-separated context lengths (tokens)"),
         seeds=(4, "items per task and length"),
         split=("heldout", "seeds 0, 1, ... (dev: choose defaults) or 1000, ... (heldout: report)"),
+        seed_start=(0, "the split's first seed to run (4: seeds 1004, ... of heldout): a later "
+                    "part of a split, joined to the earlier ones with --merge"),
         threads=(1, "torch threads"),
         tasks=("niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe",
                "comma-separated RULER tasks (compactor.eval.ruler)"),
@@ -103,6 +105,8 @@ def _parse(argv: list[str] | None) -> Any:
     args = p.parse_args(argv)
     if args.split not in SPLIT_SEED:
         p.error(f"--split must be one of {sorted(SPLIT_SEED)}, got {args.split!r}")
+    if args.seed_start < 0:
+        p.error(f"--seed-start must be >= 0, got {args.seed_start}")
     if args.base not in BASES:
         p.error(f"--base must be one of {', '.join(BASES)}, got {args.base!r}")
     if args.quick:
@@ -154,7 +158,7 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     records, items = [], []
-    seed0 = SPLIT_SEED[args.split]
+    seed0 = SPLIT_SEED[args.split] + args.seed_start
     for tokens in (int(t) for t in _csv(args.tokens)):
         for task, haystack in _task_haystacks(args, HAYSTACK_TASKS):
             for seed in range(seed0, seed0 + args.seeds):
@@ -265,78 +269,6 @@ def kvpress_side(model_dir: str, items_json: str) -> None:
         out.append(got)
         print(f"kvpress: {item['task']} seed={item['seed']} done", flush=True)
     Path(items_json).with_suffix(".out").write_text(json.dumps(out))
-
-
-def overall(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The summary rows over every task and haystack (files from before haystacks have no
-    "haystack" key: their rows are over the filler)."""
-    return [s for s in summary if s["task"] == "all" and s.get("haystack", "all") == "all"]
-
-
-def on_every_item(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`overall` rows of the methods that ran on every item (a part run on one haystack
-    only leaves its methods to the per-haystack rows)."""
-    rows = overall(summary)
-    n = max(s["items"] for s in rows)
-    part = {s["method"] for s in rows if s["items"] < n}
-    return [s for s in rows if s["method"] not in part]
-
-
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Paired figures per (setting, method, ratio): over all items, per task and per
-    haystack."""
-    from compactor.eval.paired import paired_summary
-
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        key = (r["setting"], r["method"], r["ratio"])
-        groups[(*key, "all", "all")].append(r)
-        groups[(*key, r["task"], "all")].append(r)
-        groups[(*key, "all", r["haystack"])].append(r)
-    out = []
-    for (setting, method, ratio, task, haystack), rs in sorted(groups.items()):
-        per_token = rs[0]["token_agreement"] is not None  # kvpress's rows have none
-        summary = paired_summary(
-            [r["stock_score"] == 1.0 for r in rs],
-            [r["score"] == 1.0 for r in rs],
-            [r["token_agreement"] for r in rs] if per_token else [],
-            [r["logprob_gap"] for r in rs] if per_token else [],
-        )
-        out.append({"setting": setting, "method": method, "ratio": ratio, "task": task,
-                    "haystack": haystack, "compression": round(1 / ratio, 1),
-                    **summary})  # fmt: skip
-    return out
-
-
-def _item_key(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["task"], r.get("haystack", "filler"), r["tokens"], r["seed"])
-
-
-def merge(paths: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(records, parts) of the result files at `paths` (see `--merge`).
-
-    Raises:
-        ValueError: an item with two stock scores, or a record in two files.
-    """
-    records: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
-    stock: dict[tuple[Any, ...], float] = {}
-    seen: set[tuple[Any, ...]] = set()
-    for i, path in enumerate(paths):
-        data = json.loads(Path(path).read_text())
-        parts.append({"file": Path(path).name, "provenance": data["provenance"],
-                      "config": data["config"], "base_specs": data.get("base_specs")})  # fmt: skip
-        for r in data["items"]:
-            key = _item_key(r)
-            if stock.setdefault(key, r["stock_score"]) != r["stock_score"]:
-                raise ValueError(f"{path}: item {key} has stock score {r['stock_score']}, "
-                                 f"another file {stock[key]}")  # fmt: skip
-            run = (key, r["setting"], r["method"], r["ratio"])
-            if run in seen:
-                raise ValueError(f"{path}: {run} is in two files")
-            seen.add(run)
-            records.append({**r, "haystack": key[1], "part": i})
-    return records, parts
 
 
 def main(argv: list[str] | None = None) -> int:

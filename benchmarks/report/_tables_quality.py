@@ -1,10 +1,8 @@
 """Renderers of the compaction-quality tables in the documents (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
-(`agreement`), next_question.json (`next_question`), equal_memory.json (`equal_memory`) and the
-RULER-style suite, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip as the
-sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the defaults
-before and after they were chosen on it (`ruler_defaults`).
+(`agreement`), next_question.json (`next_question`) and equal_memory.json (`equal_memory`). The
+RULER-style suite's tables are in `_tables_ruler.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.offline.ruler import on_every_item, overall
 from benchmarks.report._tables_lib import frac, num, rec, short, table
 
 
@@ -165,120 +162,4 @@ def _equal_memory(data: list[dict[str, Any]]) -> list[list[str]]:
             [r["kind"], r["config"], f"{r['physical_slots']:.0f} ({r['physical_vs_gvote']:.2f}x)",
              f"{r['kept_entries']:.0f}", num(r["unseen_logppl_gap"]), f"{r['unseen_agree']:.2f}"]
         )  # fmt: skip
-    return rows
-
-
-def _ruler_cell(s: dict[str, Any]) -> str:
-    """Retention with its 95% interval, then accuracy: "0.75 [0.40, 1.00] / 0.43"."""
-    if s["retention"] is None:
-        return f"- / {s['accuracy']:.2f}"
-    lo, hi = s["retention_ci"]
-    return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
-
-
-def _ruler_10x_20x(summary: list[dict[str, Any]], **match: Any) -> list[str]:
-    """The cells at 10x and 20x of the summary row matching `match`, then the per-token
-    agreement at both ("0.98 / 0.97")."""
-    picked = [rec(summary, **match, ratio=r) for r in (0.1, 0.05)]
-    agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
-    return [*(_ruler_cell(s) for s in picked), agree]
-
-
-@table("ruler", "ruler.json")
-def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
-    """All tasks and haystacks together: per setting and method, one column per compression.
-    A method run on part of the items (one haystack) is left to the per-haystack table."""
-    summary = on_every_item(data[0]["summary"])
-    ratios = sorted({s["ratio"] for s in summary}, reverse=True)
-    first = summary[0]
-    rows = [["setting", "method", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
-    rows.append(["-", f"stock ({first['items']} items)",
-                 *([f"accuracy {first['stock_accuracy']:.2f}"] * len(ratios)), "1.00"])  # fmt: skip
-    for setting, method in dict.fromkeys((s["setting"], s["method"]) for s in summary):
-        cells = [_ruler_cell(rec(summary, setting=setting, method=method, ratio=r)) for r in ratios]
-        agree = [rec(summary, setting=setting, method=method, ratio=r).get("token_agreement")
-                 for r in ratios]  # fmt: skip
-        rows.append([setting, method, *cells,
-                     " / ".join("-" if a is None else f"{a:.2f}" for a in agree)])  # fmt: skip
-    return rows
-
-
-@table("ruler_haystacks", "ruler.json")
-def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
-    """Query-agnostic, per haystack: stock's accuracy, then each method's cells."""
-    rows = [["haystack", "method", "10x", "20x", "50x"]]
-    for s0 in [s for s in data[0]["summary"] if s["task"] == "all" and s["haystack"] != "all"]:
-        if (s0["setting"], s0["method"], s0["ratio"]) != ("agnostic", "kvzip", 0.1):
-            continue
-        hay = s0["haystack"]
-        rows.append([hay, f"stock ({s0['items']} items)",
-                     *([f"accuracy {s0['stock_accuracy']:.2f}"] * 3)])  # fmt: skip
-        mine = [s for s in data[0]["summary"]
-                if s["task"] == "all" and s["haystack"] == hay and s["setting"] == "agnostic"]  # fmt: skip
-        for method in dict.fromkeys(s["method"] for s in mine):
-            rows.append([hay, method, *(_ruler_cell(rec(mine, method=method, ratio=r))
-                                        for r in (0.1, 0.05, 0.02))])  # fmt: skip
-    return rows
-
-
-# Our kvzip's softmax, step by step: (split, haystack, what it holds, file); query-agnostic.
-_KVZIP_STEPS = (
-    ("dev", "filler", "the prefix", "ruler_dev_kvzip_before.json"),
-    ("dev", "filler", "+ the sinks", "ruler_dev_kvzip_after.json"),
-    ("dev", "filler", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix.json"),
-    ("dev", "essays", "+ the sinks", "ruler_dev_kvzip_essays.json"),
-    ("dev", "essays", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix_essays.json"),
-    ("held-out", "filler", "the prefix", "ruler_before_sinks.json"),
-    ("held-out", "filler", "+ the sinks", "ruler_agnostic.json"),
-    ("held-out", "filler", "+ the sinks + its own tokens", "ruler_suffix_filler_agnostic.json"),
-    ("held-out", "essays", "+ the sinks", "ruler_essays.json"),
-    ("held-out", "essays", "+ the sinks + its own tokens", "ruler_suffix_essays.json"),
-)  # fmt: skip
-
-
-@table("ruler_kvzip", *(f for *_, f in _KVZIP_STEPS))
-def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
-    """What each reference query's softmax holds beside the scored keys, per split and
-    haystack: retention at 10x and 20x, then the per-token agreement at both."""
-    rows = [["split", "haystack", "kvzip's softmax", "10x", "20x", "per-token agreement"]]
-    for (split, hay, what, _), d in zip(_KVZIP_STEPS, data, strict=True):
-        cells = _ruler_10x_20x(overall(d["summary"]), method="kvzip", setting="agnostic")
-        rows.append([split, hay, what, *cells])
-    return rows
-
-
-# The defaults before and after they were chosen on the RULER-style dev seeds, then reported on
-# the held-out ones: (split, defaults, file, method). "old" / "new": as shipped before / after.
-_DEFAULTS = (
-    ("dev", "CLI/service, old: am-omp-fast, repeat-prefill + self-study, 2048 per head",
-     "ruler_dev_spec.json", "am-omp-fast"),
-    ("dev", "CLI/service: kvzip, repeat-prefill + self-study, 2048", "ruler_dev_spec.json", "kvzip"),
-    ("dev", "CLI/service, new: kvzip, repeat-prefill, 8192", "ruler_dev_kvzip_after.json", "kvzip"),
-    ("dev", "plugin, old: am-highest, on-policy", "ruler_dev_plugin.json", "am-highest"),
-    ("dev", "plugin: kvzip, on-policy", "ruler_dev_plugin.json", "kvzip"),
-    ("dev", "plugin: kvzip, on-policy, 8192", "ruler_dev_plugin_8192.json", "kvzip"),
-    ("dev", "plugin: am-highest, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
-     "am-highest"),
-    ("dev", "plugin: kvzip:refit=am, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
-     "kvzip:refit=am"),
-    ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler_dev_plugin_offpolicy.json", "kvzip"),
-    ("held-out", "CLI/service, old", "ruler_default_method.json", "am-omp-fast"),
-    ("held-out", "CLI/service, new", "ruler_agnostic.json", "kvzip"),
-    ("held-out", "CLI/service, new", "ruler_multiquery.json", "kvzip"),
-    ("held-out", "plugin, old", "ruler_plugin_old.json", "am-highest"),
-    ("held-out", "plugin, new", "ruler_plugin_new.json", "kvzip"),
-)  # fmt: skip
-
-
-@table("ruler_defaults", *dict.fromkeys(f for _, _, f, _ in _DEFAULTS))
-def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
-    """Old and new defaults per split and setting: retention at 10x and 20x, then the
-    per-token agreement at both."""
-    files = dict(zip(dict.fromkeys(f for _, _, f, _ in _DEFAULTS), data, strict=True))
-    rows = [["split", "defaults", "setting", "10x", "20x", "per-token agreement"]]
-    for split, label, name, method in _DEFAULTS:
-        summary = overall(files[name]["summary"])
-        for setting in dict.fromkeys(s["setting"] for s in summary if s["method"] == method):
-            cells = _ruler_10x_20x(summary, setting=setting, method=method)
-            rows.append([split, label, setting, *cells])
     return rows

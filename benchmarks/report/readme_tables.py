@@ -19,7 +19,8 @@ date). Rounding: the renderers', to the digits the documents print.
 
 Renderers register with `@table` (benchmarks/report/_tables_lib.py, re-exported here): the serving and
 speed tables below, the compaction-quality ones in benchmarks/report/_tables_quality.py, the
-cluster ones (PD, the cluster simulator) in benchmarks/report/_tables_cluster.py.
+RULER-style suite's in benchmarks/report/_tables_ruler.py, the cluster ones (PD, the cluster
+simulator) in benchmarks/report/_tables_cluster.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 from benchmarks import ROOT
 
 # the quality family registers its renderers on import
-from benchmarks.report import _tables_cluster, _tables_quality  # noqa: F401
+from benchmarks.report import _tables_cluster, _tables_quality, _tables_ruler  # noqa: F401
 from benchmarks.report._tables_lib import TABLES, rec, sig, table
 
 # Every document that shows results (tables under a marker, or result files it names), relative
@@ -333,6 +334,9 @@ def check(docs: tuple[str, ...] = DOCUMENTS, root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if argv[:1] == ["--write"]:  # re-render the tables of the documents given (in place)
         for doc in argv[1:] or DOCUMENTS:
             path = ROOT / doc if not Path(doc).is_absolute() else Path(doc)
@@ -346,6 +350,9 @@ def main(argv: list[str]) -> int:
         if not problems:
             print(f"every marked table agrees with its files ({', '.join(argv[1:] or DOCUMENTS)})")
         return 1 if problems else 0
+    unknown = [name for name in argv if name not in TABLES]
+    if unknown:
+        raise SystemExit(f"unknown table {', '.join(unknown)}; the tables: {', '.join(TABLES)}")
     for name in argv or list(TABLES):
         files, lines = render(name)
         print(f"<!-- results: {name} {' '.join(files)} -->")

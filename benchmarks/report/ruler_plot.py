@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS
-from benchmarks.offline.ruler import on_every_item
+from benchmarks.offline.ruler_results import on_every_item
 
 FILES = ("ruler.json",)
 

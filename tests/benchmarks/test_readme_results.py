@@ -67,6 +67,13 @@ def test_check_mode_agrees(capsys: pytest.CaptureFixture[str]) -> None:
     assert "agrees" in capsys.readouterr().out
 
 
+def test_help_and_an_unknown_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert readme_tables.main(["--help"]) == 0
+    assert "--check" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"unknown table nope; the tables: .*ruler_10x"):
+        readme_tables.main(["nope"])
+
+
 def test_check_mode_finds_a_changed_table(tmp_path: Path) -> None:
     readme, name, _, lines = next(m for m in MARKED if m[0] == "README.md")
     row = lines[2]

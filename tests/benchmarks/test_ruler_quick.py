@@ -16,7 +16,8 @@ from harness.provenance import ROOT
 def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model: Path) -> None:
     out = tmp_path / "ruler.json"
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.offline.ruler", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.offline.ruler", "--quick", "--seed-start", "3",
+         "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -24,6 +25,7 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
     assert {"command", "commit", "machine", "date"} <= set(data["provenance"])
     assert data["base_specs"]["agnostic"]["queries"]["sources"] == ["repeat-prefill"]
     assert "follow-up" in data["base_specs"]["multi-query"]["queries"]["sources"]
+    assert {r["seed"] for r in data["items"]} == {1003}  # a later part of the held-out split
     ours = [r for r in data["items"] if r["method"] == "am-highest"]
     tasks, settings = {"niah_single", "vt"}, {"agnostic", "multi-query"}
     haystacks = {"filler", "essays"}
@@ -55,6 +57,14 @@ def test_quick_suite_pairs_every_item_with_stock(tmp_path: Path, prepared_model:
             assert s["compression"] == 10.0 and s["token_agreement_ci"] is not None
 
 
+def test_a_negative_seed_start_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.offline.ruler import _parse
+
+    with pytest.raises(SystemExit):
+        _parse(["--seed-start", "-1"])
+    assert "--seed-start must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
     from benchmarks.offline.ruler import setting_spec
     from compactor.spec import CompactionSpec
@@ -77,7 +87,7 @@ def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
 
 
 def test_merge_joins_parts_and_refuses_what_disagrees(tmp_path: Path) -> None:
-    from benchmarks.offline.ruler import merge
+    from benchmarks.offline.ruler_results import merge
 
     def part(name: str, method: str, stock: float, haystack: str | None = None) -> str:
         item = {"task": "niah_single", "tokens": 1990, "seed": 1000, "stock_score": stock,

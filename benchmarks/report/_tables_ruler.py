@@ -1,0 +1,211 @@
+"""Renderers of the RULER-style suite's tables (registered in
+`benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): the
+held-out run, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
+kvpress's KVzip at 10x on more of its items (`ruler_10x`), the same at ~4k tokens
+(`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our kvzip as
+the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the defaults
+before and after they were chosen on it (`ruler_defaults`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.offline.ruler_results import item_key, on_every_item, overall
+from benchmarks.report._tables_lib import rec, table
+from compactor.eval.paired import mcnemar_p
+
+
+def _ruler_cell(s: dict[str, Any]) -> str:
+    """Retention with its 95% interval, then accuracy: "0.75 [0.40, 1.00] / 0.43"."""
+    if s["retention"] is None:
+        return f"- / {s['accuracy']:.2f}"
+    lo, hi = s["retention_ci"]
+    return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
+
+
+def _ruler_10x_20x(summary: list[dict[str, Any]], **match: Any) -> list[str]:
+    """The cells at 10x and 20x of the summary row matching `match`, then the per-token
+    agreement at both ("0.98 / 0.97")."""
+    picked = [rec(summary, **match, ratio=r) for r in (0.1, 0.05)]
+    agree = " / ".join(f"{s['token_agreement']:.2f}" for s in picked)
+    return [*(_ruler_cell(s) for s in picked), agree]
+
+
+@table("ruler", "ruler.json")
+def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
+    """All tasks and haystacks together: per setting and method, one column per compression.
+    A method run on part of the items (one haystack) is left to the per-haystack table."""
+    summary = on_every_item(data[0]["summary"])
+    ratios = sorted({s["ratio"] for s in summary}, reverse=True)
+    first = summary[0]
+    rows = [["setting", "method", *(f"{1 / r:.0f}x" for r in ratios), "per-token agreement"]]
+    rows.append(["-", f"stock ({first['items']} items)",
+                 *([f"accuracy {first['stock_accuracy']:.2f}"] * len(ratios)), "1.00"])  # fmt: skip
+    for setting, method in dict.fromkeys((s["setting"], s["method"]) for s in summary):
+        cells = [_ruler_cell(rec(summary, setting=setting, method=method, ratio=r)) for r in ratios]
+        agree = [rec(summary, setting=setting, method=method, ratio=r).get("token_agreement")
+                 for r in ratios]  # fmt: skip
+        rows.append([setting, method, *cells,
+                     " / ".join("-" if a is None else f"{a:.2f}" for a in agree)])  # fmt: skip
+    return rows
+
+
+@table("ruler_haystacks", "ruler.json")
+def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Query-agnostic, per haystack: stock's accuracy, then each method's cells."""
+    return _per_haystack(data[0]["summary"], with_all=False)
+
+
+# Held-out, ~2k tokens, query-agnostic, at 10x: our kvzip and kvpress's KVzip (the best press
+# at 2k) on the same items: (label, method).
+_HEAD_TO_HEAD = (("our kvzip", "kvzip"), ("kvpress's KVzip", "kvpress:kvzip"))
+
+
+@table("ruler_10x", "ruler_2k_10x.json")
+def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Stock's accuracy, then per method: retention with its interval and accuracy, per-token
+    agreement, and the items it answers right where the other answers wrong (the exact McNemar
+    p of those two counts on its row).
+
+    Raises:
+        ValueError: the two methods ran on different items.
+    """
+    summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
+    picked = [rec(summary, method=m, ratio=0.1) for _, m in _HEAD_TO_HEAD]
+    right = [{item_key(r): r["score"] == 1.0 for r in data[0]["items"]
+              if r["method"] == m and r["setting"] == "agnostic" and r["ratio"] == 0.1}
+             for _, m in _HEAD_TO_HEAD]  # fmt: skip
+    if right[0].keys() != right[1].keys():
+        raise ValueError(f"ruler_10x: {len(right[0])} and {len(right[1])} items differ")
+    only = [sum(a[k] and not b[k] for k in a) for a, b in (right, right[::-1])]
+    rows = [["method", "items", "retention [95% interval] / accuracy", "per-token agreement",
+             "right where the other is wrong"]]  # fmt: skip
+    first = picked[0]
+    rows.append(["stock", str(first["items"]), f"accuracy {first['stock_accuracy']:.2f}", "1.00",
+                 "-"])  # fmt: skip
+    for (label, _), s, n in zip(_HEAD_TO_HEAD, picked, only, strict=True):
+        agree = s.get("token_agreement")
+        rows.append([label, str(s["items"]), _ruler_cell(s),
+                     "-" if agree is None else f"{agree:.2f}", str(n)])  # fmt: skip
+    rows[2][-1] += f" (McNemar p {mcnemar_p(*only):.2f})"
+    return rows
+
+
+@table("ruler_4k", "ruler_4k.json")
+def _ruler_4k(data: list[dict[str, Any]]) -> list[list[str]]:
+    """~4k-token contexts, query-agnostic: every method and press over all items, then per
+    haystack."""
+    return _per_haystack(data[0]["summary"], with_all=True)
+
+
+def _per_haystack(summary: list[dict[str, Any]], with_all: bool) -> list[list[str]]:
+    """Query-agnostic rows per haystack ("all" first when `with_all`): stock's accuracy (from
+    our kvzip's rows), then every method's cells at 10x, 20x and 50x."""
+    rows = [["haystack", "method", "10x", "20x", "50x"]]
+    mine = [s for s in summary if s["task"] == "all" and s["setting"] == "agnostic"]
+    for hay in dict.fromkeys(s["haystack"] for s in mine if with_all or s["haystack"] != "all"):
+        here = [s for s in mine if s["haystack"] == hay]
+        stock = rec(here, method="kvzip")
+        rows.append([hay, f"stock ({stock['items']} items)",
+                     *([f"accuracy {stock['stock_accuracy']:.2f}"] * 3)])  # fmt: skip
+        for method in dict.fromkeys(s["method"] for s in here):
+            rows.append([hay, method, *(_ruler_cell(rec(here, method=method, ratio=r))
+                                        for r in (0.1, 0.05, 0.02))])  # fmt: skip
+    return rows
+
+
+# Our kvzip at ~4k tokens with the reference-query cap per KV head at the old default (8192)
+# and the new one (16384: above what repeat-prefill yields there, ~12k): (split, cap, file);
+# query-agnostic.
+_CAP_STEPS = (
+    ("dev", "8192 (the old default)", "ruler_dev_4k_cap8192.json"),
+    ("dev", "16384 (none dropped)", "ruler_dev_4k_cap16384.json"),
+    ("held-out", "8192 (the old default)", "ruler_4k_cap8192.json"),
+    ("held-out", "16384 (the new default)", "ruler_4k_cap16384.json"),
+)
+
+
+@table("ruler_4k_queries", *(f for *_, f in _CAP_STEPS))
+def _ruler_4k_queries(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per split and cap: stock's items, our kvzip's cells at 10x, 20x and 50x ("-": not
+    run; "(n items)" where a ratio ran on fewer items), then its per-token agreement at 10x."""
+    rows = [["split", "queries per KV head", "items", "10x", "20x", "50x",
+             "per-token agreement, 10x"]]  # fmt: skip
+    for (split, cap, _), d in zip(_CAP_STEPS, data, strict=True):
+        mine = [s for s in overall(d["summary"]) if s["method"] == "kvzip"]
+        cells = {s["ratio"]: s for s in mine if s["setting"] == "agnostic"}
+        items = cells[0.1]["items"]
+        rows.append([split, cap, str(items), *(_cap_cell(cells, r, items) for r in (0.1, 0.05, 0.02)),
+                     f"{cells[0.1]['token_agreement']:.2f}"])  # fmt: skip
+    return rows
+
+
+def _cap_cell(cells: dict[float, dict[str, Any]], ratio: float, items: int) -> str:
+    """The cell at `ratio` ("-": not run), "(n items)" added where it ran on other than `items`."""
+    if ratio not in cells:
+        return "-"
+    n = cells[ratio]["items"]
+    return _ruler_cell(cells[ratio]) + ("" if n == items else f" ({n} items)")
+
+
+# Our kvzip's softmax, step by step: (split, haystack, what it holds, file); query-agnostic.
+_KVZIP_STEPS = (
+    ("dev", "filler", "the prefix", "ruler_dev_kvzip_before.json"),
+    ("dev", "filler", "+ the sinks", "ruler_dev_kvzip_after.json"),
+    ("dev", "filler", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix.json"),
+    ("dev", "essays", "+ the sinks", "ruler_dev_kvzip_essays.json"),
+    ("dev", "essays", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix_essays.json"),
+    ("held-out", "filler", "the prefix", "ruler_before_sinks.json"),
+    ("held-out", "filler", "+ the sinks", "ruler_agnostic.json"),
+    ("held-out", "filler", "+ the sinks + its own tokens", "ruler_suffix_filler_agnostic.json"),
+    ("held-out", "essays", "+ the sinks", "ruler_essays.json"),
+    ("held-out", "essays", "+ the sinks + its own tokens", "ruler_suffix_essays.json"),
+)  # fmt: skip
+
+
+@table("ruler_kvzip", *(f for *_, f in _KVZIP_STEPS))
+def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
+    """What each reference query's softmax holds beside the scored keys, per split and
+    haystack: retention at 10x and 20x, then the per-token agreement at both."""
+    rows = [["split", "haystack", "kvzip's softmax", "10x", "20x", "per-token agreement"]]
+    for (split, hay, what, _), d in zip(_KVZIP_STEPS, data, strict=True):
+        cells = _ruler_10x_20x(overall(d["summary"]), method="kvzip", setting="agnostic")
+        rows.append([split, hay, what, *cells])
+    return rows
+
+
+# The defaults before and after they were chosen on the RULER-style dev seeds, then reported on
+# the held-out ones: (split, defaults, file, method). "old" / "new": as shipped before / after.
+_DEFAULTS = (
+    ("dev", "CLI/service, old: am-omp-fast, repeat-prefill + self-study, 2048 per head",
+     "ruler_dev_spec.json", "am-omp-fast"),
+    ("dev", "CLI/service: kvzip, repeat-prefill + self-study, 2048", "ruler_dev_spec.json", "kvzip"),
+    ("dev", "CLI/service, new: kvzip, repeat-prefill, 8192", "ruler_dev_kvzip_after.json", "kvzip"),
+    ("dev", "plugin, old: am-highest, on-policy", "ruler_dev_plugin.json", "am-highest"),
+    ("dev", "plugin: kvzip, on-policy", "ruler_dev_plugin.json", "kvzip"),
+    ("dev", "plugin: kvzip, on-policy, 8192", "ruler_dev_plugin_8192.json", "kvzip"),
+    ("dev", "plugin: am-highest, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+     "am-highest"),
+    ("dev", "plugin: kvzip:refit=am, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+     "kvzip:refit=am"),
+    ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler_dev_plugin_offpolicy.json", "kvzip"),
+    ("held-out", "CLI/service, old", "ruler_default_method.json", "am-omp-fast"),
+    ("held-out", "CLI/service, new", "ruler_agnostic.json", "kvzip"),
+    ("held-out", "CLI/service, new", "ruler_multiquery.json", "kvzip"),
+    ("held-out", "plugin, old", "ruler_plugin_old.json", "am-highest"),
+    ("held-out", "plugin, new", "ruler_plugin_new.json", "kvzip"),
+)  # fmt: skip
+
+
+@table("ruler_defaults", *dict.fromkeys(f for _, _, f, _ in _DEFAULTS))
+def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Old and new defaults per split and setting: retention at 10x and 20x, then the
+    per-token agreement at both."""
+    files = dict(zip(dict.fromkeys(f for _, _, f, _ in _DEFAULTS), data, strict=True))
+    rows = [["split", "defaults", "setting", "10x", "20x", "per-token agreement"]]
+    for split, label, name, method in _DEFAULTS:
+        summary = overall(files[name]["summary"])
+        for setting in dict.fromkeys(s["setting"] for s in summary if s["method"] == method):
+            cells = _ruler_10x_20x(summary, setting=setting, method=method)
+            rows.append([split, label, setting, *cells])
+    return rows

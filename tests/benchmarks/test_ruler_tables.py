@@ -1,0 +1,40 @@
+"""The head-to-head table of the RULER-style suite (`ruler_10x`): our kvzip and kvpress's
+KVzip at 10x on the same items, each with the items it answers right where the other fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.offline.ruler_results import summarize
+from benchmarks.report._tables_ruler import _ruler_10x
+
+
+def _file(scores: dict[str, list[float]], stock: list[float]) -> dict[str, Any]:
+    items = [
+        {"task": "niah_single", "haystack": "filler", "tokens": 2000, "seed": 1000 + i,
+         "stock_score": s, "setting": "agnostic", "method": method, "ratio": 0.1,
+         "score": score, "token_agreement": None if ":" in method else 0.9,
+         "logprob_gap": None if ":" in method else 0.1, "seconds": 1.0}
+        for method, got in scores.items() for i, (s, score) in enumerate(zip(stock, got))
+    ]  # fmt: skip
+    return {"summary": summarize(items), "items": items}
+
+
+def test_each_method_counts_what_it_keeps_that_the_other_loses() -> None:
+    stock = [1.0, 1.0, 1.0, 1.0, 0.0]
+    ours = [1.0, 1.0, 1.0, 0.0, 0.0]
+    theirs = [1.0, 0.0, 0.0, 1.0, 0.0]
+    rows = _ruler_10x([_file({"kvzip": ours, "kvpress:kvzip": theirs}, stock)])
+    assert rows[1][:3] == ["stock", "5", "accuracy 0.80"]
+    assert rows[2][0] == "our kvzip" and rows[2][2].startswith("0.75 [")
+    assert rows[2][3] == "0.90" and rows[3][3] == "-"  # kvpress's runs generate only
+    assert rows[2][4] == "2 (McNemar p 1.00)" and rows[3][4] == "1"
+
+
+def test_methods_on_different_items_are_refused() -> None:
+    data = _file({"kvzip": [1.0, 1.0], "kvpress:kvzip": [1.0, 0.0]}, [1.0, 1.0])
+    data["items"] = [r for r in data["items"] if not (r["method"] == "kvzip" and r["seed"] == 1001)]
+    with pytest.raises(ValueError, match="ruler_10x: 1 and 2 items differ"):
+        _ruler_10x([data])
