@@ -32,9 +32,9 @@ pd-deps: setup
 protos: setup
 	$(PY) scripts/gen_protos.py
 
-# Two pytest processes side by side: the tests that start SGLang servers one after another,
-# and the rest (scripts/run_tests.sh; TEST_STREAMS=1 for one process). Any non-zero pytest
-# exit fails the target, 5 (no test collected or run) included.
+# Two pytest streams side by side: the tests that start SGLang servers one after another, and
+# the rest followed by the short server tests (scripts/run_tests.sh; TEST_STREAMS=1 for one).
+# Any non-zero pytest exit fails the target, 5 (no test collected or run) included.
 test: setup kvpress-venv pd-deps
 	PY=$(PY) bash scripts/run_tests.sh
 

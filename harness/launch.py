@@ -35,6 +35,15 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message has its log tail."""
 
 
+class HTTPStatusError(RuntimeError):
+    """A server answered an HTTP error status; the message has the body it sent (SGLang puts
+    its reason there, e.g. a failed KV transfer), which urllib's own error leaves unread."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url} answered {status}: {body}")
+        self.url, self.status, self.body = url, status, body
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on `host` (the OS picks it; never a fixed port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -223,8 +232,12 @@ class HTTPServer(ManagedProcess):
             data=json.dumps(payload).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            result: dict[str, Any] = json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                result: dict[str, Any] = json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            body = err.read().decode(errors="replace")[:2000]
+            raise HTTPStatusError(self.url + path, err.code, body) from err
         return result
 
     def _ready(self) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.forced import UNSCORED, Forced
-from harness.launch import HTTPServer, SGLangServer, free_port
+from harness.launch import HTTPServer, HTTPStatusError, SGLangServer, free_port
 
 __all__ = ["CPU_PREFILL_ENV", "PD_DEPS", "PDRouter", "pd_env", "pd_pair", "pd_teacher_forced"]
 
@@ -33,6 +33,10 @@ PD_DEPS = Path(__file__).resolve().parent.parent / "third_party" / ".pd-deps"
 # SGLang's early send of prefill's cached prefix records a torch.cuda.Event under overlap
 # scheduling (see sglang_ext.adapter.pd._warn_early_send): off on a CPU prefill server.
 CPU_PREFILL_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+# SGLang's own limits (seconds, default 300 each) on a request waiting for its KV transfer on
+# decode and for decode's KV indices on prefill; past them the request fails with a 500.
+TRANSFER_TIMEOUT_ENV = ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+                        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")  # fmt: skip
 
 
 def pd_env(component: str = "server") -> dict[str, str]:
@@ -63,10 +67,13 @@ def pd_pair(
     decode_args: list[str] | None = None,
     max_total_tokens: int = 8192,
     prefill_plugin: bool = True,
+    transfer_timeout_s: int | None = None,
 ) -> tuple[SGLangServer, SGLangServer, int]:
     """(prefill, decode, prefill's bootstrap port), the servers not started. Prefill runs with the plugin installed and no
     `--compaction-endpoint` unless `prefill_args` says otherwise (`prefill_plugin=False`:
-    SGLang without the plugin at all); decode gets `decode_args` (e.g. the plugin's flags)."""
+    SGLang without the plugin at all); decode gets `decode_args` (e.g. the plugin's flags).
+    `transfer_timeout_s` sets both servers' `TRANSFER_TIMEOUT_ENV` (SGLang's 300 s if None)."""
+    timeouts = {k: str(transfer_timeout_s) for k in TRANSFER_TIMEOUT_ENV if transfer_timeout_s}
     bootstrap = free_port()
     common = [
         "--disaggregation-transfer-backend", "mooncake_tcp",
@@ -74,12 +81,13 @@ def pd_pair(
     ]  # fmt: skip
     prefill = SGLangServer(
         model_path, log_dir / "prefill.log", max_total_tokens=max_total_tokens,
-        plugin=prefill_plugin, env={**pd_env(), **CPU_PREFILL_ENV},
+        plugin=prefill_plugin, env={**pd_env(), **CPU_PREFILL_ENV, **timeouts},
         extra_args=[*common, "--disaggregation-mode", "prefill", "--nccl-port",
                     str(free_port()), *(prefill_args or [])],
     )  # fmt: skip
     decode = SGLangServer(
-        model_path, log_dir / "decode.log", max_total_tokens=max_total_tokens, env=pd_env(),
+        model_path, log_dir / "decode.log", max_total_tokens=max_total_tokens,
+        env={**pd_env(), **timeouts},
         extra_args=[*common, "--disaggregation-mode", "decode", "--nccl-port", str(free_port()),
                     "--disaggregation-decode-enable-radix-cache", "--decode-log-interval", "1",
                     *(decode_args or [])],
@@ -126,7 +134,10 @@ def pd_teacher_forced(
     (a near-tie that prefill's numerics break the other way), the next token cannot be scored
     this way: its log-prob is NaN and its top-1 -1 (`logprob_gap` and `top1_share` skip it).
     Prefill's tokens do not depend on decode, so two pairs with the same prefill skip the
-    same positions.
+    same positions. A request whose KV transfer SGLang reports failed (a 500 naming
+    `KVTransferError`: on a busy 2-core machine one request in about 250 sat in prefill's
+    bootstrap queue until SGLang's transfer timeout, with the plugin not on decode) is sent
+    once more, with a line on stderr; the transfer carries no log-prob.
 
     Raises:
         ValueError: `answer` has fewer than two tokens.
@@ -136,11 +147,18 @@ def pd_teacher_forced(
         raise ValueError(f"an answer of {len(answer)} token(s): decode scores from the second on")
 
     def second(j: int) -> tuple[float, int, float, int]:
-        out = router.post("/generate", {
+        request = {
             "input_ids": [*prompt, *answer[: j - 1]], "return_logprob": True,
             "top_logprobs_num": 1, "token_ids_logprob": [answer[j]],
             "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
-        })  # fmt: skip
+        }  # fmt: skip
+        try:
+            out = router.post("/generate", request)
+        except HTTPStatusError as err:
+            if "KVTransferError" not in err.body:
+                raise
+            print(f"pd_teacher_forced: token {j} sent again after {err}", file=sys.stderr)
+            out = router.post("/generate", request)
         meta = out["meta_info"]
         first = int(out["output_ids"][0])
         if first != answer[j - 1]:

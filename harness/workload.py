@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.launch import SGLangServer
-from harness.pool import parse_metrics
+from harness.pool import fetch_metrics
 
 _FILLER = [
     "The harbour town kept its records in a blue ledger.",
@@ -281,8 +281,12 @@ def prompt_ids(server: SGLangServer, text: str) -> list[int]:
 
 def metric(server: SGLangServer, name: str) -> float:
     """Sum of a Prometheus series on /metrics (0 when absent)."""
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
-    return parse_metrics(text).get(name, 0.0)
+    return fetch_metrics(server.url).get(name, 0.0)
+
+
+# Follow-up answer length (`compaction_args(answer_tokens=)`) for the tests that check how the
+# plugin handles a compaction, not how good the fit is: a quicker, coarser fit.
+QUICK_ANSWER_TOKENS = 8
 
 
 def compaction_args(
@@ -293,12 +297,15 @@ def compaction_args(
     min_prefix_tokens: int = 256,
     timeout_s: float = 600.0,
     refit_at: Sequence[int] = (),
+    answer_tokens: int | None = None,
 ) -> list[str]:
     """`launch_server` flags that turn the plugin on against `endpoint`. The workloads ask
     one document `min_hits` different questions: its path is sent at the `min_hits`-th
     (`--compaction-min-continuations` set to `min_hits`). They measure one fit per document:
-    no refits unless `refit_at` gives the question counts (`--compaction-refit-at`)."""
-    return [
+    no refits unless `refit_at` gives the question counts (`--compaction-refit-at`).
+    `answer_tokens` sets `--compaction-follow-up-answer-tokens` (the plugin's default if None):
+    a shorter answer per follow-up makes a quicker, coarser fit."""
+    flags = [
         "--compaction-endpoint", endpoint,
         "--compaction-method", method,
         "--compaction-ratio", str(ratio),
@@ -308,6 +315,9 @@ def compaction_args(
         "--compaction-timeout", str(timeout_s),
         "--compaction-refit-at", ",".join(str(n) for n in refit_at) or "none",
     ]  # fmt: skip
+    if answer_tokens is not None:
+        flags += ["--compaction-follow-up-answer-tokens", str(answer_tokens)]
+    return flags
 
 
 def compacted_length(branch: int) -> int:
@@ -331,7 +341,8 @@ def wait_for_compactions(
     t0 = time.monotonic()
     last = -1
     while True:
-        m = {n: metric(server, f"sglang:compaction_{n}") for n in names}
+        scraped = fetch_metrics(server.url)
+        m = {n: scraped.get(f"sglang:compaction_{n}", 0.0) for n in names}
         ended = int(m["installed_total"] + m["fallbacks_total"])
         if progress and ended != last:
             print(
@@ -347,4 +358,4 @@ def wait_for_compactions(
                 f"{ended}/{expected} compactions after {timeout_s:.0f} s; server log tail:\n"
                 + server.log_tail()
             )
-        time.sleep(2.0)
+        time.sleep(0.5)

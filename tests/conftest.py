@@ -13,6 +13,14 @@ Servers bind 127.0.0.1 on ports the OS picks; no fixed ports.
 from __future__ import annotations
 
 import os
+import time
+
+# One torch (OpenMP) thread per process: this process and every server, service and script it
+# starts (they inherit the variable). `make test` runs two streams of tests side by side; a CPU
+# SGLang server whose OpenMP threads (one per core by default) share the cores with a busy
+# neighbour spends its time waiting on its own threads. Set before torch is imported: the
+# OpenMP runtime reads it once, at load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
@@ -37,11 +45,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _PEER_OUTCOMES: list[tuple[str, str]] = []
+# A test that takes at least this long (setup + call + teardown) gets a line as it ends, with
+# the time since the run began: a log cut off by a time limit still shows where the time went.
+SLOW_LINE_S = 20.0
+_RUN_T0 = time.monotonic()
+_SPENT: dict[str, float] = {}
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _CONFIG.append(config)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if "peer" in report.keywords and (report.when == "call" or report.outcome != "passed"):
         _PEER_OUTCOMES.append((report.nodeid, report.outcome.upper()))
+    spent = _SPENT.pop(report.nodeid, 0.0) + report.duration
+    if report.when != "teardown":
+        _SPENT[report.nodeid] = spent
+    elif spent >= SLOW_LINE_S and _CONFIG:
+        reporter = _CONFIG[-1].pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            elapsed = time.monotonic() - _RUN_T0
+            reporter.write_line(f"[{elapsed:6.0f} s] {spent:5.0f} s {report.nodeid}")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

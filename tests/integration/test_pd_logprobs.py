@@ -42,6 +42,7 @@ RATIO = 0.05
 ANSWER_TOKENS = 12
 ROWS = "sglang:compaction_compacted_rows_total"
 NOISE = 0.02  # mean |log-prob gap| allowed between two stock deployments (numerics only)
+TRANSFER_TIMEOUT_S = 90  # a request's KV transfer here takes under 10 s; a stuck one is resent
 
 
 def test_pd_answers_stay_as_close_to_stock_as_a_single_plugin_servers(
@@ -84,7 +85,8 @@ def test_pd_answers_stay_as_close_to_stock_as_a_single_plugin_servers(
         if name == "plugin":
             decode_args += plugin_flags
         prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path / name,
-                                             decode_args=decode_args)  # fmt: skip
+                                             decode_args=decode_args,
+                                             transfer_timeout_s=TRANSFER_TIMEOUT_S)  # fmt: skip
         decode.plugin = name == "plugin"  # stock: the plugin not loaded on decode
         (tmp_path / name).mkdir()
         with contextlib.ExitStack() as stack:

@@ -23,6 +23,7 @@ import pytest
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pd import PDRouter, pd_pair
 from harness.workload import (
+    QUICK_ANSWER_TOKENS,
     compaction_args,
     document,
     many_questions,
@@ -51,7 +52,7 @@ def test_decode_compacts_and_prefill_sends_only_the_suffix(
     doc, qs = document(70), questions()
     decode_flags = [
         *compaction_args("inproc://", RATIO, "am-highest", min_hits=2, min_prefix_tokens=256,
-                         timeout_s=TIMEOUT_S),
+                         timeout_s=TIMEOUT_S, answer_tokens=QUICK_ANSWER_TOKENS),
         "--compaction-query-sources", "follow-up",
         "--disaggregation-decode-retraction-backup", "none",
     ]  # fmt: skip
@@ -125,7 +126,7 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
     doc, qs = document(40), questions()
     decode_flags = [
         *compaction_args("inproc://", RATIO, "am-highest", min_hits=2, min_prefix_tokens=256,
-                         timeout_s=TIMEOUT_S),
+                         timeout_s=TIMEOUT_S, answer_tokens=QUICK_ANSWER_TOKENS),
         "--compaction-query-sources", "follow-up",
         "--disaggregation-decode-retraction-backup", "cpu_tensor",
         "--num-reserved-decode-tokens", "1", "--max-running-requests", "8",
@@ -183,7 +184,7 @@ def test_service_outage_and_decode_restart_lose_no_request(
         start_all(stack, [service])
         decode_flags = [
             *compaction_args(service.endpoint, RATIO, "am-highest", min_hits=2,
-                             min_prefix_tokens=256, timeout_s=TIMEOUT_S),
+                             min_prefix_tokens=256, timeout_s=TIMEOUT_S, answer_tokens=QUICK_ANSWER_TOKENS),
             "--compaction-query-sources", "follow-up", "--compaction-retry-backoff", "0",
             "--compaction-max-retries", "20",
             "--disaggregation-decode-retraction-backup", "none",

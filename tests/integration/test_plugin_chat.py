@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from harness.launch import SGLangServer
-from harness.workload import compaction_args, document, metric, questions, wait_for_compactions
+from harness.workload import (
+    QUICK_ANSWER_TOKENS,
+    compaction_args,
+    document,
+    metric,
+    questions,
+    wait_for_compactions,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -62,10 +69,10 @@ def test_chat_documents_are_compacted_not_the_system_prompt(
     assert all(b - system_len > 450 for b in branch), (system_len, branch)
 
     args = [
-        *compaction_args("inproc://", 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=300),
+        *compaction_args("inproc://", 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=300,
+                        answer_tokens=QUICK_ANSWER_TOKENS),
         "--compaction-min-continuations", "3",  # the default rule (compaction_args sets 2)
         "--compaction-max-in-flight", "3",
-        "--compaction-follow-up-answer-tokens", "8",
         "--enable-metrics",
     ]  # fmt: skip
     with SGLangServer(

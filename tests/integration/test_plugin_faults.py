@@ -36,7 +36,14 @@ import pytest
 
 from harness.hostile import HostileProxy
 from harness.launch import CompactorService, SGLangServer, free_port, start_all
-from harness.workload import compaction_args, document, metric, prompt, questions
+from harness.workload import (
+    QUICK_ANSWER_TOKENS,
+    compaction_args,
+    document,
+    metric,
+    prompt,
+    questions,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -117,7 +124,12 @@ def rig(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with contextlib.ExitStack() as stack:
         proxy = stack.enter_context(HostileProxy(svc.endpoint, kill_service, 3 * TIMEOUT_S))
         flags = compaction_args(
-            proxy.address, 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=TIMEOUT_S
+            proxy.address,
+            0.1,
+            min_hits=2,
+            min_prefix_tokens=256,
+            timeout_s=TIMEOUT_S,
+            answer_tokens=QUICK_ANSWER_TOKENS,
         )
         srv = SGLangServer(
             prepared_model,

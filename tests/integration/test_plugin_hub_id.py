@@ -16,7 +16,14 @@ import pytest
 
 from compactor.models import fingerprint
 from harness.launch import SGLangServer
-from harness.workload import compaction_args, document, metric, prompt, questions
+from harness.workload import (
+    QUICK_ANSWER_TOKENS,
+    compaction_args,
+    document,
+    metric,
+    prompt,
+    questions,
+)
 from tests.compactor._fixtures import make_hub_cache
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -37,7 +44,14 @@ def test_server_started_from_a_cached_hub_id_compacts(prepared_model: Path, tmp_
     snapshot = make_hub_cache(cache, REPO, prepared_model)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     args = [
-        *compaction_args("inproc://", 0.1, min_hits=2, min_prefix_tokens=256, timeout_s=400),
+        *compaction_args(
+            "inproc://",
+            0.1,
+            min_hits=2,
+            min_prefix_tokens=256,
+            timeout_s=400,
+            answer_tokens=QUICK_ANSWER_TOKENS,
+        ),
         "--enable-metrics",
     ]
     doc = document(24)  # ~400 tokens: a short compaction on 2 busy cores

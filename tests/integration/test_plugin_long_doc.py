@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from harness.launch import CompactorService, SGLangServer, start_all
-from harness.workload import compacted_length, compaction_args, document, metric, prompt
+from harness.workload import (
+    QUICK_ANSWER_TOKENS,
+    compacted_length,
+    compaction_args,
+    document,
+    metric,
+    prompt,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -42,7 +49,7 @@ def test_long_document_is_compacted_by_the_service_and_served(
         start_all(stack, [service])
         flags = compaction_args(
             service.endpoint, 0.1, "am-highest", min_hits=2, min_prefix_tokens=1024,
-            timeout_s=400,
+            timeout_s=400, answer_tokens=QUICK_ANSWER_TOKENS,
         )  # fmt: skip
         server = SGLangServer(
             prepared_model,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch import SGLangServer, start_all
-from harness.workload import compaction_args, document, metric, prompt
+from harness.workload import QUICK_ANSWER_TOKENS, compaction_args, document, metric, prompt
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 TIMEOUT_S = 300
@@ -57,7 +57,7 @@ def test_per_head_budgets_hold_their_sum_in_the_pool(
             method = "gvote" if name == "gvote" else "am-highest"
             flags = [
                 *compaction_args("inproc://", 0.1, method, min_hits=2, min_prefix_tokens=256,
-                                 timeout_s=TIMEOUT_S),
+                                 timeout_s=TIMEOUT_S, answer_tokens=QUICK_ANSWER_TOKENS),
                 *extra, "--compaction-query-sources", "follow-up", "--enable-metrics",
             ]  # fmt: skip
             servers[name] = SGLangServer(model_with_curves, tmp_path / f"sglang-{name}.log",

@@ -25,6 +25,7 @@ import pytest
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pool import parse_metrics
 from harness.workload import (
+    QUICK_ANSWER_TOKENS,
     Timed,
     compaction_args,
     document,
@@ -54,8 +55,8 @@ def test_refit_replaces_the_fit_while_requests_run(prepared_model: Path, tmp_pat
         )  # fmt: skip
         start_all(stack, [svc])
         flags = [
-            *compaction_args(svc.endpoint, 0.1, min_prefix_tokens=256, refit_at=(4,)),
-            "--compaction-follow-up-answer-tokens", "8",
+            *compaction_args(svc.endpoint, 0.1, min_prefix_tokens=256, refit_at=(4,),
+                            answer_tokens=QUICK_ANSWER_TOKENS),
             "--enable-metrics",
         ]  # fmt: skip
         srv = SGLangServer(

@@ -19,6 +19,7 @@ import pytest
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pool import parse_metrics
 from harness.workload import (
+    QUICK_ANSWER_TOKENS,
     compaction_args,
     document,
     prompt,
@@ -49,7 +50,13 @@ def test_two_replicas_share_one_compaction(prepared_model: Path, tmp_path: Path)
         )  # fmt: skip
         start_all(stack, [svc])
         flags = [
-            *compaction_args(svc.endpoint, 0.1, "am-omp-fast", min_prefix_tokens=256),
+            *compaction_args(
+                svc.endpoint,
+                0.1,
+                "am-omp-fast",
+                min_prefix_tokens=256,
+                answer_tokens=QUICK_ANSWER_TOKENS,
+            ),
             "--enable-metrics",
         ]
         servers = [

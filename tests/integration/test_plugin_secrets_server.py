@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from harness.launch import CompactorService, SGLangServer, start_all
-from harness.workload import compaction_args, document, prompt, wait_for_compactions
+from harness.workload import (
+    QUICK_ANSWER_TOKENS,
+    compaction_args,
+    document,
+    prompt,
+    wait_for_compactions,
+)
 
 pytestmark = pytest.mark.sglang
 
@@ -45,7 +51,8 @@ def test_token_is_kept_secret_and_a_rotation_keeps_compaction_on(
                                extra_args=["--auth-token-file", str(token),
                                            "--signing-key-file", str(key)])  # fmt: skip
         start_all(stack, [svc])
-        extra = [*compaction_args(svc.endpoint, 0.1, min_hits=2, min_prefix_tokens=256),
+        extra = [*compaction_args(svc.endpoint, 0.1, min_hits=2, min_prefix_tokens=256,
+                                   answer_tokens=QUICK_ANSWER_TOKENS),
                  "--compaction-query-sources", "follow-up", "--enable-metrics",
                  "--compaction-token-file", str(token),
                  "--compaction-signing-key-file", str(key)]  # fmt: skip

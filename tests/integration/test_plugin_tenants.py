@@ -15,7 +15,7 @@ import pytest
 
 from harness.launch import CompactorService, SGLangServer, start_all
 from harness.pool import fetch_metrics
-from harness.workload import compaction_args, document, metric, prompt
+from harness.workload import QUICK_ANSWER_TOKENS, compaction_args, document, metric, prompt
 from tests._certs import make_certs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -48,7 +48,7 @@ def test_tenant_b_is_unaffected_by_tenant_a(prepared_model: Path, tmp_path: Path
         for name in ("a", "b"):
             flags = [
                 *compaction_args(f"grpcs://127.0.0.1:{svc.port}", 0.1, min_hits=2,
-                                 min_prefix_tokens=256, timeout_s=TIMEOUT_S),
+                                 min_prefix_tokens=256, timeout_s=TIMEOUT_S, answer_tokens=QUICK_ANSWER_TOKENS),
                 "--compaction-query-sources", "follow-up", "--enable-metrics",
                 "--compaction-tls-ca", str(certs / "ca.pem"),
                 "--compaction-tls-cert", str(certs / f"tenant-{name}.pem"),
