@@ -167,12 +167,14 @@ class PrometheusExporter:
         self._seen = CompactionStats()
 
     def update(self, stats: CompactionStats, latency_s: float | None = None) -> None:
+        """Publish `stats`: the gauges first, then the counters, so that a scrape which sees
+        a counter move (an install) also sees the gauges it moved (the prefix's tokens)."""
+        for n, g in self._gauges.items():
+            (g.labels(**self.labels) if self.labels else g).set(getattr(stats, n))
         for n, c in self._counters.items():
             delta = getattr(stats, n) - getattr(self._seen, n)
             if delta > 0:
                 (c.labels(**self.labels) if self.labels else c).inc(delta)
-        for n, g in self._gauges.items():
-            (g.labels(**self.labels) if self.labels else g).set(getattr(stats, n))
         if latency_s is not None:
             (self._latency.labels(**self.labels) if self.labels else self._latency).observe(
                 latency_s

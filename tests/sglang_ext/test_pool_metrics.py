@@ -1,4 +1,5 @@
-"""The plugin's pool gauges are SGLang's own counts: compacted, tree, free, pool."""
+"""The plugin's pool gauges are SGLang's own counts: compacted, tree, free, pool; and the
+exporter publishes them with the counters that moved them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from sglang_ext.kv_store import head_counts
-from sglang_ext.metrics import CompactionStats
+from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.packing import slots_needed
 from tests.sglang_ext._radix import (
     POOL,
@@ -64,3 +65,30 @@ def test_pool_gauges_follow_the_tree_and_the_allocator(compacted: Any) -> None:
     assert cache.stats.physical_tokens + cache.stats.tree_slots == (
         cache.evictable_size() + cache.protected_size()
     )
+
+
+def test_a_scrape_that_sees_an_install_sees_its_gauges() -> None:
+    """The exporter sets the gauges before it counts: at the moment `installed_total` moves,
+    the installed prefix's tokens are already published (a scrape between the two writes
+    must not read an install with no prefix)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"tp_rank": "test-order"}
+    exporter = PrometheusExporter(labels)
+    seen: list[float | None] = []
+    counter = exporter._counters["installed"].labels(**labels)
+    count = counter.inc
+
+    def inc(amount: float = 1) -> None:
+        seen.append(REGISTRY.get_sample_value("sglang:compaction_logical_tokens", labels))
+        count(amount)
+
+    counter.inc = inc  # type: ignore[method-assign,assignment]
+    try:
+        exporter.update(CompactionStats(installed=1, logical_tokens=700, physical_tokens=70))
+        assert seen == [700.0]
+        assert REGISTRY.get_sample_value("sglang:compaction_installed_total", labels) == 1.0
+    finally:
+        for series in [*exporter._counters.values(), *exporter._gauges.values()]:
+            REGISTRY.unregister(series)
+        REGISTRY.unregister(exporter._latency)
