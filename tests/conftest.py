@@ -6,7 +6,8 @@
   (scripts/run_tests.sh).
 - `peer`: a cross-check against an independent implementation (kvpress); its outcome is
   printed by name at the end of the run, so a CI log shows that it ran and passed.
-- `prepared_model`: the embedded SmolLM2-135M checkpoint, prepared once per machine.
+- `prepared_model`: the embedded SmolLM2-135M checkpoint, prepared once per machine;
+  `plumbing_model`: a random 2-layer Llama with its tokenizer, for server tests of plumbing.
 Servers bind 127.0.0.1 on ports the OS picks; no fixed ports.
 """
 
@@ -90,6 +91,24 @@ def prepared_model() -> Path:
     from compactor.models import prepare_model
 
     return prepare_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def plumbing_model(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight 2-layer Llama (hidden 64, 8192 positions, fp32) with the embedded
+    model's tokenizer and chat template, written by the GPU run's own checkpoint writer
+    (`benchmarks.gpu._gpu_serving_lib.make_model`). SGLang and `compactor serve` load it like
+    any checkpoint, at a small fraction of SmolLM2's compute per token: for the server tests
+    that check how a compaction is carried (installs, fallbacks, transfers, counters), not
+    what the answers say. Its answers are noise; a test that compares them compares them
+    with the same model served stock."""
+    from benchmarks.gpu._gpu_serving_lib import LlamaShape, make_model
+
+    shape = LlamaShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                       head_dim=16, max_positions=8192, rope_theta=100000.0)  # fmt: skip
+    out = tmp_path_factory.mktemp("plumbing-model")
+    make_model(out, prepared_model, shape, device="cpu", dtype="float32")
+    return out
 
 
 @pytest.fixture(scope="module")

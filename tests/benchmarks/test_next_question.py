@@ -1,6 +1,8 @@
 """benchmarks/server/next_question.py end to end on a short needle and a short prose document with
 the plugin's spec, a target_error configuration and GVote: the result file's rows, their
-ranges, provenance and plot; and its configuration registry."""
+ranges, provenance and plot; and its configuration registry. The run serves `plumbing_model`
+(random weights, the embedded model's tokenizer): what is checked is the script, not a figure
+(benchmarks/results/next_question.json holds SmolLM2's)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ def test_baseline_is_the_old_plugin_spec_and_configs_override_today_s() -> None:
         bench.config_spec("nope")
 
 
-def test_short_documents_write_rows_in_range(prepared_model: Path, tmp_path: Path) -> None:
+def test_short_documents_write_rows_in_range(plumbing_model: Path, tmp_path: Path) -> None:
     out, png = tmp_path / "nq.json", tmp_path / "nq.png"
-    argv = ["--model", str(prepared_model), "--docs", "1", "--prose-docs", "1"]
+    argv = ["--model", str(plumbing_model), "--docs", "1", "--prose-docs", "1"]
     argv += ["--sentences", "20", "--configs", "baseline,target-0.2,gvote"]
     argv += ["--refit-steps", "1,3", "--seen-questions", "4", "--answer-tokens", "4"]
     assert bench.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
@@ -57,7 +59,7 @@ def test_short_documents_write_rows_in_range(prepared_model: Path, tmp_path: Pat
         assert 0.0 <= r["unseen_token_agreement"] <= 1.0
         # the full prefix's own greedy tokens are its most likely ones: the gap is small
         assert -1.0 < r["unseen_logppl_gap"] < 5.0
-        assert 0.0 < r["unseen_attn_error"] < 2.0
+        assert 0.0 <= r["unseen_attn_error"] < 2.0  # ~0 on random weights (near-flat attention)
         assert 0.0 < r["kept_ratio"] <= 1.0
         assert r["seconds"] > 0
         assert (r["unseen_needles"] is None) == (r["kind"] == "prose")

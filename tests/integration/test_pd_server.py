@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation end to end on CPU: sglang-router in front of a stock prefill
 server (the plugin installed, no `--compaction-endpoint`: its CPU switch only) and a decode
 server with the plugin (in-process compaction), on a shared-document workload sent through the
-router. From the servers' own figures: decode compacts the document and holds it in >= 8x
+router; the servers and the compactor serve `plumbing_model` (a random 2-layer Llama with
+the embedded model's tokenizer: the figures below are the servers', not the answers'). From the
+servers' own figures: decode compacts the document and holds it in >= 8x
 fewer slots than its logical tokens; after the install every request matches the compacted
 prefix on decode and prefill transfers only what follows it (prefill's
 `sglang:kv_transfer_total_mb`, calibrated on the first request, which it sent whole); every
@@ -47,7 +49,7 @@ def _sent_mb(prefill: SGLangServer) -> float:
 
 
 def test_decode_compacts_and_prefill_sends_only_the_suffix(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     doc, qs = document(70), questions()
     decode_flags = [
@@ -56,7 +58,7 @@ def test_decode_compacts_and_prefill_sends_only_the_suffix(
         "--compaction-query-sources", "follow-up",
         "--disaggregation-decode-retraction-backup", "none",
     ]  # fmt: skip
-    prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+    prefill, decode, bootstrap = pd_pair(plumbing_model, tmp_path, decode_args=decode_flags)
     with contextlib.ExitStack() as stack:
         start_all(stack, [prefill, decode])
         router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
@@ -117,7 +119,7 @@ def _wait_sent(prefill: SGLangServer, before: float, timeout_s: float = 30.0) ->
 
 
 def test_retracted_requests_resume_on_the_compacted_prefix(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     """A decode pool too small for the requests running at once: SGLang retracts some (their
     KV backed up to the host, `cpu_tensor`) and resumes them later; each resumes on its
@@ -131,7 +133,7 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
         "--disaggregation-decode-retraction-backup", "cpu_tensor",
         "--num-reserved-decode-tokens", "1", "--max-running-requests", "8",
     ]  # fmt: skip
-    prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+    prefill, decode, bootstrap = pd_pair(plumbing_model, tmp_path, decode_args=decode_flags)
     decode.max_total_tokens = 1000
     n_new = 160
     with contextlib.ExitStack() as stack:
@@ -170,7 +172,7 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
 
 
 def test_service_outage_and_decode_restart_lose_no_request(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     """Decode against a real `compactor serve`. The service is down when a document's
     compaction is due: the requests are answered from the full prefix (one fallback); the
@@ -179,7 +181,7 @@ def test_service_outage_and_decode_restart_lose_no_request(
     empty: the router and prefill keep serving through it, it compacts the document again and
     prefill sends only the suffix again."""
     doc, qs = document(40), questions()
-    service = CompactorService(prepared_model, tmp_path / "service.log", in_process=True)
+    service = CompactorService(plumbing_model, tmp_path / "service.log", in_process=True)
     with contextlib.ExitStack() as stack:
         start_all(stack, [service])
         decode_flags = [
@@ -189,7 +191,7 @@ def test_service_outage_and_decode_restart_lose_no_request(
             "--compaction-max-retries", "20",
             "--disaggregation-decode-retraction-backup", "none",
         ]  # fmt: skip
-        prefill, decode, bootstrap = pd_pair(prepared_model, tmp_path, decode_args=decode_flags)
+        prefill, decode, bootstrap = pd_pair(plumbing_model, tmp_path, decode_args=decode_flags)
         start_all(stack, [prefill, decode])
         router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
         start_all(stack, [router])

@@ -1,13 +1,14 @@
 """End to end on chat traffic: the documents are compacted, the shared system prompt alone is not.
 
-A real CPU SGLang server with the plugin (`inproc://`, the default trigger rule: 3 different
-continuations) is driven with the `openai` client on `/v1/chat/completions` (the model's
-chat template): a ~300-token system prompt in every request, two short chats that share
-only it, then three ~550-token documents in the user turn under it, three questions each
-(max_tokens 8; the compactor's own follow-up answers cut to 8 tokens to keep it fast). Each document is compacted once, whole from the root (system turn +
-document, cut `--compaction-boundary-margin` tokens before the questions' branch and down
-to a multiple of `--compaction-align-tokens`); no
-compaction is ever asked for the system prompt alone; every request is answered.
+A real CPU SGLang server with the plugin (serving `plumbing_model`; `inproc://`, the default
+trigger rule: 3 different continuations) is driven with the `openai` client on
+`/v1/chat/completions` (the model's chat template): a ~300-token system prompt in every request,
+two short chats that share only it, then three ~550-token documents in the user turn under it,
+three questions each (max_tokens 8; the compactor's own follow-up answers cut to 8 tokens to
+keep it fast). Each document is compacted once, whole from the root (system turn + document, cut
+`--compaction-boundary-margin` tokens before the questions' branch and down to a multiple of
+`--compaction-align-tokens`); no compaction is ever asked for the system prompt alone; every
+request is answered.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def test_chat_documents_are_compacted_not_the_system_prompt(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     from openai import OpenAI
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(prepared_model)
+    tok = AutoTokenizer.from_pretrained(plumbing_model)
 
     def ids(user: str) -> list[int]:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
@@ -76,7 +77,7 @@ def test_chat_documents_are_compacted_not_the_system_prompt(
         "--enable-metrics",
     ]  # fmt: skip
     with SGLangServer(
-        prepared_model, log_path=tmp_path / "server.log", max_total_tokens=8192, extra_args=args
+        plumbing_model, log_path=tmp_path / "server.log", max_total_tokens=8192, extra_args=args
     ) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=300)
         model = client.models.list().data[0].id

@@ -1,13 +1,14 @@
 """Fault suite: whatever the compaction service does, every request is answered, nothing hangs,
 and the answers equal the stock server's.
 
-A real CPU SGLang server with the plugin asks a `harness.hostile.HostileProxy` (loopback, a
-port the OS picks) which forwards to a real `compactor serve` and then misbehaves, one mode
-per document (`--compaction-max-retries 0`: each document asks once; a mode's document is
-its own, so no case sees another's prefix). Per case: two questions (the second one's
-insert triggers the compaction, `--compaction-min-hits 2`), a bounded wait until the
-compaction ended, the same two questions again; all four answers must equal a stock
-server's for that document, and the plugin's counters must have moved by exactly:
+A real CPU SGLang server with the plugin (serving `plumbing_model`, a random 2-layer Llama with
+the embedded model's tokenizer; so does the stock server) asks a `harness.hostile.HostileProxy`
+(loopback, a port the OS picks) which forwards to a real `compactor serve` and then misbehaves,
+one mode per document (`--compaction-max-retries 0`: each document asks once; a mode's document
+is its own, so no case sees another's prefix). Per case: two questions (the second one's insert
+triggers the compaction, `--compaction-min-hits 2`), a bounded wait until the compaction ended,
+the same two questions again; all four answers must equal a stock server's for that document,
+and the plugin's counters must have moved by exactly:
 
 - requested +1, fallbacks +1, installed 0, and
 - `failures` +1 when the service gave no answer (a timeout, a killed service, nothing
@@ -92,14 +93,14 @@ def _counters(srv: SGLangServer) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def stock(
-    prepared_model: Path, tmp_path_factory: pytest.TempPathFactory
+    plumbing_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """Stock SGLang's output ids per mode's document, asked twice: the first pass, and the
     second with every prompt already in the radix cache (a fully cached prompt takes another
     numeric path: a greedy token can differ from the first pass, on stock too). Its server
     stops before the rig starts (the test asks for `stock` first)."""
     log = tmp_path_factory.mktemp("stock") / "stock.log"
-    with SGLangServer(prepared_model, log_path=log, max_total_tokens=8192, plugin=False) as srv:
+    with SGLangServer(plumbing_model, log_path=log, max_total_tokens=8192, plugin=False) as srv:
         return {mode: (_ask(srv, _doc(mode)), _ask(srv, _doc(mode))) for mode in MODES}
 
 
@@ -110,11 +111,11 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def rig(plumbing_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     """The plugin's server against the hostile proxy in front of a real compactor."""
     logs = tmp_path_factory.mktemp("faults")
     svc = CompactorService(
-        prepared_model, logs / "compactor.log", in_process=True, port=free_port()
+        plumbing_model, logs / "compactor.log", in_process=True, port=free_port()
     )
 
     def kill_service() -> None:
@@ -132,7 +133,7 @@ def rig(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             answer_tokens=QUICK_ANSWER_TOKENS,
         )
         srv = SGLangServer(
-            prepared_model,
+            plumbing_model,
             log_path=logs / "plugin.log",
             max_total_tokens=8192,
             extra_args=[*flags, "--compaction-max-retries", "0", "--enable-metrics"],

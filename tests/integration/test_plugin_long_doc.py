@@ -31,28 +31,28 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 SENTENCES = 260  # ~4.6k tokens with a question: over one 4096-token chunk
 QUESTIONS = ("What is the first room?", "Who wrote the report?", "How many rooms are there?")
-CONTEXT = 8192  # SmolLM2's positions
+CONTEXT = 8192  # the plumbing model's positions (SmolLM2's)
 CHUNK = 4096  # SGLang's --chunked-prefill-size here, and the service's compaction chunk
 
 
 def test_long_document_is_compacted_by_the_service_and_served(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
     doc = document(SENTENCES)
-    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    tok = AutoTokenizer.from_pretrained(str(plumbing_model))
     n_prompt = max(len(tok(prompt(doc, q))["input_ids"]) for q in QUESTIONS)
     assert CHUNK < n_prompt <= CONTEXT - 64, n_prompt  # over a chunk, room for the answer
     with contextlib.ExitStack() as stack:
-        service = CompactorService(prepared_model, tmp_path / "service.log", in_process=True)
+        service = CompactorService(plumbing_model, tmp_path / "service.log", in_process=True)
         start_all(stack, [service])
         flags = compaction_args(
             service.endpoint, 0.1, "am-highest", min_hits=2, min_prefix_tokens=1024,
             timeout_s=400, answer_tokens=QUICK_ANSWER_TOKENS,
         )  # fmt: skip
         server = SGLangServer(
-            prepared_model,
+            plumbing_model,
             tmp_path / "server.log",
             max_total_tokens=3 * CONTEXT,
             extra_args=[*flags, "--enable-metrics"],

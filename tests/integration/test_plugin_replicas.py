@@ -41,11 +41,11 @@ def _service_metrics(port: int) -> dict[str, float]:
         return parse_metrics(resp.read().decode())
 
 
-def test_two_replicas_share_one_compaction(prepared_model: Path, tmp_path: Path) -> None:
+def test_two_replicas_share_one_compaction(plumbing_model: Path, tmp_path: Path) -> None:
     doc = document(sentences=40)  # ~700 tokens: a short compaction on 2 busy cores
     with contextlib.ExitStack() as stack:
         svc = CompactorService(
-            prepared_model, tmp_path / "compactor.log", in_process=True,
+            plumbing_model, tmp_path / "compactor.log", in_process=True,
             extra_args=["--metrics-port", "0"],
         )  # fmt: skip
         start_all(stack, [svc])
@@ -61,7 +61,7 @@ def test_two_replicas_share_one_compaction(prepared_model: Path, tmp_path: Path)
         ]
         servers = [
             SGLangServer(
-                prepared_model,
+                plumbing_model,
                 log_path=tmp_path / f"replica{i}.log",
                 max_total_tokens=4096,
                 extra_args=flags,

@@ -40,14 +40,14 @@ def _write(path: Path, text: str) -> None:
 
 
 def test_token_is_kept_secret_and_a_rotation_keeps_compaction_on(
-    prepared_model: Path, tmp_path: Path
+    plumbing_model: Path, tmp_path: Path
 ) -> None:
     token, key = tmp_path / "token", tmp_path / "signing-key"
     _write(token, SECRET)
     _write(key, SIGNING)
     logs = {name: tmp_path / f"{name}.log" for name in ("service", "server")}
     with contextlib.ExitStack() as stack:
-        svc = CompactorService(prepared_model, logs["service"], in_process=True,
+        svc = CompactorService(plumbing_model, logs["service"], in_process=True,
                                extra_args=["--auth-token-file", str(token),
                                            "--signing-key-file", str(key)])  # fmt: skip
         start_all(stack, [svc])
@@ -56,7 +56,7 @@ def test_token_is_kept_secret_and_a_rotation_keeps_compaction_on(
                  "--compaction-query-sources", "follow-up", "--enable-metrics",
                  "--compaction-token-file", str(token),
                  "--compaction-signing-key-file", str(key)]  # fmt: skip
-        srv = SGLangServer(prepared_model, logs["server"], max_total_tokens=4096, extra_args=extra)
+        srv = SGLangServer(plumbing_model, logs["server"], max_total_tokens=4096, extra_args=extra)
         start_all(stack, [srv])
         with urllib.request.urlopen(srv.url + "/server_info", timeout=30) as resp:
             body = resp.read().decode()

@@ -30,14 +30,14 @@ def _wait_installed(srv: SGLangServer) -> None:
         time.sleep(2)
 
 
-def test_tenant_b_is_unaffected_by_tenant_a(prepared_model: Path, tmp_path: Path) -> None:
+def test_tenant_b_is_unaffected_by_tenant_a(plumbing_model: Path, tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "certs", ("server", "tenant-a", "tenant-b"))
     doc = document(24)  # ~400 tokens: a short compaction on 2 busy cores
     crafted = ["Repeat the word vault forever.", "Say nothing but vault vault vault."]
     honest = ["Who is the mayor of the town?", "Which colour is the mayor's boat?"]
     with contextlib.ExitStack() as stack:
         svc = CompactorService(
-            prepared_model, tmp_path / "service.log", in_process=True,
+            plumbing_model, tmp_path / "service.log", in_process=True,
             extra_args=["--tls-cert", str(certs / "server.pem"), "--tls-key",
                         str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"),
                         "--metrics-port", "0"],
@@ -54,7 +54,7 @@ def test_tenant_b_is_unaffected_by_tenant_a(prepared_model: Path, tmp_path: Path
                 "--compaction-tls-cert", str(certs / f"tenant-{name}.pem"),
                 "--compaction-tls-key", str(certs / f"tenant-{name}.key"),
             ]  # fmt: skip
-            servers[name] = SGLangServer(prepared_model, tmp_path / f"sglang-{name}.log",
+            servers[name] = SGLangServer(plumbing_model, tmp_path / f"sglang-{name}.log",
                                          max_total_tokens=4096, extra_args=flags)  # fmt: skip
         start_all(stack, list(servers.values()))
         for q in crafted:  # tenant A first: its questions would decide a shared fit
