@@ -6,11 +6,11 @@
 #   stream 1: the server tests, but for the short ones below;
 #   stream 2: every test that starts no server, then the short server tests.
 #
-# The split balances the two. Measured on a 2-core machine, the two streams side by side
-# (the server tests that check plumbing serving `plumbing_model`, tests/conftest.py): stream 1
-# ~46 minutes, of which the PD log-prob test ~11, the demo ~7, SmolLM2's compaction test ~6;
-# stream 2's tests without a server ~36 minutes (the GPU preflight, wheelhouse packing
-# included, ~11), its short server tests ~15. Stream 2's output is printed when both have
+# The split balances the two. Measured from a clean clone on a 2-core machine, the streams
+# side by side (the server tests of plumbing serving `plumbing_model`, tests/conftest.py):
+# stream 1 49 minutes, of which the PD log-prob test 10.5, the demo 7, SmolLM2's compaction
+# test 5; stream 2's tests without a server 34 minutes (the GPU preflight, wheelhouse packing
+# included, 11), then its short server tests 15. Stream 2's output is printed when both have
 # finished; the exit status is non-zero if any pytest run failed (pytest's 5, "no test ran",
 # included).
 #
