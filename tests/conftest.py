@@ -95,19 +95,21 @@ def prepared_model() -> Path:
 
 @pytest.fixture(scope="session")
 def plumbing_model(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight 2-layer Llama (hidden 64, 8192 positions, fp32) with the embedded
-    model's tokenizer and chat template, written by the GPU run's own checkpoint writer
-    (`benchmarks.gpu._gpu_serving_lib.make_model`). SGLang and `compactor serve` load it like
+    """A random-weight 2-layer Llama (the GPU run's CPU-smoke shape, `TINY`, at 8192
+    positions; fp32) with the embedded model's tokenizer and chat template, written by the GPU
+    run's own checkpoint writer (`benchmarks.gpu._gpu_serving_lib.make_model`). SGLang and `compactor serve` load it like
     any checkpoint, at a small fraction of SmolLM2's compute per token: for the server tests
     that check how a compaction is carried (installs, fallbacks, transfers, counters), not
     what the answers say. Its answers are noise; a test that compares them compares them
     with the same model served stock."""
-    from benchmarks.gpu._gpu_serving_lib import LlamaShape, make_model
+    from dataclasses import replace
 
-    shape = LlamaShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
-                       head_dim=16, max_positions=8192, rope_theta=100000.0)  # fmt: skip
+    from benchmarks.gpu._gpu_serving_lib import make_model
+    from benchmarks.gpu.gpu_serving import TINY
+
     out = tmp_path_factory.mktemp("plumbing-model")
-    make_model(out, prepared_model, shape, device="cpu", dtype="float32")
+    make_model(out, prepared_model, replace(TINY, max_positions=8192), device="cpu",
+               dtype="float32")  # fmt: skip
     return out
 
 
