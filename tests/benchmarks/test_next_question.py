@@ -59,8 +59,13 @@ def test_short_documents_write_rows_in_range(plumbing_model: Path, tmp_path: Pat
         assert 0.0 <= r["unseen_token_agreement"] <= 1.0
         # the full prefix's own greedy tokens are its most likely ones: the gap is small
         assert -1.0 < r["unseen_logppl_gap"] < 5.0
-        assert 0.0 <= r["unseen_attn_error"] < 2.0  # ~0 on random weights (near-flat attention)
         assert 0.0 < r["kept_ratio"] <= 1.0
+        # a fit that keeps every entry reproduces attention exactly (GVote on these random
+        # weights keeps the whole prefix: their attention is flat); one that drops entries errs
+        if r["kept_ratio"] == 1.0:
+            assert r["unseen_attn_error"] == 0.0
+        else:
+            assert 0.0 < r["unseen_attn_error"] < 2.0
         assert r["seconds"] > 0
         assert (r["unseen_needles"] is None) == (r["kind"] == "prose")
         if r["config"] == "baseline":
