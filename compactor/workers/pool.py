@@ -11,7 +11,7 @@ restarts at most `poison_after` replicas however often clients retry (jobs for i
 running on other replicas at that moment aside).
 
 Cancelling the awaiting coroutine tells the worker to stop at its next cancellation point
-and returns at once; the replica stays busy until the job has really stopped, so one
+(again every CANCEL_RESEND_S until it has) and returns at once; the replica stays busy until the job has really stopped, so one
 replica never computes two jobs. A job still running `cancel_grace_s` after its cancel
 gets its Ray actor killed and replaced; an in-process replica (a thread: it cannot be
 killed) stays busy until the job ends.
@@ -56,6 +56,10 @@ ACTOR_GPUS_PER_WORKER = 1
 # Loading a transformers checkpoint is not thread-safe (two loads at once in one process fail
 # with "Cannot copy out of meta tensor"): in-process replicas are loaded one at a time.
 _LOCAL_LOAD_LOCK = threading.Lock()
+
+# A cancel is a message nobody answers: until its job stops, it is sent again this often, so
+# one lost or overtaken on its way costs a resend, not the worker (cancels are idempotent).
+CANCEL_RESEND_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,7 @@ class WorkerPool:
     ) -> None:
         grace = self.config.cancel_grace_s
         try:
-            done, _ = await asyncio.wait([fut], timeout=grace)
-            if done:
+            if await self._stopped_within(replica, job_id, fut, grace):
                 if not replica.alive:  # it died meanwhile (a Ray actor lost)
                     self._replace(replica)
                 return
@@ -256,6 +259,21 @@ class WorkerPool:
             await asyncio.wait([fut])
         finally:
             await self._release(replica)
+
+    @staticmethod
+    async def _stopped_within(
+        replica: Replica, job_id: str, fut: asyncio.Future[JobResult], grace: float
+    ) -> bool:
+        """Whether `fut` ends within `grace` s; the cancel is sent again every
+        CANCEL_RESEND_S meanwhile."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while (left := end - loop.time()) > 0:
+            done, _ = await asyncio.wait([fut], timeout=min(CANCEL_RESEND_S, left))
+            if done:
+                return True
+            replica.cancel(job_id)
+        return fut.done()
 
     def _replace(self, dead: Replica) -> None:
         """Count `dead` out and bring up a replacement in the background (retried with

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 from typing import Any
 
 from compactor.workers.errors import WorkerLost
@@ -17,6 +18,8 @@ from compactor.workers.job import CompactJob, JobResult
 from compactor.workers.worker import Worker
 
 __all__ = ["LocalReplica", "RayReplica", "Replica"]
+
+log = logging.getLogger(__name__)
 
 
 class Replica:
@@ -112,8 +115,10 @@ class RayReplica(Replica):
             raise
 
     def cancel(self, job_id: str) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.handle.cancel.remote(job_id)
+        except Exception as exc:  # the actor is gone: the pool's grace ends in a kill
+            log.warning("could not send the cancel of job %s to %s: %s", job_id, self.name, exc)
 
     def _is_death(self, exc: BaseException) -> bool:
         import ray

@@ -143,6 +143,59 @@ def test_a_job_that_does_not_stop_gets_its_replica_killed_and_replaced(
     asyncio.run(main())
 
 
+class _DeafOnceWorker:
+    """A Worker stand-in that misses its first cancel (lost on its way) and obeys the next;
+    job 1 computes HOLD_S * 4 seconds unless stopped, other jobs end at once."""
+
+    instances: ClassVar[list[_DeafOnceWorker]] = []
+
+    def __init__(self, *_args: Any) -> None:
+        self.cancels: list[float] = []
+        self.ends: list[str] = []
+        self.stop = threading.Event()
+        self.started = threading.Event()
+        _DeafOnceWorker.instances.append(self)
+
+    def compact(self, job_id: str, job: CompactJob) -> str:
+        if job.token_ids[0] == 1:
+            self.started.set()
+            self.ends.append("stopped" if self.stop.wait(HOLD_S * 4) else "ran out")
+        return f"done {job.token_ids[0]}"
+
+    def cancel(self, job_id: str) -> None:
+        self.cancels.append(time.monotonic())
+        if len(self.cancels) > 1:
+            self.stop.set()
+
+
+def test_a_lost_cancel_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "Worker", _DeafOnceWorker)
+    monkeypatch.setattr(pool_mod, "CANCEL_RESEND_S", 0.1)
+    _DeafOnceWorker.instances.clear()
+
+    async def main() -> None:
+        cfg = PoolConfig(model_dir="unused", workers=1, cancel_grace_s=HOLD_S * 8)
+        pool = await WorkerPool.start(cfg)
+        worker = _DeafOnceWorker.instances[0]
+        try:
+            first = asyncio.create_task(pool.run(_job(1)))
+            await asyncio.to_thread(worker.started.wait, 5)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(pool.run(_job(2)), HOLD_S * 2) == "done 2"
+        finally:
+            await pool.close()
+        # job 1 stopped on the second cancel, sent one resend period after the first
+        assert worker.ends == ["stopped"]
+        assert len(worker.cancels) == 2, worker.cancels
+        assert worker.cancels[1] - worker.cancels[0] >= 0.1
+        assert worker.cancels[1] - t0 < HOLD_S
+
+    asyncio.run(main())
+
+
 def test_worker_remembers_cancels_of_running_jobs_only(tmp_path: Any) -> None:
     """Cancels of jobs that are not running are kept only among the last EARLY_CANCELS (a
     cancel may overtake its job's compact call); a running job's until it ends."""
