@@ -29,6 +29,15 @@ def _job(tag: int) -> CompactJob:
     return CompactJob("fp", (tag, tag + 1, tag + 2), CompactionSpec(method="am-highest", ratio=0.5))
 
 
+async def _run_job_1_then_cancel(pool: WorkerPool, started: threading.Event) -> None:
+    """Run job 1 on `pool`; once the worker has `started` it, cancel the wait for it."""
+    first = asyncio.create_task(pool.run(_job(1)))
+    await asyncio.to_thread(started.wait, 5)
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+
+
 class _StubbornWorker:
     """A Worker stand-in whose jobs compute HOLD_S seconds whatever `cancel` says."""
 
@@ -62,11 +71,7 @@ def test_local_replica_stays_busy_until_the_cancelled_job_ends(
         pool = await WorkerPool.start(cfg)
         worker = _StubbornWorker.instances[0]
         try:
-            first = asyncio.create_task(pool.run(_job(1)))
-            await asyncio.to_thread(worker.started.wait, 5)
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first
+            await _run_job_1_then_cancel(pool, worker.started)
             assert len(worker.cancels) == 1  # the worker was told
             second = asyncio.create_task(pool.run(_job(2)))
             await asyncio.sleep(GRACE_S + 0.4)  # past the grace; job 1 still computes
@@ -178,11 +183,7 @@ def test_a_lost_cancel_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
         pool = await WorkerPool.start(cfg)
         worker = _DeafOnceWorker.instances[0]
         try:
-            first = asyncio.create_task(pool.run(_job(1)))
-            await asyncio.to_thread(worker.started.wait, 5)
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first
+            await _run_job_1_then_cancel(pool, worker.started)
             t0 = time.monotonic()
             assert await asyncio.wait_for(pool.run(_job(2)), HOLD_S * 2) == "done 2"
         finally:
