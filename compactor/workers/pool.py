@@ -11,10 +11,10 @@ restarts at most `poison_after` replicas however often clients retry (jobs for i
 running on other replicas at that moment aside).
 
 Cancelling the awaiting coroutine tells the worker to stop at its next cancellation point
-(again every CANCEL_RESEND_S until it has) and returns at once; the replica stays busy until the job has really stopped, so one
-replica never computes two jobs. A job still running `cancel_grace_s` after its cancel
-gets its Ray actor killed and replaced; an in-process replica (a thread: it cannot be
-killed) stays busy until the job ends.
+(again every CANCEL_RESEND_S until it has) and returns at once; the replica stays busy until
+the job has really stopped, so one replica never computes two jobs. A job still running
+`cancel_grace_s` after its cancel gets its Ray actor killed and replaced; an in-process
+replica (a thread: it cannot be killed) stays busy until the job ends.
 """
 
 from __future__ import annotations
