@@ -171,9 +171,10 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
                 others += [question_text(tok, g) for g in GENERIC]
                 item = {"task": task, "haystack": haystack, "tokens": len(ids), "seed": seed,
                         "stock_score": ref.niah_scores[0]}  # fmt: skip
+                answer = tok.decode(ref.answers[0], skip_special_tokens=True)  # as kvpress's
                 items.append({**item, "prefix_ids": ids, "question_ids": enc(scored.text),
                               "answers": scored.answers, "answer_tokens": case.answer_tokens,
-                              "stock_answer": tok.decode(ref.answers[0])})  # fmt: skip
+                              "stock_answer": answer})  # fmt: skip
                 for setting in _csv(args.settings):
                     multi = setting == "multi-query"
                     base = setting_spec(
