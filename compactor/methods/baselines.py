@@ -157,42 +157,25 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
     global top-k of the scores of every layer's heads (:meth:`plan_layers`), so a layer whose
     heads read a few keys sharply keeps more of them than one that reads everything a little.
     ``non_uniform=True``: a layer's budget sum(t_h) is split over its KV heads the same way
-    (each head keeps >= 1). ``kernel`` > 1 (odd): the scores are average-pooled over that many
-    neighbouring tokens before the top-k, as SnapKV pools its own, so a key's neighbours count
-    with it; 1 (KVzip's own) scores each key alone.
-    Report: {"budgets": the kept count per KV head}.
+    (each head keeps >= 1). Report: {"budgets": the kept count per KV head}.
     """
 
     needs_suffix_lse: ClassVar[bool] = True
 
     non_uniform: bool = True
     layerwise: bool = False
-    kernel: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("non_uniform", "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        check_positive_int("kernel", self.kernel)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (same-length pooling), got {self.kernel}")
-
-    def _scores(
-        self,
-        keys: torch.Tensor,
-        queries: torch.Tensor,
-        scale: float,
-        sinks: torch.Tensor | None,
-        suffix_lse: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """keys [H, T, D], queries [H, n, D] -> max attention [H, T], pooled by ``kernel``."""
-        probs = attention_probs(keys, queries, scale, sinks=sinks, suffix_lse=suffix_lse)
-        return avg_pool(probs.amax(1), self.kernel)
 
     def score(self, x: LayerInput) -> torch.Tensor:
         """Max attention [H, T] over the reference queries (and the group's heads)."""
-        return self._scores(x.keys, x.queries, x.scale, x.sinks, x.suffix_lse)
+        return attention_probs(
+            x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
+        ).amax(1)
 
     def pick(self, x: LayerInput) -> Picked:
         scores = self.score(x)
@@ -212,7 +195,7 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
         suffix: Sequence[torch.Tensor | None] = x.suffix_lse or [None] * x.L
         scores = torch.stack(
             [
-                self._scores(k, q, scale, sk, lse)
+                attention_probs(k, q, scale, sinks=sk, suffix_lse=lse).amax(1)
                 for k, q, sk, lse in zip(x.keys, x.queries, sinks, suffix, strict=True)
             ]
         )  # [L, H_kv, T]
