@@ -1,10 +1,10 @@
 """Renderers of the RULER-style suite's tables (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): the
 held-out run, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
-kvpress's KVzip at 10x on more of its items (`ruler_10x`), the same at ~4k tokens
-(`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our kvzip as
-the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the defaults
-before and after they were chosen on it (`ruler_defaults`)."""
+kvpress's KVzip at 10x and at 20x on more of its items (`ruler_10x`, `ruler_20x`), the same at
+~4k tokens (`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our
+kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the
+defaults before and after they were chosen on it (`ruler_defaults`)."""
 
 from __future__ import annotations
 
@@ -61,22 +61,21 @@ def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
 _HEAD_TO_HEAD = (("our kvzip", "kvzip"), ("kvpress's KVzip", "kvpress:kvzip"))
 
 
-@table("ruler_10x", "ruler_2k_10x.json")
-def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
-    """Stock's accuracy, then per method: retention with its interval and accuracy, per-token
-    agreement, and the items it answers right where the other answers wrong (the exact McNemar
-    p of those two counts on its row).
+def _head_to_head(data: list[dict[str, Any]], ratio: float, name: str) -> list[list[str]]:
+    """Stock's accuracy, then per method at `ratio`: retention with its interval and accuracy,
+    per-token agreement, and the items it answers right where the other answers wrong (the
+    exact McNemar p of those two counts on its row).
 
     Raises:
-        ValueError: the two methods ran on different items.
+        ValueError: the two methods ran on different items (named `name` in the message).
     """
     summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
-    picked = [rec(summary, method=m, ratio=0.1) for _, m in _HEAD_TO_HEAD]
+    picked = [rec(summary, method=m, ratio=ratio) for _, m in _HEAD_TO_HEAD]
     right = [{item_key(r): r["score"] == 1.0 for r in data[0]["items"]
-              if r["method"] == m and r["setting"] == "agnostic" and r["ratio"] == 0.1}
+              if r["method"] == m and r["setting"] == "agnostic" and r["ratio"] == ratio}
              for _, m in _HEAD_TO_HEAD]  # fmt: skip
     if right[0].keys() != right[1].keys():
-        raise ValueError(f"ruler_10x: {len(right[0])} and {len(right[1])} items differ")
+        raise ValueError(f"{name}: {len(right[0])} and {len(right[1])} items differ")
     only = [sum(a[k] and not b[k] for k in a) for a, b in (right, right[::-1])]
     rows = [["method", "items", "retention [95% interval] / accuracy", "per-token agreement",
              "right where the other is wrong"]]  # fmt: skip
@@ -89,6 +88,18 @@ def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
                      "-" if agree is None else f"{agree:.2f}", str(n)])  # fmt: skip
     rows[2][-1] += f" (McNemar p {mcnemar_p(*only):.2f})"
     return rows
+
+
+@table("ruler_10x", "ruler_2k_10x.json")
+def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Ours against kvpress's KVzip at 10x (:func:`_head_to_head`)."""
+    return _head_to_head(data, 0.1, "ruler_10x")
+
+
+@table("ruler_20x", "ruler_2k_20x.json")
+def _ruler_20x(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Ours against kvpress's KVzip at 20x (:func:`_head_to_head`)."""
+    return _head_to_head(data, 0.05, "ruler_20x")
 
 
 @table("ruler_4k", "ruler_4k.json")

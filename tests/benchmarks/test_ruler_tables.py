@@ -1,5 +1,6 @@
-"""The head-to-head table of the RULER-style suite (`ruler_10x`): our kvzip and kvpress's
-KVzip at 10x on the same items, each with the items it answers right where the other fails."""
+"""The head-to-head tables of the RULER-style suite (`ruler_10x`, `ruler_20x`): our kvzip and
+kvpress's KVzip at 10x / 20x on the same items, each with the items it answers right where the
+other fails."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ from typing import Any
 import pytest
 
 from benchmarks.offline.ruler_results import summarize
-from benchmarks.report._tables_ruler import _ruler_10x
+from benchmarks.report._tables_ruler import _ruler_10x, _ruler_20x
 
 
-def _file(scores: dict[str, list[float]], stock: list[float]) -> dict[str, Any]:
-    items = [
+def _items(scores: dict[str, list[float]], stock: list[float], ratio: float = 0.1) -> list[Any]:
+    return [
         {"task": "niah_single", "haystack": "filler", "tokens": 2000, "seed": 1000 + i,
-         "stock_score": s, "setting": "agnostic", "method": method, "ratio": 0.1,
+         "stock_score": s, "setting": "agnostic", "method": method, "ratio": ratio,
          "score": score, "token_agreement": None if ":" in method else 0.9,
          "logprob_gap": None if ":" in method else 0.1, "seconds": 1.0}
         for method, got in scores.items() for i, (s, score) in enumerate(zip(stock, got))
     ]  # fmt: skip
+
+
+def _file(scores: dict[str, list[float]], stock: list[float]) -> dict[str, Any]:
+    items = _items(scores, stock)
     return {"summary": summarize(items), "items": items}
 
 
@@ -38,3 +43,15 @@ def test_methods_on_different_items_are_refused() -> None:
     data["items"] = [r for r in data["items"] if not (r["method"] == "kvzip" and r["seed"] == 1001)]
     with pytest.raises(ValueError, match="ruler_10x: 1 and 2 items differ"):
         _ruler_10x([data])
+
+
+def test_the_20x_table_reads_the_20x_items() -> None:
+    stock = [1.0, 1.0, 1.0, 0.0]
+    items = _items({"kvzip": [1.0, 1.0, 1.0, 0.0], "kvpress:kvzip": [1.0, 1.0, 1.0, 0.0]}, stock)
+    items += _items({"kvzip": [1.0, 1.0, 0.0, 0.0], "kvpress:kvzip": [1.0, 0.0, 0.0, 0.0]}, stock,
+                    ratio=0.05)  # fmt: skip
+    data = {"summary": summarize(items), "items": items}
+    assert _ruler_10x([data])[2][4] == "0 (McNemar p 1.00)"
+    rows = _ruler_20x([data])
+    assert rows[2][2].startswith("0.67 [") and rows[3][2].startswith("0.33 [")
+    assert rows[2][4] == "1 (McNemar p 1.00)" and rows[3][4] == "0"
