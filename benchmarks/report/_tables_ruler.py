@@ -61,13 +61,13 @@ def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
 _HEAD_TO_HEAD = (("our kvzip", "kvzip"), ("kvpress's KVzip", "kvpress:kvzip"))
 
 
-def _head_to_head(data: list[dict[str, Any]], ratio: float, name: str) -> list[list[str]]:
+def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     """Stock's accuracy, then per method at `ratio`: retention with its interval and accuracy,
     per-token agreement, and the items it answers right where the other answers wrong (the
     exact McNemar p of those two counts on its row).
 
     Raises:
-        ValueError: the two methods ran on different items (named `name` in the message).
+        ValueError: the two methods ran on different items (the message names the table).
     """
     summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
     picked = [rec(summary, method=m, ratio=ratio) for _, m in _HEAD_TO_HEAD]
@@ -75,6 +75,7 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float, name: str) -> list[l
               if r["method"] == m and r["setting"] == "agnostic" and r["ratio"] == ratio}
              for _, m in _HEAD_TO_HEAD]  # fmt: skip
     if right[0].keys() != right[1].keys():
+        name = f"ruler_{1 / ratio:.0f}x"
         raise ValueError(f"{name}: {len(right[0])} and {len(right[1])} items differ")
     only = [sum(a[k] and not b[k] for k in a) for a, b in (right, right[::-1])]
     rows = [["method", "items", "retention [95% interval] / accuracy", "per-token agreement",
@@ -93,13 +94,13 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float, name: str) -> list[l
 @table("ruler_10x", "ruler_2k_10x.json")
 def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
     """Ours against kvpress's KVzip at 10x (:func:`_head_to_head`)."""
-    return _head_to_head(data, 0.1, "ruler_10x")
+    return _head_to_head(data, 0.1)
 
 
 @table("ruler_20x", "ruler_2k_20x.json")
 def _ruler_20x(data: list[dict[str, Any]]) -> list[list[str]]:
     """Ours against kvpress's KVzip at 20x (:func:`_head_to_head`)."""
-    return _head_to_head(data, 0.05, "ruler_20x")
+    return _head_to_head(data, 0.05)
 
 
 @table("ruler_4k", "ruler_4k.json")
