@@ -8,6 +8,9 @@ Sources (``QUERY_SOURCES``):
   context-prefill  queries of the prefix's own tokens (the fit set the paper warns about).
   repeat-prefill   ``{C} Repeat the previous context. {C}``: queries of the second copy of
                    C, which attend over the first (the prefix cache).
+  repeat-turn      the same repeat asked as a chat turn (kvpress's KVzip framing):
+                   ``{C}\n\nRepeat the previous context exactly.{close user turn, open the
+                   assistant's} {C}``; queries of the instruction, the turn and the copy.
   self-study       the model answers four kinds of prompts about the prefix (summarize, ask
                    questions, quote/continue, structure); queries of prompt + answer.
   random           Gaussian vectors scaled to the mean norm of the real prefix queries.
@@ -58,6 +61,7 @@ __all__ = [
 ]
 
 REPEAT_INSTRUCTION = " Repeat the previous context. "
+REPEAT_TURN_INSTRUCTION = "\n\nRepeat the previous context exactly."
 # Bytes of one block of :func:`suffix_lse`'s logits [H_q, rows, m] fp32: on the CPU, and on an
 # accelerator (where a 32k-token continuation would otherwise run as thousands of small blocks).
 SUFFIX_LSE_BYTES = 64 << 20
@@ -174,6 +178,10 @@ def plan_queries(
         if source == "repeat-prefill":
             instr = _encode(tokenizer, REPEAT_INSTRUCTION) if tokenizer is not None else []
             plan.continuations.append(Continuation(source, instr + list(token_ids), len(instr)))
+        elif source == "repeat-turn":
+            text = REPEAT_TURN_INSTRUCTION + assistant_turn(tokenizer)
+            instr = _encode(tokenizer, text) if tokenizer is not None else []
+            plan.continuations.append(Continuation(source, instr + list(token_ids)))
         elif source == "self-study":
             if tokenizer is None:
                 raise ValueError("the self-study source needs a tokenizer")
@@ -319,6 +327,17 @@ def pool_queries(
     if recorded_lse is None:
         return out, None
     return out[..., :-1].contiguous(), out[..., -1].contiguous()
+
+
+def assistant_turn(tokenizer: Any) -> str:
+    """The text that closes an open user turn and opens the assistant's, from `tokenizer`'s
+    chat template; "\n" without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n"
+    marker = "\x00TURN\x00"
+    msgs = [{"role": "user", "content": marker}]
+    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return str(full).split(marker)[1]
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

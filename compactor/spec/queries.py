@@ -15,7 +15,14 @@ __all__ = ["MAX_QUERIES_PER_HEAD", "QUERY_SOURCES", "SELF_STUDY_PROMPTS", "Query
 # prefix the embedded model can repeat (G x T, ~12k at 4k tokens): none dropped at random.
 MAX_QUERIES_PER_HEAD = 16384
 
-QUERY_SOURCES = ("context-prefill", "repeat-prefill", "self-study", "random", "follow-up")
+QUERY_SOURCES = (
+    "context-prefill",
+    "repeat-prefill",
+    "repeat-turn",
+    "self-study",
+    "random",
+    "follow-up",
+)
 SELF_STUDY_PROMPTS = (
     "Summarize the text above in a few sentences.",
     "Ask and answer three questions about the specific facts and numbers in the text above.",

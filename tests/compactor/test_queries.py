@@ -175,3 +175,20 @@ def test_cat_pooled_and_grouped_reservoir_keep_query_heads_contiguous() -> None:
     assert torch.equal(reservoir(joined, 12, 0), reservoir(joined, 12, 0, 1))  # G=1 unchanged
     with pytest.raises(ValueError, match="do not split"):
         reservoir(joined[:, :26], 12, 0, 3)
+
+
+def test_repeat_turn_asks_for_the_copy_as_the_assistants_turn(prepared_model):
+    """repeat-turn: the instruction, the chat template's close of the user turn and open of
+    the assistant's, then the prefix; every token's queries kept (the instruction's too)."""
+    from compactor.queries import REPEAT_TURN_INSTRUCTION, assistant_turn
+
+    model, tok = real_model(prepared_model)
+    assert assistant_turn(tok) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert assistant_turn(None) == "\n"
+    ids = list(tok("The code is 4417.", add_special_tokens=False)["input_ids"])
+    pre = hf.prefill(model, ids)
+    plan = plan_queries(model, tok, ids, pre, QueryConfig(sources=("repeat-turn",)))
+    (cont,) = plan.continuations
+    instr = tok(REPEAT_TURN_INSTRUCTION + assistant_turn(tok), add_special_tokens=False)
+    assert cont.source == "repeat-turn" and cont.keep_from == 0
+    assert cont.tokens == list(instr["input_ids"]) + ids
