@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.offline.ruler_results import item_key, on_every_item, overall
 from benchmarks.report._tables_lib import rec, table
-from compactor.eval.paired import mcnemar_p
+from compactor.eval.paired import mcnemar_p, retention_difference
 
 
 def _ruler_cell(s: dict[str, Any]) -> str:
@@ -64,7 +64,8 @@ _HEAD_TO_HEAD = (("our kvzip", "kvzip"), ("kvpress's KVzip", "kvpress:kvzip"))
 def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     """Stock's accuracy, then per method at `ratio`: retention with its interval and accuracy,
     per-token agreement, and the items it answers right where the other answers wrong (the
-    exact McNemar p of those two counts on its row).
+    exact McNemar p of those two counts on its row); on ours, its retention minus KVzip's with
+    the paired interval (:func:`retention_difference`).
 
     Raises:
         ValueError: the two methods ran on different items (the message names the table).
@@ -78,16 +79,23 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
         name = f"ruler_{1 / ratio:.0f}x"
         raise ValueError(f"{name}: {len(right[0])} and {len(right[1])} items differ")
     only = [sum(a[k] and not b[k] for k in a) for a, b in (right, right[::-1])]
+    stock = {item_key(r): r["stock_score"] == 1.0 for r in data[0]["items"]}
+    keys = list(right[0])
+    diff, ci = retention_difference(
+        [stock[k] for k in keys], [right[0][k] for k in keys], [right[1][k] for k in keys]
+    )
     rows = [["method", "items", "retention [95% interval] / accuracy", "per-token agreement",
-             "right where the other is wrong"]]  # fmt: skip
+             "right where the other is wrong", "retention, ours - KVzip [paired 95%]"]]  # fmt: skip
     first = picked[0]
     rows.append(["stock", str(first["items"]), f"accuracy {first['stock_accuracy']:.2f}", "1.00",
-                 "-"])  # fmt: skip
+                 "-", "-"])  # fmt: skip
     for (label, _), s, n in zip(_HEAD_TO_HEAD, picked, only, strict=True):
         agree = s.get("token_agreement")
         rows.append([label, str(s["items"]), _ruler_cell(s),
-                     "-" if agree is None else f"{agree:.2f}", str(n)])  # fmt: skip
-    rows[2][-1] += f" (McNemar p {mcnemar_p(*only):.2f})"
+                     "-" if agree is None else f"{agree:.2f}", str(n), "-"])  # fmt: skip
+    rows[2][4] += f" (McNemar p {mcnemar_p(*only):.2f})"
+    if diff is not None and ci is not None:  # None: stock right on no item
+        rows[2][5] = f"{diff:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
     return rows
 
 

@@ -6,7 +6,10 @@ An item is one scored question; `stock` and `ours` say whether each answered it 
 - retention: P(ours correct | stock correct), the share of stock's right answers kept;
 - McNemar counts: b = stock right and ours wrong, c = stock wrong and ours right, with the
   exact two-sided binomial p-value of b against c;
-- 95% intervals by a seeded bootstrap over items (percentile method).
+- 95% intervals by a seeded bootstrap over items (percentile method);
+- two methods on the same items: the difference of their retentions, with an interval from
+  resampling the items with both outcomes together (paired), narrower than the two
+  retentions' own intervals suggest when the methods agree on most items.
 
 Per-token measures (teacher-forced top-1 agreement, the log-prob gap on stock's answers) are
 means over items with their own bootstrap intervals: they do not compound like exact greedy
@@ -20,7 +23,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["bootstrap_interval", "mcnemar_p", "paired_summary"]
+__all__ = ["bootstrap_interval", "mcnemar_p", "paired_summary", "retention_difference"]
 
 BOOTSTRAP_SAMPLES = 2000
 _T = TypeVar("_T")
@@ -68,6 +71,26 @@ def bootstrap_interval(
 def _retention(pairs: Sequence[tuple[bool, bool]]) -> float | None:
     kept = [o for s, o in pairs if s]
     return sum(kept) / len(kept) if kept else None
+
+
+def _retention_gap(triples: Sequence[tuple[bool, bool, bool]]) -> float | None:
+    kept = [(a, b) for s, a, b in triples if s]
+    return sum(a - b for a, b in kept) / len(kept) if kept else None
+
+
+def retention_difference(
+    stock: Sequence[bool], a: Sequence[bool], b: Sequence[bool], seed: int = 0
+) -> tuple[float | None, tuple[float, float] | None]:
+    """Retention of `a` minus retention of `b` on the same items, and its 95% interval from
+    a bootstrap that resamples items (stock's, a's and b's outcome together).
+
+    Raises:
+        ValueError: the three lists of different lengths.
+    """
+    if not len(stock) == len(a) == len(b):
+        raise ValueError(f"retention_difference: {len(stock)} stock items, {len(a)} and {len(b)}")
+    triples = [(bool(s), bool(x), bool(y)) for s, x, y in zip(stock, a, b, strict=True)]
+    return _retention_gap(triples), bootstrap_interval(triples, _retention_gap, seed=seed)
 
 
 def paired_summary(

@@ -36,6 +36,7 @@ def test_each_method_counts_what_it_keeps_that_the_other_loses() -> None:
     assert rows[2][0] == "our kvzip" and rows[2][2].startswith("0.75 [")
     assert rows[2][3] == "0.90" and rows[3][3] == "-"  # kvpress's runs generate only
     assert rows[2][4] == "2 (McNemar p 1.00)" and rows[3][4] == "1"
+    assert rows[2][5].startswith("+0.25 [") and rows[3][5] == "-"  # (3 - 2) of stock's 4
 
 
 def test_methods_on_different_items_are_refused() -> None:

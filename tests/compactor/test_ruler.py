@@ -115,3 +115,20 @@ def test_bootstrap_interval_brackets_the_mean():
     lo, hi = bootstrap_interval(vals)
     assert lo < 0.5 < hi and hi - lo < 0.25
     assert bootstrap_interval([]) is None
+
+
+def test_retention_difference_is_paired():
+    """Two methods that differ on 6 of stock's 30 right answers, always the same way: the
+    paired interval of the difference stays above zero, where each retention's own interval
+    is wide; the same outcomes give a difference of exactly zero."""
+    from compactor.eval.paired import retention_difference
+
+    stock = [True] * 30 + [False] * 5
+    a = [True] * 24 + [False] * 6 + [False] * 5
+    b = [True] * 18 + [False] * 12 + [True] * 5
+    diff, (lo, hi) = retention_difference(stock, a, b)
+    assert diff == pytest.approx(0.2) and 0 < lo < 0.2 < hi <= 0.4
+    assert retention_difference(stock, a, a) == (0.0, (0.0, 0.0))
+    assert retention_difference([False], [True], [True]) == (None, None)
+    with pytest.raises(ValueError, match="3 stock items, 3 and 2"):
+        retention_difference([True] * 3, [True] * 3, [True] * 2)
