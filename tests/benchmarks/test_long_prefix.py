@@ -125,7 +125,7 @@ def test_service_keys_the_effective_chunk_size(tmp_path):
 
 def test_generation_is_one_batch_over_the_shared_prefix(tiny, monkeypatch):
     """Every prompt decodes in one batch (the prefix is held once), answers as one by one."""
-    import compactor.queries as queries
+    import compactor.query_plan as query_plan
 
     ids = random_ids(40, seed=4)
     pre = hf.prefill(tiny, ids[:24])
@@ -137,7 +137,7 @@ def test_generation_is_one_batch_over_the_shared_prefix(tiny, monkeypatch):
         "batched_generate",
         lambda m, s, p, *a, **k: calls.append(len(p)) or real(m, s, p, *a, **k),
     )
-    got = queries._generate(tiny, None, pre, prompts, 4, 0.0, 0)
+    got = query_plan._generate(tiny, None, pre, prompts, 4, 0.0, 0)
     assert calls == [len(prompts)]
     full = hf.PrefixState.full(pre)
     assert got == [hf.greedy_generate(tiny, full.fork(), p, 4) for p in prompts]

@@ -180,7 +180,7 @@ def test_cat_pooled_and_grouped_reservoir_keep_query_heads_contiguous() -> None:
 def test_repeat_turn_asks_for_the_copy_as_the_assistants_turn(prepared_model):
     """repeat-turn: the instruction, the chat template's close of the user turn and open of
     the assistant's, then the prefix; every token's queries kept (the instruction's too)."""
-    from compactor.queries import REPEAT_TURN_INSTRUCTION, assistant_turn
+    from compactor.query_plan import REPEAT_TURN_INSTRUCTION, assistant_turn
 
     model, tok = real_model(prepared_model)
     assert assistant_turn(tok) == "<|im_end|>\n<|im_start|>assistant\n"
