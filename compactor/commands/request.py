@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from compactor.commands._common import require_file
-from compactor.spec import CompactionSpec, QueryConfig
+from compactor.spec import CompactionSpec
 from compactor.spec.cli_args import UsageError, add_spec_args, spec_from_args, usage_error
 
-# The request's defaults: the spec's, with repeat-prefill queries only and budget auto
-# (neither --ratio nor --tokens: the server's auto ratio).
-REQUEST_SPEC = CompactionSpec(queries=QueryConfig(sources=("repeat-prefill",)))
+# The request's defaults: the spec's (budget auto: neither --ratio nor --tokens gives the
+# server's auto ratio).
+REQUEST_SPEC = CompactionSpec()
 
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.spec.fields import SpecError, is_int, is_number, knob, meta
-from compactor.spec.queries import QueryConfig
+from compactor.spec.queries import DEFAULT_QUERY_SOURCES, QueryConfig
 
 __all__ = [
     "AUTO_CHUNK_TOKENS",
@@ -101,7 +101,8 @@ class CompactionSpec:
     # The cap then went 8192 -> 16384 per head, above what repeat-prefill yields for any prefix
     # the embedded model can repeat (G x T: ~12k at 4k tokens; none dropped at random), on the
     # ~4k-token items where the reservoir lost kvzip the keys of dropped readers (the "~4k"
-    # table of docs/results.md).
+    # table of docs/results.md). The source then went repeat-prefill -> repeat-turn
+    # (compactor.spec.queries.DEFAULT_QUERY_SOURCES).
     method: str = knob("kvzip", "method", "registered compaction method name", "str")
     method_params: dict[str, Any] = field(
         default_factory=dict,
@@ -279,11 +280,11 @@ class CompactionSpec:
 
     def for_follow_ups(self, follow_ups: Sequence[Sequence[int]]) -> CompactionSpec:
         """The spec for a prefix that arrives with `follow_ups`: without the ``follow-up``
-        source when there are none (``repeat-prefill`` when no source is left)."""
+        source when there are none (``DEFAULT_QUERY_SOURCES`` when no source is left)."""
         if follow_ups or "follow-up" not in self.queries.sources:
             return self
         sources = tuple(s for s in self.queries.sources if s != "follow-up")
-        return self.replace(queries={"sources": sources or ("repeat-prefill",)})
+        return self.replace(queries={"sources": sources or DEFAULT_QUERY_SOURCES})
 
     # ---- serialization -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
