@@ -3,8 +3,9 @@
 held-out run, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
 kvpress's KVzip at 10x and at 20x on more of its items (`ruler_10x`, `ruler_20x`), the same at
 ~4k tokens (`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our
-kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), and the
-defaults before and after they were chosen on it (`ruler_defaults`)."""
+kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), the
+defaults before and after they were chosen on it (`ruler_defaults`), and our kvzip's two
+framings of the repeat (`ruler_repeat`)."""
 
 from __future__ import annotations
 
@@ -229,3 +230,49 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
             cells = _ruler_10x_20x(summary, setting=setting, method=method)
             rows.append([split, label, setting, *cells])
     return rows
+
+
+# Our kvzip's reference queries: the repeat as plain text after the prefix (repeat-prefill, the
+# default before) or asked as the assistant's turn (repeat-turn, the default since); query-
+# agnostic, on the same items per split: (split, source, file).
+_REPEAT = (
+    ("dev", "repeat-prefill", "ruler_dev_kvzip_kernel.json"),
+    ("dev", "repeat-turn", "ruler_dev_repeat_turn.json"),
+    ("held-out", "repeat-prefill", "ruler_2k_repeat_prefill.json"),
+    ("held-out", "repeat-turn", "ruler_2k_repeat_turn.json"),
+)
+
+
+@table("ruler_repeat", *(f for *_, f in _REPEAT))
+def _ruler_repeat(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per split and source: our kvzip's cells at 10x and 20x ("(n items)"; "-": not run),
+    then at each ratio the items it answers right where the split's other source answers
+    wrong.
+
+    Raises:
+        ValueError: the two sources of a split ran on different items at a ratio.
+    """
+    right = [_kvzip_right(d) for d in data]  # per file: {ratio: {item: right}}
+    rows = [["split", "reference queries", "10x", "20x", "right where the other is wrong"]]
+    for i, ((split, source, _), d) in enumerate(zip(_REPEAT, data, strict=True)):
+        cells = {s["ratio"]: s for s in overall(d["summary"]) if s["method"] == "kvzip"}
+        only = []
+        for ratio in (0.1, 0.05):
+            mine, theirs = right[i].get(ratio, {}), right[i ^ 1].get(ratio, {})  # i ^ 1: other
+            if mine.keys() != theirs.keys():
+                raise ValueError(f"ruler_repeat: {split} {source} at {1 / ratio:.0f}x: "
+                                 f"{len(mine)} items, the other source {len(theirs)}")  # fmt: skip
+            only.append(str(sum(v and not theirs[k] for k, v in mine.items())) if mine else "-")
+        at = [_ruler_cell(cells[r]) + f" ({cells[r]['items']} items)" if r in cells else "-"
+              for r in (0.1, 0.05)]  # fmt: skip
+        rows.append([split, source, *at, " / ".join(only)])
+    return rows
+
+
+def _kvzip_right(data: dict[str, Any]) -> dict[float, dict[tuple[Any, ...], bool]]:
+    """Whether our kvzip (query-agnostic) answered each item right, per ratio."""
+    got: dict[float, dict[tuple[Any, ...], bool]] = {}
+    for r in data["items"]:
+        if r["method"] == "kvzip" and r["setting"] == "agnostic":
+            got.setdefault(r["ratio"], {})[item_key(r)] = r["score"] == 1.0
+    return got

@@ -56,3 +56,26 @@ def test_the_20x_table_reads_the_20x_items() -> None:
     rows = _ruler_20x([data])
     assert rows[2][2].startswith("0.67 [") and rows[3][2].startswith("0.33 [")
     assert rows[2][4] == "1 (McNemar p 1.00)" and rows[3][4] == "0"
+
+
+def test_the_repeat_table_pairs_the_two_sources_of_each_split() -> None:
+    from benchmarks.report._tables_ruler import _ruler_repeat
+
+    stock = [1.0, 1.0, 1.0, 0.0]
+    dev_a, dev_b = (
+        _file({"kvzip": [1.0, 0.0, 0.0, 0.0]}, stock),
+        _file({"kvzip": [1.0, 1.0, 0.0, 0.0]}, stock),
+    )
+    held = [_items({"kvzip": got}, stock) + _items({"kvzip": got20}, stock, ratio=0.05)
+            for got, got20 in (([1.0] * 3 + [0.0], [1.0, 0.0, 0.0, 0.0]),
+                               ([1.0] * 3 + [0.0], [0.0, 1.0, 1.0, 0.0]))]  # fmt: skip
+    files = [dev_a, dev_b, *({"summary": summarize(h), "items": h} for h in held)]
+    rows = _ruler_repeat(files)
+    assert rows[1][:2] == ["dev", "repeat-prefill"] and rows[1][3] == "-"  # dev ran 10x only
+    assert rows[1][2].startswith("0.33 [") and rows[1][2].endswith("(4 items)")
+    assert rows[1][4] == "0 / -" and rows[2][4] == "1 / -"
+    assert rows[3][4] == "0 / 1" and rows[4][4] == "0 / 2"
+    held[1] = [r for r in held[1] if r["seed"] != 1003 or r["ratio"] != 0.05]
+    files[3] = {"summary": summarize(held[1]), "items": held[1]}
+    with pytest.raises(ValueError, match="held-out repeat-prefill at 20x: 4 items, the other"):
+        _ruler_repeat(files)
