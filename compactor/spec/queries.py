@@ -33,8 +33,8 @@ QUERY_SOURCES = (
 # prefix that arrives without follow-ups (CompactionSpec.for_follow_ups). repeat-turn (the
 # repeat asked as the assistant's turn, every token's queries kept) over repeat-prefill, kvzip
 # query-agnostic on the RULER-style items: dev multi-key at 10x 25 of stock's 29 against 23;
-# held-out, 48 items, 33 of 39 at 10x as before and 33 against 29 at 20x; on no item worse
-# (the "repeat" table of docs/results.md).
+# held-out, 33 of 39 at 10x as before (48 items) and 46 of 60 against 42 at 20x (72 items,
+# 5 vs 1 item by item) (the ruler_repeat table of docs/results.md).
 DEFAULT_QUERY_SOURCES = ("repeat-turn",)
 SELF_STUDY_PROMPTS = (
     "Summarize the text above in a few sentences.",
