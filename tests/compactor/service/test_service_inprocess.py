@@ -199,6 +199,8 @@ def test_request_cli_prints_json(
             "am-highest",
             "--ratio",
             "0.25",
+            "--query-sources",  # FAST's spec: the round trip above cached its result
+            "repeat-prefill",
             "--json",
         ]
     )
