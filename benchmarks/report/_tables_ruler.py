@@ -73,9 +73,7 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     """
     summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
     picked = [rec(summary, method=m, ratio=ratio) for _, m in _HEAD_TO_HEAD]
-    right = [{item_key(r): r["score"] == 1.0 for r in data[0]["items"]
-              if r["method"] == m and r["setting"] == "agnostic" and r["ratio"] == ratio}
-             for _, m in _HEAD_TO_HEAD]  # fmt: skip
+    right = [_right(data[0], m).get(ratio, {}) for _, m in _HEAD_TO_HEAD]
     if right[0].keys() != right[1].keys():
         name = f"ruler_{1 / ratio:.0f}x"
         raise ValueError(f"{name}: {len(right[0])} and {len(right[1])} items differ")
@@ -233,8 +231,8 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
 
 
 # Our kvzip's reference queries: the repeat as plain text after the prefix (repeat-prefill, the
-# default before) or asked as the assistant's turn (repeat-turn, the default since); query-
-# agnostic, on the same items per split: (split, source, file).
+# default) or asked as the assistant's turn (repeat-turn); query-agnostic, on the same items per
+# split: (split, source, file).
 _REPEAT = (
     ("dev", "repeat-prefill", "ruler_dev_kvzip_kernel.json"),
     ("dev", "repeat-turn", "ruler_dev_repeat_turn.json"),
@@ -252,7 +250,7 @@ def _ruler_repeat(data: list[dict[str, Any]]) -> list[list[str]]:
     Raises:
         ValueError: the two sources of a split ran on different items at a ratio.
     """
-    right = [_kvzip_right(d) for d in data]  # per file: {ratio: {item: right}}
+    right = [_right(d, "kvzip") for d in data]  # per file: {ratio: {item: right}}
     rows = [["split", "reference queries", "10x", "20x", "right where the other is wrong"]]
     for i, ((split, source, _), d) in enumerate(zip(_REPEAT, data, strict=True)):
         cells = {s["ratio"]: s for s in overall(d["summary"]) if s["method"] == "kvzip"}
@@ -269,10 +267,10 @@ def _ruler_repeat(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def _kvzip_right(data: dict[str, Any]) -> dict[float, dict[tuple[Any, ...], bool]]:
-    """Whether our kvzip (query-agnostic) answered each item right, per ratio."""
+def _right(data: dict[str, Any], method: str) -> dict[float, dict[tuple[Any, ...], bool]]:
+    """Whether `method` (query-agnostic) answered each item right, per ratio."""
     got: dict[float, dict[tuple[Any, ...], bool]] = {}
     for r in data["items"]:
-        if r["method"] == "kvzip" and r["setting"] == "agnostic":
+        if r["method"] == method and r["setting"] == "agnostic":
             got.setdefault(r["ratio"], {})[item_key(r)] = r["score"] == 1.0
     return got
