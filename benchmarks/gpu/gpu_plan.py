@@ -100,6 +100,7 @@ def plan_calls(timings: dict[str, float], phases: tuple[str, ...] = PHASES) -> l
         serve += [Step("server_start", timings["server_start"]),
                   Step("flashinfer_jit", timings["flashinfer_jit"])]  # fmt: skip
         serve += [Step(p, timings[p]) for p in phases]
+        serve += [Step("run_overhead", timings["run_overhead"])]  # imports, shutdown, archive
     flag = "" if phases == PHASES else f" PHASES={','.join(phases)}"
     return [
         Call("serve", (WHEELHOUSE,), f"OUT=$OUT{flag} bash scripts/gpu_serving.sh",
