@@ -134,8 +134,12 @@ def test_retracted_requests_resume_on_the_compacted_prefix(
         "--num-reserved-decode-tokens", "1", "--max-running-requests", "8",
     ]  # fmt: skip
     prefill, decode, bootstrap = pd_pair(plumbing_model, tmp_path, decode_args=decode_flags)
+    # the pool holds the warm-up's whole prompt (~710 tokens) once; the six requests on the
+    # compacted prefix start at ~190 tokens together and need 6 x 240 more: over the pool by
+    # half, so SGLang retracts even when prefill hands them over a few steps apart (with 160
+    # new tokens each the excess was ~15%, and a slow machine's stagger left none)
     decode.max_total_tokens = 1000
-    n_new = 160
+    n_new = 240
     with contextlib.ExitStack() as stack:
         start_all(stack, [prefill, decode])
         router = PDRouter(prefill.url, bootstrap, decode.url, tmp_path / "router.log")
