@@ -48,7 +48,7 @@ SPEC_PREFIX = "compaction-"
 # agreement (unseen 0.40 -> 0.27, fitted 0.70 -> 0.20); with the refits the questions bring
 # (CompactionConfig.refit_at) the questions alone reach 0.059 at 8 and 0.035 at 32 (repeat-
 # prefill added: 0.052 and 0.056) with the better agreement. A prefix that arrives with no
-# follow-ups falls back to the spec's default source, repeat-prefill (CompactionSpec.for_follow_ups).
+# follow-ups falls back to the spec's default source, repeat-turn (CompactionSpec.for_follow_ups).
 # Method and policy: chosen on the RULER-style dev seeds (benchmarks/offline/ruler.py --base
 # plugin; the "defaults" table of docs/results.md). Needle retention at 10x, fitted also to other
 # questions about the context / query-agnostic: am-highest on-policy (the default before) 0.57 /
@@ -150,7 +150,7 @@ class CompactionConfig:
         8,
         "max-follow-ups",
         "Sharing requests' suffixes sent as follow-up queries (the follow-up source; "
-        "a prefix with none falls back to repeat-prefill).",
+        "a prefix with none falls back to repeat-turn).",
         at_least=0,
         limits="follow-up",
     )

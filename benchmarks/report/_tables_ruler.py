@@ -231,8 +231,8 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
 
 
 # Our kvzip's reference queries: the repeat as plain text after the prefix (repeat-prefill, the
-# default) or asked as the assistant's turn (repeat-turn); query-agnostic, on the same items per
-# split: (split, source, file).
+# default before) or asked as the assistant's turn (repeat-turn, the default since); query-
+# agnostic, on the same items per split: (split, source, file).
 _REPEAT = (
     ("dev", "repeat-prefill", "ruler_dev_kvzip_kernel.json"),
     ("dev", "repeat-turn", "ruler_dev_repeat_turn.json"),

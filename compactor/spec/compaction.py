@@ -101,7 +101,8 @@ class CompactionSpec:
     # The cap then went 8192 -> 16384 per head, above what repeat-prefill yields for any prefix
     # the embedded model can repeat (G x T: ~12k at 4k tokens; none dropped at random), on the
     # ~4k-token items where the reservoir lost kvzip the keys of dropped readers (the "~4k"
-    # table of docs/results.md).
+    # table of docs/results.md). The source then went repeat-prefill -> repeat-turn
+    # (compactor.spec.queries.DEFAULT_QUERY_SOURCES).
     method: str = knob("kvzip", "method", "registered compaction method name", "str")
     method_params: dict[str, Any] = field(
         default_factory=dict,

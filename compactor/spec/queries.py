@@ -30,10 +30,12 @@ QUERY_SOURCES = (
     "follow-up",
 )
 # The default sources, and what a spec whose only source is ``follow-up`` falls back to for a
-# prefix that arrives without follow-ups (CompactionSpec.for_follow_ups). repeat-turn did
-# better on the RULER-style items (the ruler_repeat table of docs/results.md) but is not the
-# default yet: with it, the plugin's PD retraction test saw no retraction (not yet explained).
-DEFAULT_QUERY_SOURCES = ("repeat-prefill",)
+# prefix that arrives without follow-ups (CompactionSpec.for_follow_ups). repeat-turn (the
+# repeat asked as the assistant's turn, every token's queries kept) over repeat-prefill, kvzip
+# query-agnostic on the RULER-style items: dev multi-key at 10x 25 of stock's 29 against 23;
+# held-out, 33 of 39 at 10x as before (48 items) and 46 of 60 against 42 at 20x (72 items,
+# 5 vs 1 item by item) (the ruler_repeat table of docs/results.md).
+DEFAULT_QUERY_SOURCES = ("repeat-turn",)
 SELF_STUDY_PROMPTS = (
     "Summarize the text above in a few sentences.",
     "Ask and answer three questions about the specific facts and numbers in the text above.",
@@ -58,7 +60,7 @@ class QueryConfig:
         seed: seeds the reservoirs, random queries and sampling.
     Raises SpecError (a ValueError naming the field) when built with a bad value.
 
-    The defaults (repeat-prefill, 16384 per head) are the ones chosen for the default method
+    The defaults (repeat-turn, 16384 per head) are the ones chosen for the default method
     on the RULER-style dev seeds and reported on the held-out ones: see
     :class:`compactor.spec.CompactionSpec`.
     """

@@ -75,7 +75,7 @@ def test_setting_spec_follows_the_base_and_serving_fallback() -> None:
     plugin_multi = setting_spec("plugin", "", "multi-query", None)
     assert plugin_multi == PLUGIN_SPEC  # the plugin's own follow-up policy, unchanged
     plugin_agnostic = setting_spec("plugin", "", "agnostic", None)
-    assert plugin_agnostic.queries.sources == ("repeat-prefill",)  # no follow-ups: fallback
+    assert plugin_agnostic.queries.sources == ("repeat-turn",)  # no follow-ups: fallback
     assert plugin_agnostic.on_policy == PLUGIN_SPEC.on_policy
     assert plugin_agnostic.method == PLUGIN_SPEC.method
     for flag in ("on", "off"):

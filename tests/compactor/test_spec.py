@@ -29,7 +29,7 @@ FULL = CompactionSpec(
 def test_defaults_are_the_ones_chosen_on_the_ruler_dev_seeds() -> None:
     s = CompactionSpec()
     assert (s.method, s.method_params, s.ratio, s.tokens) == ("kvzip", {}, None, None)
-    assert s.queries == QueryConfig() and s.queries.sources == ("repeat-prefill",)
+    assert s.queries == QueryConfig() and s.queries.sources == ("repeat-turn",)
     assert s.queries.max_queries_per_head == 16384 == WorkLimits().max_queries  # at the cap
     assert (s.on_policy, s.keep_sink_tokens, s.chunk_size, s.head_budgets) == (
         False, 4, None, "uniform",

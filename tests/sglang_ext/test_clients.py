@@ -54,7 +54,7 @@ def test_no_follow_ups_falls_back_to_the_default_source(
     spec = PLUGIN_SPEC.replace(ratio=0.25, on_policy=False, queries={"follow_up_answer_tokens": 0})
     # what both compactors send for a prefix without follow-ups
     prefix = _compact(monkeypatch, worker, spec.for_follow_ups([]), [])
-    assert prefix.params["query_sources"] == ["repeat-prefill"]
+    assert prefix.params["query_sources"] == ["repeat-turn"]
     assert prefix.params["ratio"] == 0.25 and prefix.params["budget_per_head"] == 10
 
 
@@ -62,7 +62,7 @@ def test_for_follow_ups_drops_only_a_missing_source() -> None:
     both = CompactionSpec(queries=QueryConfig(sources=("follow-up", "self-study")))
     assert both.for_follow_ups([]).queries.sources == ("self-study",)
     assert both.for_follow_ups([[1]]) is both
-    assert PLUGIN_SPEC.for_follow_ups([]).queries.sources == ("repeat-prefill",)
+    assert PLUGIN_SPEC.for_follow_ups([]).queries.sources == ("repeat-turn",)
     assert PLUGIN_SPEC.for_follow_ups([]).queries.follow_up_answer_tokens == 32
 
 
