@@ -9,7 +9,8 @@
 #   bash scripts/gpu_serving.sh pack          # HERE (pip works): .whl/gpu_serving/site.tar.xz
 #   OUT=/tmp/o bash scripts/gpu_serving.sh    # THERE, call 1 (carry .whl/gpu_serving): the
 #                                             #   serving phases, the GPU tests beside them
-#   OUT=/tmp/o bash scripts/gpu_serving.sh compaction   # THERE, call 2: compaction speed
+#   OUT=/tmp/o bash scripts/gpu_serving.sh compaction   # THERE, call 2: compaction speed,
+#                                             #   then the compacted decode step's attention
 #
 # The wheelhouse is ONE archive (xz of the unpacked files, under the 64 MiB a call carries):
 # the wheels of scripts/gpu_wheels.txt (SGLang 0.5.23 and the pure-Python needs a CUDA image
@@ -86,11 +87,15 @@ mkdir -p "$OUT" "$WORK/state/logs"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 if [ "${1:-}" = compaction ]; then
-    # Call 2: torch and transformers are the machine's own; nothing to install.
+    # Call 2: torch, Triton and transformers are the machine's own; nothing to install. Then
+    # the plugin's per-layer attention work in one compacted decode step (no server).
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     timeout $((${BUDGET_S:-300} + 60)) "$PY" -m benchmarks.gpu.compaction_speed_gpu --skip layer \
         --budget-s "${BUDGET_S:-300}" --out "$OUT" 2>&1 | tee "$OUT/compaction.log" | tail -40
-    exit "${PIPESTATUS[0]}"
+    status=${PIPESTATUS[0]}
+    timeout 120 "$PY" -m benchmarks.gpu.cascade_step --out "$OUT/cascade_step.json" 2>&1 \
+        | tee "$OUT/cascade_step.log" | tail -5
+    exit $((status | PIPESTATUS[0]))
 fi
 
 # 1. install once: the wheelhouse, the plugin's entry point

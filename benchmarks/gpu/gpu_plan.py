@@ -91,8 +91,9 @@ def plan_calls(timings: dict[str, float], phases: tuple[str, ...] = PHASES) -> l
     1. serve: install the wheelhouse, start the servers of `phases` together (one FlashInfer
        JIT: every model has head_dim 128), run the phases in order; the GPU tests run beside
        the servers' start;
-    2. compaction: the compaction speed benchmark (no wheelhouse: torch and transformers are
-       the machine's own).
+    2. compaction: the compaction speed benchmark, then the plugin's attention work in one
+       compacted decode step (`benchmarks.gpu.cascade_step`; no wheelhouse: torch, Triton and
+       transformers are the machine's own).
     """
     serve = [Step("install", timings["install"]), Step("models", timings["models"]),
              Step("gpu_tests", timings["gpu_tests"], beside=True)]  # fmt: skip
@@ -106,7 +107,8 @@ def plan_calls(timings: dict[str, float], phases: tuple[str, ...] = PHASES) -> l
         Call("serve", (WHEELHOUSE,), f"OUT=$OUT{flag} bash scripts/gpu_serving.sh",
              tuple(serve)),
         Call("compaction", (), "OUT=$OUT bash scripts/gpu_serving.sh compaction",
-             (Step("compaction_speed", timings["compaction_speed"]),)),
+             (Step("compaction_speed", timings["compaction_speed"]),
+              Step("cascade_step", timings["cascade_step"]))),
     ]  # fmt: skip
 
 
