@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks import add_options
+from harness.provenance import provenance
 
 DEFAULT_LENGTHS = [1024, 4096, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8, 32]
@@ -255,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             "benchmarks/gpu/decode_attention.py needs a CUDA device; none found.", file=sys.stderr
         )
         return 2
-    result = run_benchmark(args)
+    result = {
+        **run_benchmark(args),
+        "provenance": provenance(argv, "benchmarks.gpu.decode_attention"),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     if args.plot is not None:
