@@ -175,6 +175,36 @@ class PackedLayout:
         b.index_copy_(0, pos.to(b.device), b_r)
         return k.view(H, W, dim), v.view(H, W, dim), b.view(H, W)
 
+    def addresses(
+        self, key_buffer: Any, value_buffer: Any, beta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries as byte addresses, for kernels that read them where they sit, in any
+        layer's buffer (arguments as `read_ragged`). Returns (indptr [L * (H_kv + 1)] int64:
+        layer l, head h's entries are [indptr[l(H_kv+1)+h], indptr[l(H_kv+1)+h+1]) of the
+        prefix's list, layer by layer, each layer head by head as `read_ragged` gives them;
+        cells [3, E] int64: the addresses of each entry's K row, V row and fp32 beta), on
+        the slots' device. Device arithmetic only, no host sync. The addresses hold while
+        the buffers do: SGLang allocates its pool once."""
+        num_layers, heads = self.counts.shape
+        dev = self.slots.device
+        layer_start = torch.cumsum(self.counts.sum(1), 0) - self.counts.sum(1)
+        indptr = torch.zeros(num_layers, heads + 1, dtype=torch.int64)
+        indptr[:, 1:] = torch.cumsum(self.counts, 1)
+        indptr += layer_start[:, None]
+        cells = torch.zeros(3, self.kept_entries, dtype=torch.int64, device=dev)
+        for layer, parts in enumerate(self._cells):
+            for part in parts:
+                at = int(layer_start[layer]) + part.rows
+                buffers = (
+                    key_buffer(part.buffer_layer),
+                    value_buffer(part.buffer_layer),
+                    beta[part.buffer_layer],
+                )
+                for i, buf in enumerate(buffers):
+                    offset = part.slot_ids * buf.stride(0) + part.head_ids * buf.stride(1)
+                    cells[i, at] = buf.data_ptr() + offset.to(dev) * buf.element_size()
+        return indptr.reshape(-1).to(dev), cells
+
     def write(
         self,
         layer: int,

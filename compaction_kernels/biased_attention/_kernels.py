@@ -14,7 +14,34 @@ chunks store out = 0, lse = -inf without NaN.
 import triton
 import triton.language as tl
 
-__all__ = ["_biased_attn_fwd", "_combine_splits"]
+__all__ = ["_biased_attn_fwd", "_combine_splits", "_finish", "_softmax_step"]
+
+
+@triton.jit
+def _softmax_step(q, k, v, bias, ok, m_i, l_i, acc, sm_scale_log2, PRECISION: tl.constexpr):
+    """One ``BLOCK_N`` block of the online softmax in base 2: q [M, D] (K's dtype), k, v
+    [N, D], bias [N] fp32 natural log, ok [N] (False: not an entry). Returns m, l, acc."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    s = s + (bias * 1.4426950408889634)[None, :]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, l_i, m_i):
+    """The normalised output [M, D] and natural-log LSE [M] of an online softmax (no entry
+    seen: out = 0, lse = -inf, no NaN)."""
+    has = l_i > 0.0
+    denom = tl.where(has, l_i, 1.0)
+    out = acc / denom[:, None]
+    lse = tl.where(has, (m_i + tl.log2(denom)) * 0.6931471805599453, float("-inf"))
+    return out, lse
 
 
 @triton.jit
@@ -96,22 +123,10 @@ def _biased_attn_fwd(
             r = pos.to(tl.int64)
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + r[:, None] * stride_k_row + d[None, :], mask=kv_mask, other=0.0)
-        bias = tl.load(b_head + r * stride_b_row, mask=ok, other=float("-inf"))
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        s = s + (bias * 1.4426950408889634)[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + r[:, None] * stride_v_row + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    has = l_i > 0.0
-    denom = tl.where(has, l_i, 1.0)
-    out = acc / denom[:, None]
-    lse = tl.where(has, (m_i + tl.log2(denom)) * 0.6931471805599453, float("-inf"))
+        bias = tl.load(b_head + r * stride_b_row, mask=ok, other=float("-inf"))
+        m_i, l_i, acc = _softmax_step(q, k, v, bias, ok, m_i, l_i, acc, sm_scale_log2, PRECISION)
+    out, lse = _finish(acc, l_i, m_i)
     o_ptr = (
         Out + split * stride_os + tok[:, None] * stride_on + qh[:, None] * stride_oh + d[None, :]
     )
@@ -125,17 +140,27 @@ def _combine_splits(
     LsePart,
     Out,
     Lse,
+    TokGroup,
     num_splits,
-    num_rows,
+    split_rows,
+    num_qo,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MASKED_SPLITS: tl.constexpr,
 ):
+    """Row `row` = token * num_qo + q head of ``OPart [splits, split_rows, D]``, ``LsePart
+    [splits, split_rows]`` merged by LSE into ``Out [rows, D]``, ``Lse [rows]``. With
+    MASKED_SPLITS = m > 0, splits [0, m) count only for tokens whose ``TokGroup`` entry is
+    >= 0 (their other rows hold nothing)."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     sp_ok = sp < num_splits
-    s = tl.load(LsePart + sp * num_rows + row, mask=sp_ok, other=float("-inf"))
+    if MASKED_SPLITS > 0:
+        has = tl.load(TokGroup + row // num_qo) >= 0
+        sp_ok = sp_ok & ((sp >= MASKED_SPLITS) | has)
+    s = tl.load(LsePart + sp * split_rows + row, mask=sp_ok, other=float("-inf"))
     s_max = tl.max(s, 0)
     finite = s_max > float("-inf")
     ref = tl.where(finite, s_max, 0.0)
@@ -143,7 +168,7 @@ def _combine_splits(
     total = tl.where(finite, tl.sum(w, 0), 1.0)
     mask = sp_ok[:, None] & (d[None, :] < HEAD_DIM)
     o = tl.load(
-        OPart + (sp[:, None] * num_rows + row) * HEAD_DIM + d[None, :], mask=mask, other=0.0
+        OPart + (sp[:, None] * split_rows + row) * HEAD_DIM + d[None, :], mask=mask, other=0.0
     )
     out = tl.sum(o * (w / total)[:, None], 0)
     tl.store(Out + row * HEAD_DIM + d, out, mask=d < HEAD_DIM)

@@ -270,10 +270,13 @@ def _launch(
             l_buf,
             out,
             lse,
+            lse,  # no masked splits: not read
             splits,
             n * num_qo,
+            num_qo,
             HEAD_DIM=dim,
             BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=block_d,
+            MASKED_SPLITS=0,
         )
     return AttentionOutput(out, lse)
