@@ -16,6 +16,7 @@ attention backend (reader, same process); the adapter keeps it beside SGLang's p
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,8 @@ class BetaStore:
         # (counted by the attention backend, exported by the radix cache's poll)
         self.compacted_forwards = 0
         self.compacted_rows = 0
+        # compacted batches that ran eagerly, by why no graph served them
+        self.eager_batches: Counter[str] = Counter()
 
     @classmethod
     def of_pool(cls, kvcache: Any) -> BetaStore:

@@ -28,7 +28,7 @@ outside the tree. Stock SGLang publishes the same allocator figure as
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["CompactionStats", "PrometheusExporter"]
@@ -57,6 +57,8 @@ class CompactionStats:
     # (the attention backend counts them as it serves them)
     compacted_forwards: int = 0
     compacted_rows: int = 0
+    # compacted batches that ran eagerly, by why no CUDA graph served them
+    eager_batches: dict[str, int] = field(default_factory=dict)
     breaker_open: int = 0  # gauge: 1 once repeated errors stopped compaction
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
@@ -89,10 +91,12 @@ class CompactionStats:
 
     def read_store(self, store: Any) -> None:
         """Copy the counters the attention backend keeps on the `BetaStore` (mark
-        mismatches, forwards and rows served from a compacted prefix). Mutates those three."""
+        mismatches, forwards and rows served from a compacted prefix, eager batches by
+        reason). Mutates those four."""
         self.host_mark_mismatches = store.mark_mismatches
         self.compacted_forwards = store.compacted_forwards
         self.compacted_rows = store.compacted_rows
+        self.eager_batches = dict(store.eager_batches)
 
     def read_prefixes(self, infos: list[Any], kvcache: Any, store: Any) -> None:
         """Set the compacted-prefix gauges from the installed prefixes' `CompactionInfo`s
@@ -126,6 +130,8 @@ class PrometheusExporter:
         "compacted_forwards",
         "compacted_rows",
     )
+    # counters by reason: `sglang:compaction_<name>_total{reason=...}`
+    _BY_REASON = ("eager_batches",)
     _GAUGES = (
         "logical_tokens",
         "physical_tokens",
@@ -148,6 +154,14 @@ class PrometheusExporter:
         self._counters = {
             n: Counter(f"sglang:compaction_{n}_total", f"Compaction plugin: {n}.", names)
             for n in self._COUNTERS
+        }
+        self._by_reason = {
+            n: Counter(
+                f"sglang:compaction_{n}_total",
+                f"Compaction plugin: {n} by reason.",
+                [*names, "reason"],
+            )
+            for n in self._BY_REASON
         }
         self._gauges = {
             n: Gauge(
@@ -175,6 +189,11 @@ class PrometheusExporter:
             delta = getattr(stats, n) - getattr(self._seen, n)
             if delta > 0:
                 (c.labels(**self.labels) if self.labels else c).inc(delta)
+        for n, c in self._by_reason.items():
+            seen = getattr(self._seen, n)
+            for reason, count in getattr(stats, n).items():
+                if count > seen.get(reason, 0):
+                    c.labels(**self.labels, reason=reason).inc(count - seen.get(reason, 0))
         if latency_s is not None:
             (self._latency.labels(**self.labels) if self.labels else self._latency).observe(
                 latency_s

@@ -33,11 +33,13 @@ Only in processes started with `ACTIVE_ENV` set (the scheduler of a server start
 `--compaction-endpoint`), the backends and the serving hooks:
 
 - AFTER `can_run_graph` of SGLang's decode and prefill CUDA-graph runners: a batch with a
-  compacted request runs eagerly (`sglang_ext.adapter.wrapped_backend.graph_gate`); other batches replay the
-  wrapped backend's graphs.
+  compacted request that the compacted graph cannot serve runs eagerly
+  (`sglang_ext.adapter.wrapped_backend.graph_gate`); other batches replay their graphs.
+- BEFORE the decode graph runner's `capture`: a `compacted` graph variant beside the stock
+  one, when the backend built compacted graphs (`sglang_ext.adapter.graph_variant`).
 - AFTER `ForwardBatch.init_new`: each request's compacted prefix (or none) is stored on the
   new ForwardBatch from its ScheduleBatch's requests, on the host
-  (`sglang_ext.adapter.wrapped_backend.mark_forward_batch`), so the backend decides without reading the device.
+  (`sglang_ext.adapter.marks.mark_forward_batch`), so the backend decides without reading the device.
 - AFTER `Scheduler.ingest_requests`: the scheduler's safe point, where finished
   compactions are installed (`CompactionRadixCache.poll_compactions`); a no-op for other
   caches. Every TP rank's loop calls it once per iteration (SGLang broadcasts the inputs
@@ -58,10 +60,18 @@ import os
 import sys
 from typing import Any
 
-from sglang_ext.adapter import surface
+from sglang_ext.adapter import applied_hooks, surface
 from sglang_ext.guard import HookGuard
 
-__all__ = ["ACTIVE_ENV", "ANNOUNCEMENT", "FLAG_HOOKS", "PLUGIN_NAME", "SERVING_HOOKS", "register"]
+__all__ = [
+    "ACTIVE_ENV",
+    "ANNOUNCEMENT",
+    "FLAG_HOOKS",
+    "PLUGIN_NAME",
+    "SERVING_BEFORE_HOOKS",
+    "SERVING_HOOKS",
+    "register",
+]
 
 PLUGIN_NAME = "compaction"
 ANNOUNCEMENT = "sglang_ext: compaction plugin active"
@@ -92,6 +102,9 @@ def register() -> None:
         hooks += SERVING_HOOKS
     for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AFTER)
+    if _serving:
+        for target, hook in SERVING_BEFORE_HOOKS:
+            HookRegistry.register(target, hook, HookType.BEFORE)
     _registered = True
 
 
@@ -100,7 +113,7 @@ def installed_hooks() -> list[str]:
     `HookRegistry` (short names: the last two parts of each target)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    ours = {hook for _, hook in (*FLAG_HOOKS, *SERVING_HOOKS)}
+    ours = {hook for _, hook in (*FLAG_HOOKS, *SERVING_HOOKS, *SERVING_BEFORE_HOOKS)}
     return sorted(
         ".".join(target.split(".")[-2:])
         for target, hooks in HookRegistry._hooks.items()
@@ -109,9 +122,10 @@ def installed_hooks() -> list[str]:
 
 
 def check_hooks_applied(serving: bool) -> list[str]:
-    """`surface.hook_problems` for this process's hooks: `FLAG_HOOKS`, and `SERVING_HOOKS`
+    """`applied_hooks.hook_problems` for this process's hooks: `FLAG_HOOKS`, and `SERVING_HOOKS`
     with `serving`."""
-    return surface.hook_problems([*FLAG_HOOKS, *(SERVING_HOOKS if serving else ())])
+    serving_hooks = (*SERVING_HOOKS, *SERVING_BEFORE_HOOKS) if serving else ()
+    return applied_hooks.hook_problems([*FLAG_HOOKS, *serving_hooks])
 
 
 _verified: set[tuple[bool, bool]] = set()
@@ -119,13 +133,13 @@ _verified: set[tuple[bool, bool]] = set()
 
 def verify_process(serving: bool, *, hooks: bool | None = None) -> None:
     """Check this process once: `surface.check_surface(serving)` and, with `hooks` (default:
-    where SGLang applied hooks, `surface.plugins_loaded()`), `check_hooks_applied(serving)`.
+    where SGLang applied hooks, `applied_hooks.plugins_loaded()`), `check_hooks_applied(serving)`.
 
     Raises:
         RuntimeError: `serving` (compaction is on here) and any problem, each named; a
             process with compaction off only logs them once as a warning.
     """
-    hooks = surface.plugins_loaded() if hooks is None else hooks
+    hooks = applied_hooks.plugins_loaded() if hooks is None else hooks
     key = (serving, hooks)
     if key in _verified:
         return
@@ -173,7 +187,7 @@ def _add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
     an unknown flag, rather than parsed and ignored (a server without it runs stock)."""
     from sglang_ext.config import add_cli_args
 
-    unread = surface.hook_problems([(surface.FROM_CLI_ARGS, _from_cli_args)])
+    unread = applied_hooks.hook_problems([(surface.FROM_CLI_ARGS, _from_cli_args)])
     if unread:
         logger.error("sglang_ext: --compaction-* flags not added: %s", "; ".join(unread))
         return
@@ -234,14 +248,23 @@ def _graph_gate(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> An
                             *args, **kwargs)  # fmt: skip
 
 
+def _graph_variants(graph_runner: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on `DecodeCudaGraphRunner.capture(self)`: the compacted graph variant
+    (`sglang_ext.adapter.graph_variant.install_variants`). If it fails, SGLang captures
+    stock graphs alone and the gate keeps compacted batches eager: always correct."""
+    from sglang_ext.adapter.graph_variant import install_variants
+
+    _GATE_GUARD.call("the compacted graph variant", None, install_variants, graph_runner)
+
+
 def _mark_batch(result: Any, cls: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on the classmethod `ForwardBatch.init_new(batch, model_runner, ...)`: mark
     each request's compacted prefix on the new ForwardBatch, from the ScheduleBatch's
-    requests (see `sglang_ext.adapter.wrapped_backend.mark_forward_batch`)."""
+    requests (see `sglang_ext.adapter.marks.mark_forward_batch`)."""
     global _mark_failed
     if result is None or batch is None or _mark_failed:
         return
-    from sglang_ext.adapter.wrapped_backend import mark_forward_batch
+    from sglang_ext.adapter.marks import mark_forward_batch
 
     try:
         mark_forward_batch(result, batch)
@@ -348,3 +371,5 @@ SERVING_HOOKS: tuple[tuple[str, Any], ...] = (
     (surface.RETRACT_RESTORE, _repoint),
     (surface.RETRACT_DISCARD, _release),
 )
+# ... and these, each BEFORE its target.
+SERVING_BEFORE_HOOKS: tuple[tuple[str, Any], ...] = ((surface.GRAPH_CAPTURE, _graph_variants),)

@@ -1,22 +1,18 @@
 """The SGLang surface the plugin depends on, and the start-up checks that refuse a broken one.
 
-SGLang's `HookRegistry.apply_hooks` only logs a hook it cannot apply, and the plugin's radix
-cache overrides private `RadixCache` methods and writes its private counters: a renamed name
-would not fail, e.g. without the `can_run_graph` gate a compacted batch replays a stock CUDA
-graph (no beta, wrong attention, no error). `SURFACE` names each dependency once, `SUPPORTED`
-the SGLang versions it was checked against:
+SGLang only logs a hook it cannot apply, and the radix cache overrides private methods: a
+renamed name would not fail (without the `can_run_graph` gate a compacted batch would replay
+a stock CUDA graph: no beta, no error). `SURFACE` names each dependency once, `SUPPORTED` the
+SGLang versions it was checked against:
 
 - `check_surface(active)`: the version is in range, every name resolves, overrides and private
   methods keep the parameters the plugin uses, private counters are still set by SGLang's code;
   serving-only symbols (`Symbol.serving`) only with `active`;
-- `hook_problems(pairs)`: each (target, hook) pair is in `HookRegistry._patched` and its
-  target holds a `HookRegistry` wrapper around the hook.
+- `sglang_ext.adapter.applied_hooks.hook_problems(pairs)`: each (target, hook) pair is in
+  `HookRegistry._patched` and its target holds a `HookRegistry` wrapper around the hook.
 
-`sglang_ext.adapter.hooks.verify_process` runs both for the plugin's own hooks, once per process:
-in the main process when it parses `--compaction-endpoint` (surface only), in every process's
-`configure_logger` hook (after `load_plugins()`, before the scheduler builds its model), and
-again in the backend and cache factories (a no-op once done; catches a missing
-`configure_logger` hook). This module imports nothing of the plugin.
+`sglang_ext.adapter.hooks.verify_process` runs both for the plugin's own hooks, once per
+process (where: ARCHITECTURE.md). This module imports nothing of the plugin.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import operator
 import pkgutil
 import re
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,8 +34,6 @@ __all__ = [
     "SURFACE",
     "Symbol",
     "check_surface",
-    "hook_problems",
-    "plugins_loaded",
     "sglang_version",
 ]
 
@@ -75,6 +69,7 @@ GRAPH_RUNNERS = (
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner",
 )
 GRAPH_GATES = tuple(f"{runner}.can_run_graph" for runner in GRAPH_RUNNERS)
+GRAPH_CAPTURE = f"{GRAPH_RUNNERS[0]}.capture"  # a BEFORE hook: the compacted graph variant
 INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 PLUGINS_LOADED = "sglang.srt.plugins._plugins_loaded"  # set by load_plugins(), which applies hooks
 
@@ -85,12 +80,12 @@ Kind = Literal["import", "hook", "override", "private"]
 class Symbol:
     """One SGLang name the plugin depends on.
 
-    `kind`: `import` (by name), `hook` (an AFTER hook's target), `override` (a method the
-    plugin's subclass redefines: the base class must define it itself), `private` (a private
-    method or attribute the plugin calls or reads, or an instance attribute it writes, which
-    SGLang's code must still set). `serving`: checked only where compaction is on. `params`:
-    the parameter names the plugin relies on (None: unchecked), all of them or, with
-    `prefix`, the first ones. `calls`: a name the target's code must still call.
+    `kind`: `import` (by name), `hook` (a hook's target: AFTER, unless `why` says BEFORE),
+    `override` (a method the plugin's subclass redefines: the base class must define it),
+    `private` (a private method or attribute the plugin calls or reads, or an instance
+    attribute it writes, which SGLang's code must still set). `serving`: checked only where
+    compaction is on. `params`: the parameter names the plugin relies on (None: unchecked),
+    all or, with `prefix`, the first ones. `calls`: a name the target must still call.
     """
 
     kind: Kind
@@ -112,6 +107,7 @@ def _hook(target: str, why: str, params: tuple[str, ...], serving: bool = True) 
 
 _MEM = "sglang.srt.mem_cache"
 _ATTN = "sglang.srt.layers.attention"
+_RUNNER_UTILS = "sglang.srt.model_executor.runner_utils"
 _REGISTRY = "sglang.srt.plugins.hook_registry"
 _RADIX = f"{_MEM}.radix_cache.RadixCache"
 _BACKEND = f"{_ATTN}.base_attn_backend.AttentionBackend"
@@ -164,6 +160,12 @@ SURFACE: tuple[Symbol, ...] = (
             ("self", "forward_batch")) for t in GRAPH_GATES),
     _hook(INIT_NEW, "marks each request's compacted prefix on the ForwardBatch, on the host",
           ("batch", "model_runner")),
+    _hook(GRAPH_CAPTURE, "a compacted decode graph variant (BEFORE hook)", ("self",)),
+    *(Symbol("private", f"{GRAPH_RUNNERS[0]}.{n}", f"the compacted variant: {why}", calls=c)
+      for n, why, c in (("attention_graph_variants", "its labels", None),
+                        ("_resolve_attention_variant", "selects it", "select"))),
+    Symbol("import", f"{_RUNNER_UTILS}.capture_mode.get_capture_attention_variant",
+           "tells which graph variant is being captured"),
     Symbol("override", f"{_RADIX}.__init__", f"{_CACHE}: builds the tree", params=("self", "params")),
     *(Symbol("override", f"{_RADIX}.{name}", f"{_CACHE}: {why}", params=("self", *params))
       for name, params, why in (
@@ -184,6 +186,8 @@ SURFACE: tuple[Symbol, ...] = (
     *(Symbol("override", f"{_BACKEND}.{name}", "CompactionBackend: biased attention for "
              "compacted batches", params=params, prefix=True)
       for name, params in (("init_forward_metadata_out_graph", ("self", "forward_batch")),
+                           ("init_forward_metadata_in_graph", ("self", "forward_batch")),
+                           ("init_cuda_graph_state", ("self", "max_bs")),
                            ("forward", _FWD), ("forward_extend", _FWD), ("forward_decode", _FWD))),
     *(Symbol("private", f"{_RADIX}.{name}", f"{_CACHE}: {why}")
       for name, why in (("evictable_size_", "writes the counter for compacted nodes"),
@@ -339,62 +343,3 @@ def _uses(code: types.CodeType, name: str, ops: tuple[str, ...]) -> bool:
     if any(i.opname in ops and i.argval == name for i in dis.get_instructions(code)):
         return True
     return any(isinstance(c, types.CodeType) and _uses(c, name, ops) for c in code.co_consts)
-
-
-def hook_problems(hooks: Iterable[tuple[str, Any]]) -> list[str]:
-    """Problems with the given (target, hook) pairs after SGLang applied the hooks: each
-    target must be in `HookRegistry._patched`, and its attribute must be a `HookRegistry`
-    wrapper (a function built by `hook_registry._wrap_fn`) around the hook. One line per
-    problem, naming the target and the installed SGLang version."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    version, problems = sglang_version(), []
-    for target, hook in hooks:
-        name = getattr(hook, "__name__", repr(hook))
-        if target not in HookRegistry._patched:
-            what = "not applied by SGLang's HookRegistry (not in HookRegistry._patched)"
-        else:
-            try:
-                found = hook in _wrapped_hooks(_raw_attribute(target))
-            except Exception as exc:
-                what = f"cannot be resolved ({type(exc).__name__}: {exc})"
-            else:
-                what = "" if found else f"is not a HookRegistry wrapper around {name}"
-        if what:
-            problems.append(
-                f"hook {target}: {what}, in SGLang {version} (hook: sglang_ext.adapter.hooks.{name})"
-            )
-    return problems
-
-
-def _raw_attribute(target: str) -> Any:
-    """The attribute `target` names as stored on its owner (a classmethod's function)."""
-    owner_path, name = target.rsplit(".", 1)
-    owner = pkgutil.resolve_name(owner_path)
-    raw = getattr(owner, name)
-    if isinstance(owner, type):
-        raw = next((vars(k)[name] for k in owner.__mro__ if name in vars(k)), raw)
-    return getattr(raw, "__func__", raw) if isinstance(raw, classmethod | staticmethod) else raw
-
-
-def _wrapped_hooks(fn: Any) -> Iterator[Any]:
-    """The hooks of the `HookRegistry` wrappers along `fn`'s `__wrapped__` chain."""
-    from sglang.srt.plugins.hook_registry import _wrap_fn
-
-    codes = {c for c in _wrap_fn.__code__.co_consts if isinstance(c, types.CodeType)}
-    for _ in range(64):  # a chain of wrappers, one per hook type and plugin; never a cycle
-        code = getattr(fn, "__code__", None)
-        if code in codes and "hook" in code.co_freevars:
-            yield fn.__closure__[code.co_freevars.index("hook")].cell_contents
-        fn = getattr(fn, "__wrapped__", None)
-        if fn is None:
-            return
-
-
-def plugins_loaded() -> bool:
-    """Whether SGLang's `load_plugins()` ran in this process, which applies the hooks (a
-    server's processes: yes; a unit test calling the plugin's functions: no)."""
-    try:
-        return bool(pkgutil.resolve_name(PLUGINS_LOADED))
-    except (ImportError, AttributeError):  # renamed: check_surface names it
-        return False

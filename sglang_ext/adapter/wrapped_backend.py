@@ -5,29 +5,31 @@ SGLang would have built for the user's `--attention-backend` (`inner = ATTENTION
 (runner)`; the name rides on the record, `sglang_ext.adapter.server_args.INNER_ATTR`) and wraps it:
 
 - Per forward (`init_forward_metadata`, or earlier in SGLang's CUDA-graph gate) it decides
-  whether any request sits on a compacted prefix, on the host: `mark_forward_batch` (an AFTER
-  hook on `ForwardBatch.init_new`, which still sees the ScheduleBatch) walks each request's
-  `last_node` up to the radix root's child (`compacted_ancestor`; a compacted prefix hangs off
-  the root) and stores its row and the prefix's layout on the ForwardBatch. No device memory is read,
-  so the overlap scheduler keeps its lead. A ForwardBatch built elsewhere (no marks) falls
-  back to the row's first slot, `BetaStore.prefix_of(req_to_token[row_b, 0])` (one copy of B
+  whether any request sits on a compacted prefix, on the host, from the ForwardBatch's host
+  marks (`sglang_ext.adapter.marks`). A ForwardBatch built elsewhere (no marks) falls back
+  to the row's first slot, `BetaStore.prefix_of(req_to_token[row_b, 0])` (one copy of B
   ints to the host). On CPU both are computed and must agree (a disagreement is logged and
   the slot look-up, the ground truth, serves). Cost: none while no compacted prefix is
   installed.
 - No compacted request: every call (metadata, `forward`, `forward_extend`, `forward_decode`,
   the CUDA-graph hooks, any other attribute) goes to `inner` unchanged, with the same
   arguments, and returns its result.
-- Compacted requests: `inner`'s metadata is still built; each layer writes the new K/V into
-  the pool as the stock code does, gathers each compacted prefix's entries of that layer
-  from their packed cells (`sglang_ext.packing.PackedLayout`, once per prefix), then attends
-  them + the tails with beta: on CPU `attention.attend_rows` (torch SDPA per request, each
-  head padded to the longest), on CUDA `cascade.run_cascade` (Triton, each compacted prefix
-  once per group and ragged per KV head, tails causal, merged by LSE), eagerly. The prefix
-  calls are planned once per (node groups, their new tokens) and kept (`cascade.PrefixPlans`):
-  decode steps of the same requests re-plan only their tails.
-- CUDA graphs stay on for plain batches (the inner backend's captured graphs). A batch with a
-  compacted request never replays a stock graph: `graph_gate`, an AFTER hook on the decode and
-  prefill graph runners' `can_run_graph`, answers False for it, so SGLang runs it eagerly.
+- Compacted requests, eagerly: `inner`'s metadata is still built; each layer writes the new
+  K/V into the pool as the stock code does, gathers each compacted prefix's entries of that
+  layer from their packed cells (`sglang_ext.packing.PackedLayout`, once per prefix), then
+  attends them + the tails with beta: on CPU `attention.attend_rows` (torch SDPA per
+  request, each head padded to the longest), on CUDA `cascade.run_cascade` (Triton, each
+  compacted prefix once per group and ragged per KV head, tails causal, merged by LSE). The
+  prefix calls are planned once per (node groups, their new tokens) and kept
+  (`cascade.PrefixPlans`): decode steps of the same requests re-plan only their tails.
+- Compacted decode batches under CUDA graphs: SGLang captures a `compacted` graph per batch
+  size beside the stock one (`sglang_ext.adapter.graph_variant`): the static cascade, with
+  no host sync in the step and the inner backend not asked. `graph_gate`, an AFTER hook on
+  the decode and prefill graph runners' `can_run_graph`, sends what that graph cannot serve
+  (extend batches, too many prefixes, a layout of another shape, no compacted graphs) to
+  the eager path, and the next metadata call counts it by reason
+  (`BetaStore.eager_batches`, exported as `compaction_eager_batches_total{reason}`). A
+  batch with a compacted request never replays a stock graph.
 
 Refused with a ValueError naming the flag (`backend_checks.check_runner` at construction, `check_layer` at a
 biased forward): MLA, decode context parallelism, KV caches other than fp16/bf16/fp32 (fp8),
@@ -40,7 +42,7 @@ Legend: B requests, n new tokens, H_q / H_kv heads, D head dim, S pool slots.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -48,52 +50,16 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.adapter.backend_checks import check_layer, check_runner
-from sglang_ext.adapter.compacted_node import beta_store_of, compacted_ancestor
+from sglang_ext.adapter.compacted_node import beta_store_of
+from sglang_ext.adapter.graph_variant import CompactedGraphs, CompactedVariants
+from sglang_ext.adapter.marks import MARKS_ATTR, HostMarks
 from sglang_ext.attention.rows import PrefixPart, attend_rows
 from sglang_ext.config import ATTENTION_BACKEND
-from sglang_ext.kv_store import BetaStore
 from sglang_ext.packing import PackedLayout
 
-__all__ = [
-    "CompactionBackend",
-    "HostMarks",
-    "graph_gate",
-    "mark_forward_batch",
-]
+__all__ = ["CompactionBackend", "graph_gate"]
 
 logger = logging.getLogger(__name__)
-# The ForwardBatch attribute `mark_forward_batch` sets.
-MARKS_ATTR = "compaction_marks"
-
-
-class HostMarks(NamedTuple):
-    """Per request of a ForwardBatch, from its ScheduleBatch: the req_to_token row and the
-    layout of the compacted prefix it sits on (None: none)."""
-
-    rows: list[int]
-    prefixes: list[PackedLayout | None]
-
-
-def mark_forward_batch(forward_batch: Any, schedule_batch: Any) -> None:
-    """Store `HostMarks` on `forward_batch` when its requests are known and a compacted
-    prefix is installed (mutates `forward_batch`; host work only)."""
-    cache = getattr(schedule_batch, "tree_cache", None)
-    store = getattr(cache, "beta_store", None)
-    reqs = getattr(schedule_batch, "reqs", None)
-    rows_cpu = getattr(schedule_batch, "req_pool_indices_cpu", None)  # host [B] int64
-    if not isinstance(store, BetaStore) or not store.prefixes or not reqs or rows_cpu is None:
-        return
-    rows = [int(r) for r in rows_cpu.tolist()]
-    if len(rows) != len(reqs):
-        return
-    infos = [compacted_ancestor(getattr(r, "last_node", None)) for r in reqs]
-    prefixes = [None if i is None else i.layout for i in infos]
-    setattr(forward_batch, MARKS_ATTR, HostMarks(rows, prefixes))
-    if not store.marks_seen:
-        store.marks_seen = True
-        logger.info("sglang_ext: compacted requests are marked on the host from now on")
-
-
 _B = TypeVar("_B", bound=type)
 # AttentionBackend attributes SGLang sets on the backend it built: kept on the wrapper
 _OWN = frozenset({"prefill_attention_backend_str", "decode_attention_backend_str"})
@@ -165,6 +131,8 @@ class CompactionBackend(AttentionBackend):
         self.prefix_plans: Any = None  # cascade.PrefixPlans, made at the first cascade
         self._batch: _Batch | None = None
         self._decided: tuple[Any, _Batch | None] | None = None
+        self.graphs: CompactedGraphs | None = None  # the compacted decode graphs (CUDA)
+        self._eager: tuple[Any, str] | None = None  # (batch, why the graph gate refused it)
         self.model_runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -242,20 +210,49 @@ class CompactionBackend(AttentionBackend):
         the inner backend's own metadata."""
         self._batch = batch = self.compacted_batch(forward_batch)
         self._decided = None
+        if self.graphs is not None:
+            self.graphs.capturing = False
         if batch is not None:  # what the identity check reads: requests served from a prefix
-            self.beta_store.compacted_forwards += 1
-            self.beta_store.compacted_rows += sum(p is not None for p in batch.prefixes)
+            store = self.beta_store
+            store.compacted_forwards += 1
+            store.compacted_rows += sum(p is not None for p in batch.prefixes)
+            eager = self._eager
+            why = eager[1] if eager is not None and eager[0] is forward_batch else "no_graph"
+            store.eager_batches[why] += 1
+        self._eager = None
         return self.inner.init_forward_metadata(forward_batch)
 
+    def init_cuda_graph_state(self, max_bs: int, *args: Any, **kwargs: Any) -> Any:
+        """SGLang's decode graph runner sizes the graphs: the inner backend's state, then the
+        compacted variant's buffers (on CUDA; with `cascade` also on the CPU, for tests)."""
+        result = self.inner.init_cuda_graph_state(max_bs, *args, **kwargs)
+        cuda = self.token_to_kv_pool.get_key_buffer(self.token_to_kv_pool.start_layer).is_cuda
+        if cuda if self.cascade is None else self.cascade:
+            self.graphs = CompactedGraphs.build(self, max_bs, cuda)
+        return result
+
     def init_forward_metadata_out_graph(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        """Graph capture / replay: only plain batches get here (`graph_gate`)."""
+        """Graph capture / replay: the compacted variant's (`CompactedGraphs.out_graph`),
+        else the inner backend's."""
         self._batch = None
         self._decided = None
+        in_capture = bool(args[0] if args else kwargs.get("in_capture", False))
+        if self.graphs is not None and self.graphs.out_graph(forward_batch, in_capture):
+            return None
         return self.inner.init_forward_metadata_out_graph(forward_batch, *args, **kwargs)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> Any:
+        """Inside a captured graph: the compacted variant's tail gather, else the inner's."""
+        if self.graphs is not None and self.graphs.in_graph(forward_batch):
+            return None
+        return self.inner.init_forward_metadata_in_graph(forward_batch)
 
     # ---- forwards -------------------------------------------------------------------------
     def forward(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         batch = self._batch
+        if self.graphs is not None and self.graphs.capturing:
+            self._save_kv(q, k, v, layer, forward_batch, args, kwargs)
+            return self.graphs.attend(q.reshape(q.shape[0], -1, layer.qk_head_dim), layer)
         if batch is None:
             return self.inner.forward(q, k, v, layer, forward_batch, *args, **kwargs)
         return self._forward_biased(batch, q, k, v, layer, forward_batch, args, kwargs)
@@ -268,6 +265,9 @@ class CompactionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         batch = self._batch
+        if self.graphs is not None and self.graphs.capturing:
+            self._save_kv(q, k, v, layer, forward_batch, args, kwargs)
+            return self.graphs.attend(q.reshape(q.shape[0], -1, layer.qk_head_dim), layer)
         if batch is None:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
         return self._forward_biased(batch, q, k, v, layer, forward_batch, args, kwargs)
@@ -287,14 +287,9 @@ class CompactionBackend(AttentionBackend):
 
         q [n, H_q * D] (or [n, H_q, D]); returns [n, H_q * D]. Mutates the KV pool.
         """
-        extras = dict(kwargs)
-        save_kv_cache = args[0] if args else extras.pop("save_kv_cache", True)
-        check_layer(layer, forward_batch, {**extras, "positional": args[1:] or None})
+        self._save_kv(q, k, v, layer, forward_batch, args, kwargs)
         h_q, h_kv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         pool = self.token_to_kv_pool
-        if save_kv_cache and k is not None and v is not None:
-            loc = KVWriteLoc.for_batch(forward_batch)
-            pool.set_kv_buffer(layer, loc, k.view(-1, h_kv, dim), v.view(-1, h_kv, dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         i = layer.layer_id - pool.start_layer
         store = self.beta_store
@@ -340,24 +335,50 @@ class CompactionBackend(AttentionBackend):
         out = run_cascade(plan, q3, k_buf, v_buf, store.beta[i], i, prefix_kv)
         return out.reshape(-1, h_q * dim)
 
+    def _save_kv(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 layer: Any, forward_batch: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:  # fmt: skip
+        """Refuse a layer the biased path does not serve (`check_layer`), then write the new
+        K/V into the pool as the stock code does (unless `save_kv_cache` is False)."""
+        extras = dict(kwargs)
+        save_kv_cache = args[0] if args else extras.pop("save_kv_cache", True)
+        check_layer(layer, forward_batch, {**extras, "positional": args[1:] or None})
+        if save_kv_cache and k is not None and v is not None:
+            h_kv, dim = layer.tp_k_head_num, layer.qk_head_dim
+            loc = KVWriteLoc.for_batch(forward_batch)
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, loc, k.view(-1, h_kv, dim), v.view(-1, h_kv, dim)
+            )
+
 
 def graph_gate(
     result: Any, graph_runner: Any, forward_batch: Any = None, *a: Any, **kw: Any
 ) -> Any:
     """AFTER hook on SGLang's `DecodeCudaGraphRunner.can_run_graph` and
-    `PrefillCudaGraphRunner.can_run_graph`: False for a batch with a compacted request (it
-    then runs eagerly, with beta), else None (SGLang's answer stands)."""
+    `PrefillCudaGraphRunner.can_run_graph`: False for a batch with a compacted request that
+    the compacted decode graph cannot serve (it then runs eagerly, with beta; the reason is
+    counted when its metadata is built), else None (SGLang's answer stands)."""
     if not result or forward_batch is None:
         return None
     backend = getattr(graph_runner, "attn_backend", None)
     if backend is None:
         backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
-    if (
-        isinstance(backend, CompactionBackend)
-        and backend.compacted_batch(forward_batch) is not None
-    ):
-        return False
-    return None
+    if not isinstance(backend, CompactionBackend):
+        return None
+    batch = backend.compacted_batch(forward_batch)
+    if batch is None:
+        return None
+    variants = getattr(graph_runner, "attention_graph_variants", None)
+    if backend.graphs is None:
+        why: str | None = "no_static_graphs"
+    elif not isinstance(variants, CompactedVariants):
+        why = "extend" if not forward_batch.forward_mode.is_decode() else "variants"
+    else:
+        why = backend.graphs.refusal(forward_batch, batch.prefixes)
+    if why is None:
+        return None
+    backend._eager = (forward_batch, why)
+    return False
 
 
 def _host(forward_batch: Any, name: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ from sglang_ext.adapter import surface
 from tests.sglang_ext._fixtures import serving_registration
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOKS = [*plugin.FLAG_HOOKS, *plugin.SERVING_HOOKS]
+HOOKS = [*plugin.FLAG_HOOKS, *plugin.SERVING_HOOKS, *plugin.SERVING_BEFORE_HOOKS]
 TARGETS = [t for t, _ in HOOKS]
 OVERRIDES = [s.target for s in surface.SURFACE if s.kind == "override"]
 PRIVATE_METHODS = [s.target for s in surface.SURFACE if s.kind == "private" and s.params]
@@ -213,7 +213,7 @@ def test_retraction_hooks_reach_every_caller(applied: Any) -> None:
     """The retraction hooks are registered where SGLang defines the functions; SGLang's
     `HookRegistry` carries the wrapper to each module that imported them, where PD decode's
     retraction, resume and the scheduler's abort call them."""
-    from sglang_ext.adapter.surface import _wrapped_hooks
+    from sglang_ext.adapter.applied_hooks import _wrapped_hooks
 
     for target, hook, callers in (
         (surface.RETRACT_BACKUP, plugin._retain, ["sglang.srt.managers.schedule_batch"]),
