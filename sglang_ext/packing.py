@@ -183,8 +183,8 @@ class PackedLayout:
         layer l, head h's entries are [indptr[l(H_kv+1)+h], indptr[l(H_kv+1)+h+1]) of the
         prefix's list, layer by layer, each layer head by head as `read_ragged` gives them;
         cells [3, E] int64: the addresses of each entry's K row, V row and fp32 beta), on
-        the slots' device. Device arithmetic only, no host sync. The addresses hold while
-        the buffers do: SGLang allocates its pool once."""
+        the slots' device. Device arithmetic and one non-blocking upload: no host sync. The
+        addresses hold while the buffers do: SGLang allocates its pool once."""
         num_layers, heads = self.counts.shape
         dev = self.slots.device
         layer_start = torch.cumsum(self.counts.sum(1), 0) - self.counts.sum(1)
@@ -203,7 +203,10 @@ class PackedLayout:
                 for i, buf in enumerate(buffers):
                     offset = part.slot_ids * buf.stride(0) + part.head_ids * buf.stride(1)
                     cells[i, at] = buf.data_ptr() + offset.to(dev) * buf.element_size()
-        return indptr.reshape(-1).to(dev), cells
+        flat = indptr.reshape(-1)
+        if dev.type == "cuda":  # built in a graph replay's preparation: no blocking copy
+            return flat.pin_memory().to(dev, non_blocking=True), cells
+        return flat.to(dev), cells
 
     def write(
         self,

@@ -17,6 +17,16 @@ of L layers, the stages timed here:
     attend   run_cascade: the tails, the prefix (one call per node group) and the LSE merge
     kernel   the prefix's kernel call alone (what `attend` cannot go below for the prefix)
 
+and the static cascade that SGLang captures in the compacted decode graph
+(`sglang_ext.attention.static_cascade`, `sglang_ext.adapter.graph_variant`):
+
+    static_prep    StaticCascade.prepare: the host plan and its one non-blocking upload
+    static_eager   prepare + the in-graph part (the tails' gather, 3 launches a layer), eagerly
+    static_replay  prepare + the in-graph part replayed from a CUDA graph (CUDA only)
+
+`static_max_abs_diff` is the largest difference between the static and the eager cascade's
+outputs over all layers (bf16: a few 1e-3 at most).
+
 Each figure is milliseconds per decode step (all L layers), the median over `--reps` steps,
 each step synchronised before and after (so host work and GPU work both count). The K/V
 content is random: timings only. Writes JSON with provenance (`--out`).
@@ -36,7 +46,9 @@ import torch
 
 from benchmarks import add_options, script_parser
 from harness.provenance import provenance
+from sglang_ext.adapter.graph_variant import MAX_GROUPS, static_shape
 from sglang_ext.attention.cascade import PrefixPlans, plan_cascade, run_cascade, stack_groups
+from sglang_ext.attention.static_cascade import PrefixTables, StaticCascade
 from sglang_ext.kv_store import ALIAS_SLOT
 from sglang_ext.packing import PackedLayout, slots_needed
 
@@ -128,8 +140,56 @@ def measure(a: Any) -> dict[str, Any]:
     ms = {name: timed(fn, a.reps, dev) for name, fn in
           zip(STAGES, (plan, read, attend, kernel))}  # fmt: skip
     ms["step"] = timed(step, a.reps, dev)
-    return {"ms_per_step": ms, "n_slots": w["n_slots"], "entries_per_head": w["per_head"],
-            "pool_slots": w["pool"], "prefix_plans_made": cache.made}  # fmt: skip
+    eager = [run_cascade(the_plan, q, w["k"][i], w["v"][i], w["beta"][i], i, kv[i])
+             for i in range(a.layers)]  # fmt: skip
+    static_ms, diff = measure_static(a, w, eager)
+    return {"ms_per_step": {**ms, **static_ms}, "static_max_abs_diff": diff,
+            "n_slots": w["n_slots"], "entries_per_head": w["per_head"], "pool_slots": w["pool"],
+            "prefix_plans_made": cache.made}  # fmt: skip
+
+
+def measure_static(
+    a: Any, w: dict[str, Any], eager: list[torch.Tensor]
+) -> tuple[dict[str, float | None], float]:
+    """The static cascade's stages (module docstring) and its largest difference from the
+    eager cascade's outputs `eager` (one [B, H_q, D] per layer)."""
+    dev, q, r2t = torch.device(a.device), w["q"], w["r2t"]
+    shape = static_shape(a.heads, a.kv_heads, a.head_dim, cuda=dev.type == "cuda")
+    tables = PrefixTables(lambda j: w["k"][j], lambda j: w["v"][j], w["beta"])
+    static = StaticCascade(shape, num_layers=a.layers, max_bs=a.batch, max_groups=MAX_GROUPS,
+                           width=r2t.shape[1], tables=tables, device=dev)  # fmt: skip
+    prefixes = [w["layout"]] * a.batch
+    rows = torch.arange(a.batch, device=dev)
+    seq_lens = torch.full((a.batch,), a.prefix_tokens + a.tail, device=dev)
+    outs: list[torch.Tensor] = []
+
+    def prep() -> None:
+        static.prepare(a.batch, prefixes)
+
+    def body() -> None:  # what the graph captures
+        static.gather_tails(a.batch, r2t, rows, seq_lens)
+        outs[:] = [static.attend(a.batch, i, q, (w["k"][i], w["v"][i], w["beta"][i]), None)
+                   for i in range(a.layers)]  # fmt: skip
+
+    ms: dict[str, float | None] = {"static_prep": timed(prep, a.reps, dev)}
+    ms["static_eager"] = timed(lambda: (prep(), body()), a.reps, dev)
+    diff = max(float((o.float() - e.float()).abs().max()) for o, e in zip(outs, eager))
+    ms["static_replay"] = None
+    if dev.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # warm-up off the capture stream, as SGLang's runner does
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            body()
+        ms["static_replay"] = timed(lambda: (prep(), graph.replay()), a.reps, dev)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        diff = max(diff, *(float((o.float() - e.float()).abs().max())
+                           for o, e in zip(outs, eager)))  # fmt: skip
+    return ms, diff
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,12 @@ main process: `from_cli_args` runs before any log handler exists).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from sglang_ext.adapter.pd import check_disaggregation
+from sglang_ext.adapter.surface import METADATA_GLUE_ENV
 from sglang_ext.config import (
     ATTENTION_BACKEND,
     CPU_INNER_BACKEND,
@@ -222,7 +224,9 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
     scheduler, cache and TP group: they compact independently (the service's cache makes a
     shared document one compaction). Refused: pipeline parallelism (a rank holds some
     layers), attention data parallelism, context parallelism (KV split by tokens) and
-    speculative decoding (draft KV and verify steps the compacted prefix does not cover).
+    speculative decoding (draft KV and verify steps the compacted prefix does not cover), and
+    SGLang's metadata glue graph (`SGLANG_ENABLE_METADATA_GLUE_GRAPH`: one captured preparation
+    per batch size, whatever the graph variant).
     Prefill/decode disaggregation: on decode servers with their own radix cache only, as
     `sglang_ext.adapter.pd.check_disaggregation` says.
     """
@@ -239,6 +243,11 @@ def check_parallelism(server_args: Any, cfg: CompactionConfig) -> None:
         if refused(value):
             raise ValueError(f"--compaction-endpoint does not support {flag} {value!r}")
     check_disaggregation(server_args)
+    if os.environ.get(METADATA_GLUE_ENV, "").lower() in ("1", "true", "yes", "on"):
+        raise ValueError(
+            f"--compaction-endpoint does not support {METADATA_GLUE_ENV}=1 (its metadata "
+            "graph would replay the stock graphs' preparation for compacted batches); unset it"
+        )
     tp_size = getattr(server_args, "tp_size", None) or 1
     if tp_size > 1 and cfg.in_process:
         raise ValueError(

@@ -57,6 +57,7 @@ RETRACT_BACKUP, RETRACT_RESTORE, RETRACT_DISCARD = (  # (SGLang carries a hook t
 )
 MOONCAKE_HOST_INDICES = f"{_PD}.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices"
 EARLY_SEND = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
+METADATA_GLUE_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"  # refused with compaction on
 WEIGHT_UPDATER = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 )
@@ -160,6 +161,8 @@ SURFACE: tuple[Symbol, ...] = (
             ("self", "forward_batch")) for t in GRAPH_GATES),
     _hook(INIT_NEW, "marks each request's compacted prefix on the ForwardBatch, on the host",
           ("batch", "model_runner")),
+    Symbol("private", f"sglang.srt.environ.envs.{METADATA_GLUE_ENV}", "refused: a metadata "
+           "graph per batch size would serve compacted batches the stock preparation"),
     _hook(GRAPH_CAPTURE, "a compacted decode graph variant (BEFORE hook)", ("self",)),
     *(Symbol("private", f"{GRAPH_RUNNERS[0]}.{n}", f"the compacted variant: {why}", calls=c)
       for n, why, c in (("attention_graph_variants", "its labels", None),

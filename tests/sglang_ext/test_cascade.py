@@ -295,3 +295,52 @@ def test_matches_full_row_reference_on_cuda(mode: str) -> None:
     assert got.device.type == "cuda" and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), full_row_reference(b, q, q_lens),
                                atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_static_cascade_replays_from_a_cuda_graph_without_a_sync() -> None:
+    """The static decode cascade captured in a CUDA graph, replayed for two different batches
+    under `set_sync_debug_mode("error")` (any host sync in the replay preparation raises):
+    each replay equals the eager cascade in bf16."""
+    from sglang_ext.adapter.graph_variant import static_shape
+    from sglang_ext.attention.static_cascade import PrefixTables, StaticCascade
+
+    b = make_batch(device="cuda", dtype=torch.bfloat16)
+    bs, n = 8, len(REQUESTS)
+    tables = PrefixTables(lambda _: b.k, lambda _: b.v, b.beta.unsqueeze(0))
+    static = StaticCascade(static_shape(H_Q, H_KV, D, cuda=True), num_layers=1, max_bs=bs,
+                           max_groups=2, width=b.r2t.shape[1], tables=tables,
+                           device="cuda")  # fmt: skip
+    rows = torch.zeros(bs, dtype=torch.int64, device="cuda")  # the graph's input buffers
+    seq_lens = torch.ones(bs, dtype=torch.int64, device="cuda")
+    q = torch.zeros(bs, H_Q, D, device="cuda", dtype=torch.bfloat16)
+    got: dict[str, torch.Tensor] = {}
+
+    def body() -> None:
+        static.gather_tails(bs, b.r2t, rows, seq_lens)
+        got["out"] = static.attend(bs, 0, q, (b.k, b.v, b.beta), SCALE)
+
+    static.prepare(bs, [])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    q_lens = q_lens_for("decode")
+    for seed, prefixes in ((1, b.prefixes), (2, [None, None, *b.prefixes[2:]])):
+        rows[:n] = torch.tensor(POOL_ROWS)
+        seq_lens[:n] = torch.tensor([r.numel() for r in b.rows])
+        q[:n] = torch.randn(n, H_Q, D, generator=torch.Generator().manual_seed(seed)).to(q)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            static.prepare(bs, prefixes)
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        plan = plan_for(b, q_lens, prefixes=prefixes)
+        want = run_cascade(plan, q[:n], b.k, b.v, b.beta, 0, prefix_kv(b, plan))
+        torch.testing.assert_close(got["out"][:n].float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -59,3 +59,16 @@ def test_accepts_tp_and_dp_replicas(kw: dict[str, Any], cfg: CompactionConfig) -
     args = server_args(device="cpu", **kw)
     apply_to_server_args(args, cfg)
     assert getattr(args, CONFIG_ATTR) is cfg and args.radix_cache_backend == RADIX_CACHE_BACKEND
+
+
+def test_refuses_the_metadata_glue_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's opt-in metadata graph captures one preparation per batch size whatever the
+    graph variant: a compacted batch would replay the stock graphs' preparation."""
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")
+    args = server_args(device="cpu")
+    with pytest.raises(ValueError, match=r"SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 .* unset it"):
+        apply_to_server_args(args, SERVICE)
+    assert not hasattr(args, CONFIG_ATTR)
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "0")
+    apply_to_server_args(args, SERVICE)
+    assert getattr(args, CONFIG_ATTR) is SERVICE
