@@ -9,7 +9,8 @@ poll point in three steps:
 
 1. `PendingInstall` is made by the cache after the echo checks (`check_echo`: fingerprint,
    T, prefix hash) with N freshly allocated slots (its `PackedLayout`) and the magnitude
-   bounds read from the original prefix's KV, still in the pool (`original_bounds`).
+   bounds of the original prefix's KV (`original_bounds`), read when the prefix was sent to
+   compact: the original may have been evicted since, and the result is installed anyway.
 2. `step(max_bytes)` casts, checks and writes the next layers, at most `max_bytes` of pool
    writes per call (one layer at least), so a large result does not stall every running
    request for one long copy. `check_layer` runs on the cast tensors: finite in the pool's
@@ -49,6 +50,7 @@ __all__ = [
     "KEY_SLACK",
     "VALUE_SLACK",
     "LayerBounds",
+    "OriginalEvicted",
     "PendingInstall",
     "advance_installs",
     "budget_of",
@@ -64,6 +66,10 @@ VALUE_SLACK = 24.0
 BETA_SLACK = 4.0
 
 
+class OriginalEvicted(ValueError):
+    """No KV of the original prefix is left to read bounds from."""
+
+
 @dataclass(frozen=True)
 class LayerBounds:
     """The largest |K| and |V| a compacted layer may hold, in the pool's units."""
@@ -74,13 +80,15 @@ class LayerBounds:
 
 def original_bounds(kvcache: Any, slots: torch.Tensor) -> list[LayerBounds]:
     """Per layer: KEY_SLACK x max |K| and VALUE_SLACK x max |V| over `slots` [n] int64 of
-    `kvcache` (the original prefix's KV). Two host syncs, whatever L.
+    `kvcache` (the original prefix's KV). Two host syncs, whatever L. The lifecycle reads
+    them when it sends a prefix to compact, while the original is surely cached, and keeps
+    them for the result's install.
 
     Raises:
-        ValueError: `slots` is empty (the original prefix is no longer cached).
+        OriginalEvicted: `slots` is empty (the original prefix is no longer cached).
     """
     if slots.numel() == 0:
-        raise ValueError(
+        raise OriginalEvicted(
             "the original prefix is no longer cached, so the result's magnitudes cannot be "
             "checked against it"
         )
@@ -137,8 +145,11 @@ class PendingInstall:
 
     Attributes:
         token_ids: the prefix [T]. phash: its prefix hash. layout: where its entries go,
-            in N slots allocated for it and in no tree node yet. bounds: `original_bounds` of the prefix.
+            in N slots allocated for it and in no tree node yet. bounds: `original_bounds` of the
+            prefix.
             fit_round: 0 for a first fit, n for the n-th refit (replaces the installed fit).
+            evicted: the original prefix was evicted before the result arrived (its bounds
+            were read when it was sent).
     """
 
     token_ids: list[int]
@@ -147,6 +158,7 @@ class PendingInstall:
     layout: PackedLayout
     bounds: list[LayerBounds]
     fit_round: int = 0
+    evicted: bool = False
     next_layer: int = 0
 
     @property
@@ -266,7 +278,7 @@ def advance_installs(lc: InstallLifecycle[Any], idle: bool) -> int:
                 continue
             lc.pending.remove(pending)
             lc.abort(pending)
-            lc.fallback(pending.token_ids, e)
+            lc.intake.reject(pending.token_ids, e)
             continue
         if pending.done and tp is None:
             lc.pending.remove(pending)
@@ -274,7 +286,7 @@ def advance_installs(lc: InstallLifecycle[Any], idle: bool) -> int:
                 lc.finish(pending)
             except Exception as e:  # counted as not installed (`finish` says when)
                 lc.install_error(e)
-                lc.fallback(pending.token_ids, e)
+                lc.intake.reject(pending.token_ids, e)
                 continue
             done += 1
     return done

@@ -3,11 +3,12 @@
 A compacted prefix is *pending* (a `PendingInstall`, `sglang_ext.installer`: N slots
 allocated and counted as protected while its layers are written `install_chunk_mb`, and
 about `install_step_ms`, at a time across busy iterations, or whole in an idle one), then
-*installed* (a node new requests match; its original path is *retired*: freed once no
-request holds it), then *superseded* (a refit, `fit_round` n > 0, took its place),
-*dropped* (the served weights changed) or evicted. Superseded and dropped nodes no longer match and are freed, with what hangs below
-them, when their requests let go (`_reap`). A result that fails a check or a write frees its
-slots: the prefix stays uncompacted (or the installed fit keeps serving).
+*installed* (a node new requests match; its original path, if still cached, is *retired*:
+freed once no request holds it), then *superseded* (a refit took its place), *dropped* (the
+weights changed) or evicted. Superseded and dropped nodes stop matching and are freed, with
+what hangs below them, when their requests let go (`_reap`). A result that fails a check or
+a write frees its slots: the prefix stays uncompacted (or the installed fit keeps serving).
+What a result needs from when it was sent, and why one is not installed: `sglang_ext.intake`.
 
 `InstallLifecycle` holds that state and runs the transitions at the scheduler's poll point
 (`poll`); structure checks (`check_result`) run on the runner's thread. It reaches the tree
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
-from compactor import CompactedPrefix, describe_error, prefix_hash
+from compactor import CompactedPrefix, prefix_hash
 from sglang_ext.guard import HookGuard
 from sglang_ext.installer import (
     PendingInstall,
@@ -35,12 +36,12 @@ from sglang_ext.installer import (
     check_echo,
     check_structure,
     fmt,
-    original_bounds,
 )
+from sglang_ext.intake import Intake
 from sglang_ext.kv_store import BetaStore, head_counts
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.packing import PackedLayout
-from sglang_ext.prefix_tree import CompactionInfo, N, TreeOps
+from sglang_ext.prefix_tree import CompactionInfo, N, PoolFull, TreeOps
 from sglang_ext.trigger import CompactionTrigger
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class InstallLifecycle(Generic[N]):
         self._superseded: set[N] = set()  # replaced by a refit, freed when unlocked
         self._dropped: dict[str, N] = {}  # compacted for old weights, freed when unlocked
         self._retired: set[N] = set()  # original paths, freed when unlocked leaves
+        self.intake = Intake(kvcache, tree, self.stats, self.trigger, config.max_in_flight,
+                             config.timeout)  # fmt: skip
         if runner is not None:
             runner.check = self.check_result
 
@@ -113,7 +116,7 @@ class InstallLifecycle(Generic[N]):
             if self.tp is not None:
                 done += self.tp.poll(self, jobs)
             else:
-                for job in jobs:
+                for job in [*self.intake.take_waiting(), *jobs]:  # waiting ones first
                     self._take(job)
         done += advance_installs(self, idle)
         self._reap()
@@ -127,12 +130,9 @@ class InstallLifecycle(Generic[N]):
 
     def install(self, token_ids: Any, prefix: CompactedPrefix) -> N:
         """Check `prefix` for `token_ids` [T], write it into the pool at once, add its node
-        (returned; the existing one for a prefix installed before). The scheduler's path
-        (`poll`) is the same, its writes spread over iterations. Mutates pool, store, tree.
-        Raises:
-            ValueError: the prefix is for another model, tokens or pool shape, or out of range.
-            RuntimeError: the pool cannot give the prefix's slots even after eviction.
-        """
+        (returned; the existing one for a prefix installed before): `poll`'s path, its writes
+        not spread. Mutates pool, store, tree. Raises ValueError (another model, tokens or
+        pool shape, or out of range) or PoolFull (no slots even after eviction)."""
         self.check_result(prefix)
         shape = self.pool_shape
         pending = self.begin(token_ids, shape.take(prefix), shape.slots_for(prefix))
@@ -151,8 +151,7 @@ class InstallLifecycle(Generic[N]):
         return self.finish(pending)
 
     def check_result(self, prefix: CompactedPrefix) -> None:
-        """`installer.check_structure` against the weights served now; run on the compaction
-        runner's thread for results that arrive through it."""
+        """`installer.check_structure` against the weights served now (the runner's thread)."""
         check_structure(prefix, self.fingerprint, self.pool_shape)
 
     def submit_next(self, path_tokens: Callable[[Any], list[int] | None]) -> None:
@@ -164,7 +163,8 @@ class InstallLifecycle(Generic[N]):
             return
         if not trigger.candidates and not trigger.refit_asked:
             return
-        if self.runner.pending + len(self.pending) >= self.config.max_in_flight:
+        in_flight = self.runner.pending + len(self.pending) + len(self.intake.waiting)
+        if in_flight >= self.config.max_in_flight:
             self.stats.deferred += bool(trigger.candidates)
             trigger.candidates.clear()
             return
@@ -177,8 +177,14 @@ class InstallLifecycle(Generic[N]):
             len(picked.tokens), prefix_hash(picked.tokens)[:12], len(picked.follow_ups),
             f" (refit {picked.fit_round})" if picked.fit_round else "",
         )  # fmt: skip
-        self.runner.submit(picked.tokens, picked.follow_ups, fit_round=picked.fit_round)
+        self.send(picked.tokens, picked.follow_ups, fit_round=picked.fit_round)
         self.export()
+
+    def send(self, tokens: list[int], follow_ups: Any, **kwargs: Any) -> None:
+        """Send a prefix to compact (`runner.submit`'s arguments), its original's bounds
+        kept for the result's install (`Intake.sent`): the original may be evicted meanwhile."""
+        self.intake.sent(prefix_hash(tokens), tokens)
+        self.runner.submit(tokens, follow_ups, **kwargs)
 
     # ---- events from SGLang -----------------------------------------------------------
     def on_weights_updated(self, fingerprint: str | None) -> None:
@@ -192,6 +198,7 @@ class InstallLifecycle(Generic[N]):
         for pending in self.pending:
             self.abort(pending)
         self.pending.clear()
+        self.intake.clear()
         dropped = len(self._compacted)
         for phash, node in list(self._compacted.items()):
             del self._compacted[phash]
@@ -220,6 +227,7 @@ class InstallLifecycle(Generic[N]):
         for held in (self._compacted, self._dropped, self._superseded, self.pending, self._retired):
             held.clear()
         self.trigger.reset()
+        self.intake.clear()
         if self.runner is not None:
             self.runner.new_epoch()
         if self.tp is not None:
@@ -274,10 +282,10 @@ class InstallLifecycle(Generic[N]):
         fit_round: int = 0,
     ) -> PendingInstall | None:
         """Start installing `prefix` for `token_ids` (pending): echo checks (fingerprint, T,
-        prefix hash), bounds from what is left of the original prefix, slots (`num_slots`: the
-        most any TP rank's share needs packed, so all allocate alike; default: this prefix's
-        own); None if being installed already, or installed at this `fit_round` or a later
-        one. Raises ValueError (a check) or RuntimeError (no slots)."""
+        prefix hash), the bounds kept when it was sent (`Intake.bounds`), slots
+        (`num_slots`: the most any TP rank's share needs packed, so all allocate alike;
+        default: this prefix's own); None if being installed already, or installed at this
+        `fit_round` or a later one. Raises ValueError (a check) or PoolFull (no slots)."""
         ids = [int(t) for t in token_ids]
         T = len(ids)
         phash = check_echo(prefix, self.fingerprint, ids)
@@ -288,9 +296,9 @@ class InstallLifecycle(Generic[N]):
             self.stats.double_installs += 1
             return None
         tree = self.tree
-        bounds = original_bounds(self.kvcache, tree.original_slots(ids))
+        bounds, evicted = self.intake.bounds(phash, ids)
         layout = PackedLayout.allocate(head_counts(prefix), T, tree.alloc, tree.free, num_slots)
-        self.pending.append(PendingInstall(ids, phash, prefix, layout, bounds, fit_round))
+        self.pending.append(PendingInstall(ids, phash, prefix, layout, bounds, fit_round, evicted))
         tree.hold(layout.num_slots)  # held, not evictable, until the node takes them
         return self.pending[-1]
 
@@ -313,17 +321,20 @@ class InstallLifecycle(Generic[N]):
             self._retired.update(self.tree.descendants(old))
         self._reap()
         self.trigger.installed(ids)
+        self.intake.done(pending.phash)
         self.stats.installed += 1
+        self.stats.installed_evicted += pending.evicted
         self.stats.refits += old is not None
         self.refresh_gauges()
         ratio, error = budget_of(prefix)
         self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
         logger.info(
             "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "
-            "entries=%d longest_head=%d ratio=%s estimated_error=%s%s",
+            "entries=%d longest_head=%d ratio=%s estimated_error=%s%s%s",
             pending.phash[:12], prefix.method, len(ids), info.num_slots,
             len(ids) / info.num_slots, info.kept_entries, info.layout.width,
             fmt(ratio), fmt(error), f" refit={pending.fit_round}" if old is not None else "",
+            " (its original had been evicted meanwhile)" if pending.evicted else "",
         )  # fmt: skip
         return node
 
@@ -334,50 +345,40 @@ class InstallLifecycle(Generic[N]):
         self.tree.free(pending.slots)
         self.refresh_gauges()
 
-    def fallback(self, token_ids: Any, error: BaseException | None, fit_round: int = 0) -> None:
-        """Count a result that will not be installed: `invalid` for a ValueError (a failed
-        check), `failures` otherwise. A failed refit (`fit_round` > 0) leaves the installed
-        fit serving; a failed first fit the original prefix."""
-        invalid = isinstance(error, ValueError)
-        self.stats.invalid += invalid
-        self.stats.failures += not invalid
-        what = "result rejected" if invalid else "failed"
-        if fit_round:
-            self.trigger.refit_failed(token_ids)
-            logger.warning(
-                "compaction refit %d %s, the installed fit keeps serving: %s",
-                fit_round, what, describe_error(error),
-            )  # fmt: skip
-            return
-        self.stats.fallbacks += 1
-        retry = self.trigger.failed(token_ids)
-        logger.warning(
-            "compaction %s, prefix stays uncompacted%s: %s",
-            what, " (may be retried)" if retry else " (retries spent: cooling down)",
-            describe_error(error),
-        )  # fmt: skip
-
     def _take(self, job: Any) -> None:
-        """One finished job from the runner: start its install or count why not."""
-        self.stats.last_latency_s = job.latency_s
-        logger.info(
-            "sglang_ext: result for T=%d arrived: %.1f s after the request, %.1f s waiting "
-            "for the scheduler", len(job.token_ids), job.latency_s,
-            time.perf_counter() - job.done_at,
-        )  # fmt: skip
+        """One finished job from the runner (or one waiting for slots): start its install, let
+        it wait for slots (bounded: `Intake.wait`), or count why not."""
+        waited = any(w.job is job for w in self.intake.waiting)
+        if not waited:
+            self.stats.last_latency_s = job.latency_s
+            logger.info(
+                "sglang_ext: result for T=%d arrived: %.1f s after the request, %.1f s "
+                "waiting for the scheduler", len(job.token_ids), job.latency_s,
+                time.perf_counter() - job.done_at,
+            )  # fmt: skip
         if self.runner is not None and job.epoch != self.runner.epoch:
             self.stats.stale += 1
+            self.intake.rejected("stale")
             logger.info("sglang_ext: dropped a compaction started before a weight update")
         elif job.prefix is None:
-            self.fallback(job.token_ids, job.error, job.fit_round)
+            self.intake.reject(job.token_ids, job.error, job.fit_round, reason="compactor")
         else:
             try:
                 self.begin(job.token_ids, job.prefix, fit_round=job.fit_round)
-            except Exception as e:  # a failed check, no slots, or a device error (OOM, CUDA)
+            except PoolFull as e:
+                if self.intake.wait(job):
+                    if not waited:
+                        logger.info("sglang_ext: result for T=%d waits for slots: %s",
+                                    len(job.token_ids), e)  # fmt: skip
+                    return
+                self.intake.settle(job)
+                self.intake.reject(job.token_ids, e, job.fit_round)
+            except Exception as e:  # a failed check, or a device error (OOM, CUDA)
                 device = isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e)
                 if device or not isinstance(e, (ValueError, RuntimeError)):
                     self.install_error(e)
-                self.fallback(job.token_ids, e, job.fit_round)
+                self.intake.reject(job.token_ids, e, job.fit_round)
+        self.intake.settle(job)
         self.export(job.latency_s)
 
     def _reap(self) -> None:

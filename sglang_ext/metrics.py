@@ -59,6 +59,9 @@ class CompactionStats:
     compacted_rows: int = 0
     # compacted batches that ran eagerly, by why no CUDA graph served them
     eager_batches: dict[str, int] = field(default_factory=dict)
+    # results not installed, by reason (sglang_ext.intake.REASONS)
+    results_rejected: dict[str, int] = field(default_factory=dict)
+    installed_evicted: int = 0  # installs whose original prefix had been evicted meanwhile
     breaker_open: int = 0  # gauge: 1 once repeated errors stopped compaction
     retired_tokens_freed: int = 0
     logical_tokens: int = 0  # gauge: T summed over installed prefixes
@@ -129,9 +132,10 @@ class PrometheusExporter:
         "install_errors",
         "compacted_forwards",
         "compacted_rows",
+        "installed_evicted",
     )
     # counters by reason: `sglang:compaction_<name>_total{reason=...}`
-    _BY_REASON = ("eager_batches",)
+    _BY_REASON = ("eager_batches", "results_rejected")
     _GAUGES = (
         "logical_tokens",
         "physical_tokens",

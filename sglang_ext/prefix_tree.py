@@ -15,9 +15,14 @@ import torch
 
 from sglang_ext.packing import PackedLayout
 
-__all__ = ["CompactionInfo", "N", "TreeOps"]
+__all__ = ["CompactionInfo", "N", "PoolFull", "TreeOps"]
 
 N = TypeVar("N", bound=Hashable)
+
+
+class PoolFull(RuntimeError):
+    """The KV pool cannot give a compacted prefix its slots, even after eviction (a result
+    may wait for them: `sglang_ext.lifecycle`)."""
 
 
 class CompactionInfo:
@@ -51,7 +56,7 @@ class TreeOps(Protocol[N]):
 
     def alloc(self, n: int) -> torch.Tensor:
         """`n` free KV slots [n] int64, evicting unlocked leaves first.
-        Raises RuntimeError when the pool cannot give them."""
+        Raises `PoolFull` when the pool cannot give them."""
         ...
 
     def free(self, slots: torch.Tensor) -> None:

@@ -272,7 +272,7 @@ class TpSync:
                 if fit_round:
                     self._rounds[job] = fit_round
                 lc.stats.requested += 1
-                lc.runner.submit(tokens, [list(f) for f in fus], job_id=job, fit_round=fit_round)
+                lc.send(list(tokens), [list(f) for f in fus], job_id=job, fit_round=fit_round)
         for job, failure in deal.drop.items():
             self._drop(lc, job, failure)
         for job in deal.begin:
@@ -363,4 +363,4 @@ class TpSync:
             self._dropped.add(job)  # this rank's result is still to come: discard it then
         tokens = self._tokens.pop(job, ())
         error = ValueError(msg) if invalid else RuntimeError(msg)
-        lc.fallback(tokens, error, self._rounds.pop(job, 0))
+        lc.intake.reject(tokens, error, self._rounds.pop(job, 0))

@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_ext.adapter.compacted_node import compaction_info, new_compacted_node
-from sglang_ext.prefix_tree import CompactionInfo
+from sglang_ext.prefix_tree import CompactionInfo, PoolFull
 
 __all__ = ["RadixTreeOps"]
 
@@ -35,7 +35,7 @@ class RadixTreeOps:
             self.cache.evict(EvictParams(num_tokens=n - alloc.available_size()))
         slots = alloc.alloc(n) if alloc.available_size() >= n else None
         if slots is None:
-            raise RuntimeError(f"KV pool cannot hold a compacted prefix of {n} slots")
+            raise PoolFull(f"KV pool cannot hold a compacted prefix of {n} slots")
         return slots.to(torch.int64)
 
     def free(self, slots: torch.Tensor) -> None:

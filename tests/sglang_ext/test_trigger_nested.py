@@ -102,4 +102,5 @@ def test_nothing_of_the_original_left_is_a_logged_fallback(compacted: Any, neste
     runner.results.append(JobResult(tuple(full), full_prefix, None, 0.1))
     cache.poll_compactions()
     assert cache.stats.invalid == 1 and cache.stats.installed == 0
+    assert cache.stats.results_rejected == {"original_evicted": 1}  # never sent: no bounds kept
     check_accounting(cache)
