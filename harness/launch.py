@@ -240,6 +240,16 @@ class HTTPServer(ManagedProcess):
             raise HTTPStatusError(self.url + path, err.code, body) from err
         return result
 
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """POST /flush_cache: SGLang empties its radix cache (when no request runs or waits;
+        HTTPStatusError when it refuses)."""
+        try:
+            with urllib.request.urlopen(self.url + "/flush_cache", data=b"", timeout=timeout):
+                pass
+        except urllib.error.HTTPError as err:
+            body = err.read().decode(errors="replace")[:2000]
+            raise HTTPStatusError(self.url + "/flush_cache", err.code, body) from err
+
     def _ready(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:

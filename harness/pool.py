@@ -19,13 +19,22 @@ need `--enable-metrics` (and `--decode-log-interval 1` for fresh gauges while bu
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["PoolReading", "PoolSampler", "fetch_metrics", "parse_metrics", "pool_size", "read_pool"]
+__all__ = [
+    "PoolReading",
+    "PoolSampler",
+    "fetch_metrics",
+    "labelled",
+    "parse_metrics",
+    "pool_size",
+    "read_pool",
+]
 
 IDLE_REPUBLISH_S = 32.0  # SGLang republishes its idle pool gauges every 30 s (+ a 1 s loop)
 PLUGIN_REFRESH_S = 2.0  # the plugin reads the pool every scheduler iteration (>= 1/s idle)
@@ -35,6 +44,21 @@ _PLUGIN_FREE = "sglang:compaction_free_slots"
 def fetch_metrics(url: str, timeout: float = 30.0) -> dict[str, float]:
     """Every series on `url`/metrics, summed over labels: name -> value."""
     return parse_metrics(urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode())
+
+
+def labelled(url: str, name: str, label: str, timeout: float = 30.0) -> dict[str, float]:
+    """Series `name` on `url`/metrics by the value of its label `label` (summed over the
+    other labels): e.g. the plugin's rejected results by reason."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        found = re.search(rf'[{{,]{label}="([^"]*)"', labels)
+        if found is not None:
+            out[found.group(1)] = out.get(found.group(1), 0.0) + float(value)
+    return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -18,7 +18,6 @@ import contextlib
 import json
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,9 +94,7 @@ def run_soak(
                 raise RuntimeError(f"cycle {i}: {installed} installs, expected {i + 1}")
             served = server.generate(prompt(doc, QUESTIONS[2]), max_new_tokens=1)
             held = int(metric(server, "sglang:compaction_physical_tokens"))
-            with urllib.request.urlopen(server.url + "/flush_cache", data=b"", timeout=60) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"cycle {i}: /flush_cache answered {r.status}")
+            server.flush_cache()
             pool = metric(server, "sglang:compaction_pool_slots")
             free = _wait(server, "sglang:compaction_free_slots", pool, 30)
             samples.append(
