@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,6 @@ from sglang_ext.kv_store import BetaStore, write_layers
 from sglang_ext.packing import PackedLayout
 
 if TYPE_CHECKING:
-    from sglang_ext.lifecycle import InstallLifecycle
     from sglang_ext.pool_shape import PoolShape
 
 __all__ = [
@@ -253,40 +253,39 @@ def check_echo(prefix: CompactedPrefix, fingerprint: str | None, ids: list[int])
     return phash
 
 
-def advance_installs(lc: InstallLifecycle[Any], idle: bool) -> int:
-    """Write `lc`'s pending installs in order, `install_chunk_mb` and about `install_step_ms` at
-    most (no bound when `idle`); returns how many finished. With `tp`, a written or
-    failed install waits for the ranks' agreement (`TpSync.poll`)."""
-    budget, done = lc.config.install_chunk_mb << 20, 0
-    deadline = time.perf_counter() + lc.config.install_step_ms / 1000
+def advance_installs(
+    pending: list[PendingInstall],
+    kvcache: Any,
+    store: BetaStore,
+    config: Any,
+    idle: bool,
+    done_with: Callable[[PendingInstall, BaseException | None], bool],
+    tp: Any = None,
+) -> int:
+    """Write the `pending` installs in order, `config.install_chunk_mb` and about
+    `config.install_step_ms` at most (no bound when `idle`); returns how many finished.
+    `done_with(p, error)` takes an install out of `pending` when it is written (error None:
+    it becomes a node, True if it did) or failed (it is aborted). With `tp` (the TP
+    agreement), a written or failed install waits for the ranks' agreement instead."""
+    budget, done = config.install_chunk_mb << 20, 0
+    deadline = time.perf_counter() + config.install_step_ms / 1000
     if idle:
         budget, deadline = 1 << 62, float("inf")
-    wrote, tp = False, lc.tp  # one layer at least per call, then within the budgets
-    for pending in list(lc.pending):
+    wrote = False  # one layer at least per call, then within the budgets
+    for p in list(pending):
         if budget <= 0 or (wrote and time.perf_counter() >= deadline):
             break
-        if pending.done or (tp is not None and tp.is_failed(pending)):
+        if p.done or (tp is not None and tp.is_failed(p)):
             continue
         wrote = True
         try:
-            budget -= pending.step(lc.kvcache, lc.beta_store, budget, deadline)
+            budget -= p.step(kvcache, store, budget, deadline)
         except Exception as e:  # a failed check, or a device error (CUDA OOM) mid-copy
-            if not isinstance(e, ValueError):
-                lc.install_error(e)
             if tp is not None:
-                tp.failed_install(pending, e)
-                continue
-            lc.pending.remove(pending)
-            lc.abort(pending)
-            lc.intake.reject(pending.token_ids, e)
+                tp.failed_install(p, e)
+            else:
+                done_with(p, e)
             continue
-        if pending.done and tp is None:
-            lc.pending.remove(pending)
-            try:
-                lc.finish(pending)
-            except Exception as e:  # counted as not installed (`finish` says when)
-                lc.install_error(e)
-                lc.intake.reject(pending.token_ids, e)
-                continue
-            done += 1
+        if p.done and tp is None:
+            done += done_with(p, None)
     return done

@@ -1,5 +1,5 @@
-"""Results in: what a compacted prefix's install needs kept from when it was sent, results that
-wait for slots, and why a result was not installed.
+"""Results in: each finished compaction started, waiting for slots or counted out; what an
+install needs kept from when its prefix was sent; why a result was not installed.
 
 A compaction takes seconds to minutes; under memory pressure the pool may evict the original
 prefix meanwhile, which is exactly where compaction helps most. So nothing an install needs
@@ -20,8 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from compactor import describe_error, prefix_hash
 from sglang_ext.installer import LayerBounds, OriginalEvicted, original_bounds
@@ -79,6 +82,43 @@ class Intake:
         self.waiting: list[Waiting] = []
         # prefix hash -> bounds, oldest first; a few more than can be in flight at once
         self._bounds: OrderedDict[str, list[LayerBounds]] = OrderedDict()
+
+    def take(self, job: Any, epoch: int, begin: Callable[..., Any],
+             install_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+        """One finished job of the runner, or one waiting for slots: start its install
+        (`begin(token_ids, prefix, fit_round=...)`, the lifecycle's), let it wait for slots,
+        or count why not (`install_error` for what is neither a check nor a full pool).
+        `epoch`: the runner's now (an older job's weights were replaced)."""
+        waited = any(w.job is job for w in self.waiting)
+        if not waited:
+            self.stats.last_latency_s = job.latency_s
+            logger.info(
+                "sglang_ext: result for T=%d arrived: %.1f s after the request, %.1f s "
+                "waiting for the scheduler", len(job.token_ids), job.latency_s,
+                time.perf_counter() - job.done_at,
+            )  # fmt: skip
+        if job.epoch != epoch:
+            self.stats.stale += 1
+            self.rejected("stale")
+            logger.info("sglang_ext: dropped a compaction started before a weight update")
+        elif job.prefix is None:
+            self.reject(job.token_ids, job.error, job.fit_round, reason="compactor")
+        else:
+            try:
+                begin(job.token_ids, job.prefix, fit_round=job.fit_round)
+            except PoolFull as e:
+                if self.wait(job):
+                    if not waited:
+                        logger.info("sglang_ext: result for T=%d waits for slots: %s",
+                                    len(job.token_ids), e)  # fmt: skip
+                    return
+                self.reject(job.token_ids, e, job.fit_round)
+            except Exception as e:  # a failed check, or a device error (OOM, CUDA)
+                device = isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e)
+                if device or not isinstance(e, (ValueError, RuntimeError)):
+                    install_error(e)
+                self.reject(job.token_ids, e, job.fit_round)
+        self.settle(job)
 
     def sent(self, phash: str, ids: list[int]) -> None:
         """A prefix is sent to compact: keep its original's bounds (none if nothing of the

@@ -20,12 +20,9 @@ ranks agree at each poll on what starts, becomes a node or is dropped.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic
-
-import torch
 
 from compactor import CompactedPrefix, prefix_hash
 from sglang_ext.guard import HookGuard
@@ -41,7 +38,7 @@ from sglang_ext.intake import Intake
 from sglang_ext.kv_store import BetaStore, head_counts
 from sglang_ext.metrics import CompactionStats, PrometheusExporter
 from sglang_ext.packing import PackedLayout
-from sglang_ext.prefix_tree import CompactionInfo, N, PoolFull, TreeOps
+from sglang_ext.prefix_tree import CompactionInfo, N, TreeOps
 from sglang_ext.trigger import CompactionTrigger
 
 if TYPE_CHECKING:
@@ -116,9 +113,12 @@ class InstallLifecycle(Generic[N]):
             if self.tp is not None:
                 done += self.tp.poll(self, jobs)
             else:
+                epoch = self.runner.epoch
                 for job in [*self.intake.take_waiting(), *jobs]:  # waiting ones first
-                    self._take(job)
-        done += advance_installs(self, idle)
+                    self.intake.take(job, epoch, self.begin, self.install_error)
+                    self.export(job.latency_s)
+        done += advance_installs(self.pending, self.kvcache, self.beta_store, self.config, idle,
+                                 self._done_with, self.tp)  # fmt: skip
         self._reap()
         tree, free, size = self.tree.slot_counts()
         tree -= sum(int(p.slots.numel()) for p in self.pending)
@@ -345,41 +345,23 @@ class InstallLifecycle(Generic[N]):
         self.tree.free(pending.slots)
         self.refresh_gauges()
 
-    def _take(self, job: Any) -> None:
-        """One finished job from the runner (or one waiting for slots): start its install, let
-        it wait for slots (bounded: `Intake.wait`), or count why not."""
-        waited = any(w.job is job for w in self.intake.waiting)
-        if not waited:
-            self.stats.last_latency_s = job.latency_s
-            logger.info(
-                "sglang_ext: result for T=%d arrived: %.1f s after the request, %.1f s "
-                "waiting for the scheduler", len(job.token_ids), job.latency_s,
-                time.perf_counter() - job.done_at,
-            )  # fmt: skip
-        if self.runner is not None and job.epoch != self.runner.epoch:
-            self.stats.stale += 1
-            self.intake.rejected("stale")
-            logger.info("sglang_ext: dropped a compaction started before a weight update")
-        elif job.prefix is None:
-            self.intake.reject(job.token_ids, job.error, job.fit_round, reason="compactor")
-        else:
+    def _done_with(self, pending: PendingInstall, error: BaseException | None) -> bool:
+        """A written install becomes a node (True), or a failed one is aborted; a failure
+        other than a check is an install error too."""
+        self.pending.remove(pending)
+        if error is None:
             try:
-                self.begin(job.token_ids, job.prefix, fit_round=job.fit_round)
-            except PoolFull as e:
-                if self.intake.wait(job):
-                    if not waited:
-                        logger.info("sglang_ext: result for T=%d waits for slots: %s",
-                                    len(job.token_ids), e)  # fmt: skip
-                    return
-                self.intake.settle(job)
-                self.intake.reject(job.token_ids, e, job.fit_round)
-            except Exception as e:  # a failed check, or a device error (OOM, CUDA)
-                device = isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e)
-                if device or not isinstance(e, (ValueError, RuntimeError)):
-                    self.install_error(e)
-                self.intake.reject(job.token_ids, e, job.fit_round)
-        self.intake.settle(job)
-        self.export(job.latency_s)
+                self.finish(pending)
+                return True
+            except Exception as e:  # counted as not installed (`finish` says when)
+                self.install_error(e)
+                error = e
+        else:
+            self.abort(pending)
+            if not isinstance(error, ValueError):
+                self.install_error(error)
+        self.intake.reject(pending.token_ids, error)
+        return False
 
     def _reap(self) -> None:
         """Free superseded, dropped and retired nodes that are now unlocked leaves (repeats

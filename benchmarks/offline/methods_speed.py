@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks import add_options, script_parser
-from compactor.head_budgets.allocate import head_budgets
+from compactor.head_budgets.uniform import head_budgets
 from compactor.methods import SelectingMethod, get_method
 from compactor.solvers import attend
 

@@ -21,6 +21,13 @@ at one `compactor serve` with Ray workers):
    answer's first 16 greedy tokens with stock's, on the warm-up prompts (the compaction's
    follow-ups) and on the prompts it never saw.
 
+With `--cold` there is no warm-up: each server meets the workload with an empty cache,
+so compactions are asked, computed and installed during the measured run, while the small
+pool churns (an original prefix may be evicted before its result arrives: the plugin
+installs it all the same). Each record then also holds the plugin's counters after the run:
+compactions requested and installed (onto an evicted original: `installed_evicted`), and the
+results not installed, by reason. Writes serving_cold_<max-total-tokens>.json.
+
 Writes benchmarks/results/serving_<max-total-tokens>.json (with the command, commit,
 machine and date) and .png. Random-token prompts measure memory and scheduling; agreement
 on them says whether the compacted server computes what stock computes, not answer quality.
@@ -177,12 +184,24 @@ def measure(
         "requests_per_s": result["request_throughput"],
         "output_tokens_per_s": result["output_throughput"],
         "ttft_p50_s": result["median_ttft_ms"] / 1e3,
+        "ttft_p90_s": result["p90_ttft_ms"] / 1e3,
         "ttft_p95_s": result["p95_ttft_ms"] / 1e3,
         "e2e_p50_s": result["median_e2e_latency_ms"] / 1e3,
         "duration_s": result["duration"],
         "generated_texts": result["generated_texts"],
         "_end": end,
     }
+
+
+def add_counters(record: dict[str, Any], srv: Any) -> None:
+    """The plugin's compaction counters after a run (a cold one: they moved during it)."""
+    from harness.pool import fetch_metrics, labelled
+
+    got = fetch_metrics(srv.url)
+    for name in ("requested", "installed", "installed_evicted", "fallbacks"):
+        record[f"compactions_{name}"] = int(got.get(f"sglang:compaction_{name}_total", 0))
+    rejected = labelled(srv.url, "sglang:compaction_results_rejected_total", "reason")
+    record["results_rejected"] = {k: int(v) for k, v in rejected.items()}
 
 
 def add_pool(record: dict[str, Any], readings: dict[str, Any]) -> None:
@@ -266,6 +285,7 @@ def main() -> int:
     add_options(ap, method="am-highest", workers=1)
     ap.add_argument("--in-process", action="store_true", help="compactor workers as threads")
     add_options(ap, compaction_timeout=600.0, out=ROOT / "benchmarks" / "results")
+    ap.add_argument("--cold", action="store_true", help="no warm-up: compactions land mid-run")
     a = ap.parse_args()
     ratios = [float(r) for r in a.ratios.split(",") if r]
 
@@ -296,6 +316,17 @@ def main() -> int:
         servers = [server_for(name, a, model, logs, endpoint, r) for name, r in configs]
         start_all(stack, servers)
         readings: list[dict[str, Any]] = [{"before": read_pool(s.url)} for s in servers]
+        if a.cold:  # each server meets the workload with an empty cache, one at a time
+            records = []
+            for (name, r), srv, rd in zip(configs, servers, readings):
+                records.append(measure(name, srv, a, model, logs, r))
+                rd["installed"] = rd["after"] = read_pool(
+                    srv.url, idle_since=records[-1].pop("_end")
+                )
+                add_pool(records[-1], rd)
+                if r is not None:
+                    add_counters(records[-1], srv)
+            return finish(a, records, rows, model, prov, t0, "serving_cold")
         # one server busy at a time (each binds its threads to every core); compactions run
         # in the service while the next server warms up
         ends = []
@@ -325,6 +356,12 @@ def main() -> int:
             add_pool(rec, rd)
             rec["compactions_installed"] = info.get("installed_total")
             rec["compaction_fallbacks"] = info.get("fallbacks_total")
+    return finish(a, records, rows, model, prov, t0, "serving")
+
+
+def finish(a: argparse.Namespace, records: list[dict[str, Any]], rows: list[Any], model: Path,
+           prov: dict[str, Any], t0: float, stem_name: str) -> int:  # fmt: skip
+    """Agreement with stock, the table, the JSON and the plot."""
     add_agreement(records, rows, model)
     print(
         f"\n{a.groups} groups x {a.prompts_per_group} prompts, system prompt {a.system_prompt_len} tokens, "
@@ -332,8 +369,13 @@ def main() -> int:
         f"({time.perf_counter() - t0:.0f} s)"
     )
     print_table(records)
+    for r in records:
+        if "compactions_requested" in r:
+            print(f"{r['config']}: compactions requested {r['compactions_requested']}, installed "
+                  f"{r['compactions_installed']} ({r['compactions_installed_evicted']} onto an "
+                  f"evicted original), rejected {r['results_rejected'] or 'none'}")  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = a.out / f"serving_{a.max_total_tokens}"
+    stem = a.out / f"{stem_name}_{a.max_total_tokens}"
     meta = {
         "provenance": prov,
         "total_s": time.perf_counter() - t0,

@@ -2,6 +2,7 @@
 
 - `curves`: sensitivity curves (error vs kept fraction per head), measured on a layer and kept
   as JSON beside the model (`compactor.eval.sensitivity` measures a whole model's);
-- `allocate`: uniform per-head budgets, and the greedy allocation that moves budget between
-  heads at a fixed total along the curves.
+- `uniform`: the same budget for every head;
+- `allocate`: the greedy allocation that moves budget between heads at a fixed total along
+  the curves.
 """

@@ -1,4 +1,4 @@
-"""Per-head budgets: uniform from a ratio / token count, non-uniform from sensitivity curves.
+"""Per-head budgets that differ: non-uniform from sensitivity curves (uniform: `.uniform`).
 
 Shape legend: T prefix tokens, t kept, H_kv KV heads, L layers, F kept fractions of a
 sensitivity curve (`compactor.head_budgets.curves`).
@@ -13,36 +13,10 @@ error.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from compactor.head_budgets.curves import SensitivityCurves
+from compactor.head_budgets.curves import SensitivityCurves
 
-__all__ = ["allocate", "head_budgets"]
-
-
-def head_budgets(
-    T: int, H_kv: int, ratio: float | None = None, tokens: int | None = None
-) -> list[int]:
-    """Uniform budget t per KV head: round(ratio * T), or ``tokens`` capped at T; >= 1.
-
-    Exactly one of ratio (in (0, 1]) / tokens (>= 1) must be given; ValueError otherwise.
-    """
-    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
-        raise ValueError(f"T must be an int >= 1, got {T!r}")
-    if isinstance(H_kv, bool) or not isinstance(H_kv, int) or H_kv < 1:
-        raise ValueError(f"H_kv must be an int >= 1, got {H_kv!r}")
-    if (ratio is None) == (tokens is None):
-        raise ValueError("give exactly one of ratio= or tokens=")
-    if ratio is not None:
-        if not (isinstance(ratio, int | float) and math.isfinite(ratio) and 0 < ratio <= 1):
-            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-        t = max(1, min(T, round(ratio * T)))
-    else:
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
-        t = min(T, tokens)
-    return [t] * H_kv
+__all__ = ["allocate"]
 
 
 def allocate(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from compactor.head_budgets.allocate import head_budgets
+from compactor.head_budgets.uniform import head_budgets
 from compactor.solvers import attend
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compactor.head_budgets.allocate import allocate, head_budgets
+from compactor.head_budgets.allocate import allocate
 from compactor.head_budgets.curves import (
     SensitivityCurves,
     load_sensitivity_json,
@@ -13,6 +13,7 @@ from compactor.head_budgets.curves import (
     sensitivity_curve,
     sensitivity_path,
 )
+from compactor.head_budgets.uniform import head_budgets
 from compactor.methods import get_method
 
 
