@@ -40,3 +40,11 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
     assert not bad, (
         f"{doc.relative_to(ROOT)} links outside the repository or to missing files: {bad}"
     )
+
+
+def test_the_readme_reads_in_two_screens() -> None:
+    """The front page: at most 120 lines, none over 200 characters; its figures sit in marked
+    tables, which tests/benchmarks/test_readme_results.py checks against their result files."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 120
+    assert [i + 1 for i, line in enumerate(lines) if len(line) > 200] == []

@@ -34,7 +34,12 @@ from typing import Any
 from benchmarks import ROOT
 
 # the quality family registers its renderers on import
-from benchmarks.report import _tables_cluster, _tables_quality, _tables_ruler  # noqa: F401
+from benchmarks.report import (  # noqa: F401
+    _tables_cluster,
+    _tables_headline,
+    _tables_quality,
+    _tables_ruler,
+)
 from benchmarks.report._tables_lib import TABLES, rec, sig, table
 
 # Every document that shows results (tables under a marker, or result files it names), relative
