@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from compactor.budget_report import BudgetReport
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -36,11 +38,7 @@ __all__ = ["FORMAT_VERSION", "CompactedLayer", "CompactedPrefix", "prefix_hash"]
 FORMAT_VERSION = 1
 _META_KEY = "compactor"
 _D = TypeVar("_D", bound="DataclassInstance")
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def prefix_hash(token_ids: Sequence[int]) -> str:
@@ -233,9 +231,10 @@ class CompactedPrefix:
         logical_length: T, the prefix length the following tokens' positions assume.
         prefix_hash: :func:`prefix_hash` of the prefix's token ids.
         method: registered method name (e.g. ``"am-omp-fast"``).
-        params: JSON-serializable method hyper-parameters.
+        params: JSON-serializable method hyper-parameters (what the method ran with).
         layers: one :class:`CompactedLayer` per model layer.
         head_dim: D. num_kv_heads: H_kv. dtype: keys/values dtype (model dtype).
+        budget: how many entries it kept and how that was chosen (None: not recorded).
     """
 
     model_fingerprint: str
@@ -248,6 +247,7 @@ class CompactedPrefix:
     num_kv_heads: int
     dtype: torch.dtype
     extra: dict[str, Any] = field(default_factory=dict)
+    budget: BudgetReport | None = None
 
     # ---- helpers -------------------------------------------------------------------
     @property
@@ -275,7 +275,7 @@ class CompactedPrefix:
         orig = self.original_entries()
         return self.kept_tokens() / orig if orig else 0.0
 
-    def compression_ratio(self) -> float:
+    def times_smaller(self) -> float:
         """original entries / kept entries (e.g. 10.0 at ratio 0.1); inf if nothing kept."""
         kept = self.kept_tokens()
         return self.original_entries() / kept if kept else math.inf
@@ -332,6 +332,7 @@ class CompactedPrefix:
             "num_kv_heads": self.num_kv_heads,
             "dtype": dtype_name(self.dtype),
             "extra": self.extra,
+            "budget": None if self.budget is None else self.budget.as_dict(),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -360,16 +361,10 @@ class CompactedPrefix:
             if version != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {version}")
             layers = []
-            for i in range(int(meta["num_layers"])):
-                layers.append(
-                    CompactedLayer(
-                        keys=tensors[f"layers.{i}.keys"],
-                        values=tensors[f"layers.{i}.values"],
-                        beta=tensors[f"layers.{i}.beta"],
-                        indptr=tensors[f"layers.{i}.indptr"],
-                        kept_indices=tensors.get(f"layers.{i}.kept_indices"),
-                    )
-                )
+            for at in (f"layers.{i}." for i in range(int(meta["num_layers"]))):
+                kv = (tensors[at + "keys"], tensors[at + "values"])
+                layers.append(CompactedLayer(*kv, tensors[at + "beta"], tensors[at + "indptr"],
+                                             tensors.get(at + "kept_indices")))  # fmt: skip
             return cls(
                 model_fingerprint=str(meta["model_fingerprint"]),
                 logical_length=int(meta["logical_length"]),
@@ -381,6 +376,7 @@ class CompactedPrefix:
                 num_kv_heads=int(meta["num_kv_heads"]),
                 dtype=dtype_from_name(str(meta["dtype"])),
                 extra=dict(meta.get("extra", {})),
+                budget=BudgetReport.from_dict(meta["budget"]) if meta.get("budget") else None,
             )
         except KeyError as e:
             raise ValueError(f"compacted prefix is missing {e.args[0]!r}") from None

@@ -6,13 +6,13 @@
 #   stream 1: the server tests, but for the short ones below;
 #   stream 2: every test that starts no server, then the short server tests.
 #
-# The split balances the two. Measured from a clean clone on a 2-core machine, the streams
-# side by side (the server tests of plumbing serving `plumbing_model`, tests/conftest.py):
-# stream 1 49 minutes, of which the PD log-prob test 10.5, the demo 7, SmolLM2's compaction
-# test 5; stream 2's tests without a server 34 minutes (the GPU preflight, wheelhouse packing
-# included, 11), then its short server tests 15. Stream 2's output is printed when both have
-# finished; the exit status is non-zero if any pytest run failed (pytest's 5, "no test ran",
-# included).
+# The split balances the two: stream 1 holds the long server tests (the demo, the GPU-run
+# smoke on CPU servers, SmolLM2's compaction test, the PD pairs), stream 2 the tests without
+# a server (the GPU preflight, wheelhouse packing included, and the quick RULER suite are the
+# longest), then the short server tests. What a fresh clone's run took on a 2-core machine:
+# benchmarks/results/suite_time.json. Stream 2's output is printed when both have finished,
+# then the 15 slowest tests of both streams and the total time; the exit status is non-zero
+# if any pytest run failed (pytest's 5, "no test ran", included).
 #
 #   bash scripts/run_tests.sh [PYTEST ARGS]    # PY: the interpreter (default .venv/bin/python)
 #   TEST_STREAMS=1 bash scripts/run_tests.sh   # one process, every test
@@ -22,16 +22,14 @@ PY=${PY:-.venv/bin/python}
 if [ "${TEST_STREAMS:-2}" = 1 ]; then
     exec "$PY" -m pytest -q "$@"
 fi
-SHORT_SERVER_TESTS=(  # one server each, ~1-3 minutes a file on CI
-    tests/integration/test_plugin_hub_id.py
-    tests/integration/test_plugin_packed_memory.py
-    tests/integration/test_plugin_refit.py
+SHORT_SERVER_TESTS=(  # one server each, under a minute a file here
     tests/integration/test_plugin_replicas.py
-    tests/integration/test_plugin_tenants.py
     tests/integration/test_sglang_server.py
     tests/sglang_ext/test_sglang_surface.py
 )
 log=$(mktemp)
+servers_log=$(mktemp)
+started=$(date +%s)
 show_others() {
     echo
     echo "==== stream 2: the tests that start no SGLang server, then the short server tests ===="
@@ -47,10 +45,10 @@ stream2() {
 }
 stream2 "$@" > "$log" 2>&1 &
 others=$!
-"$PY" -m pytest -q -m sglang "${SHORT_SERVER_TESTS[@]/#/--ignore=}" "$@" &
+"$PY" -m pytest -q -m sglang "${SHORT_SERVER_TESTS[@]/#/--ignore=}" "$@" > >(tee "$servers_log") 2>&1 &
 servers_pid=$!
 stop_all() { pkill -P "$others" 2>/dev/null; kill "$others" "$servers_pid" 2>/dev/null; }
-trap 'stop_all; rm -f "$log"' EXIT
+trap 'stop_all; rm -f "$log" "$servers_log"' EXIT
 # Stopped from outside (a time limit): what stream 2 did so far is printed too.
 trap 'echo; echo "run_tests: stopped by a signal"; show_others; exit 143' TERM INT
 wait "$servers_pid"
@@ -58,5 +56,9 @@ servers=$?
 wait "$others"
 others_rc=$?
 show_others
+echo
+echo "==== the 15 slowest tests of both streams ===="
+grep -hE '^[0-9.]+s (call|setup|teardown) ' "$servers_log" "$log" | sort -rn | head -15
+echo "run_tests: $(( $(date +%s) - started )) s in all"
 echo "run_tests: stream 1 (server tests) exit $servers, stream 2 exit $others_rc"
 [ "$servers" -eq 0 ] && [ "$others_rc" -eq 0 ]

@@ -53,7 +53,6 @@ __all__ = [
     "OriginalEvicted",
     "PendingInstall",
     "advance_installs",
-    "budget_of",
     "check_echo",
     "check_layer",
     "check_structure",
@@ -199,23 +198,6 @@ class PendingInstall:
             write_layers(kvcache, store, self.prefix, self.layout, range(i, i + 1), check)
             self.next_layer, written = i + 1, written + per_layer
         return written
-
-
-def budget_of(prefix: CompactedPrefix) -> tuple[float | None, float | None]:
-    """(the kept fraction the compactor used, its held-out error estimate) from the result's
-    params: the ratio a `target_error` search chose (or the method's own choice, GVote), else
-    the spec's; the estimate only when a target was set."""
-    params = prefix.params
-    search = params.get("budget_search")
-    search = search if isinstance(search, dict) else {}  # the service's words: any JSON
-    ratio = params.get("chosen_ratio")
-    if ratio is None:
-        ratio = params.get("ratio")
-    error = search.get("estimated_error")
-    return (
-        float(ratio) if isinstance(ratio, (int, float)) else None,
-        float(error) if isinstance(error, (int, float)) else None,
-    )
 
 
 def fmt(x: float | None) -> str:

@@ -29,7 +29,6 @@ from sglang_ext.guard import HookGuard
 from sglang_ext.installer import (
     PendingInstall,
     advance_installs,
-    budget_of,
     check_echo,
     check_structure,
     fmt,
@@ -326,7 +325,10 @@ class InstallLifecycle(Generic[N]):
         self.stats.installed_evicted += pending.evicted
         self.stats.refits += old is not None
         self.refresh_gauges()
-        ratio, error = budget_of(prefix)
+        budget = prefix.budget  # checked when the result was read (`BudgetReport.from_dict`)
+        ratio, error = (
+            (None, None) if budget is None else (budget.ratio_used, budget.estimated_error)
+        )
         self.stats.chosen_ratio, self.stats.estimated_error = ratio or 0.0, error or 0.0
         logger.info(
             "sglang_ext: installed compacted prefix hash=%s method=%s T=%d slots=%d (%.1fx) "

@@ -30,6 +30,7 @@ Nothing here runs when `--tp-size` is 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,18 +97,7 @@ def slice_heads(prefix: CompactedPrefix, start: int, stop: int) -> CompactedPref
         layers.append(
             CompactedLayer(layer.keys[lo:hi], layer.values[lo:hi], layer.beta[lo:hi], indptr, kept)
         )
-    return CompactedPrefix(
-        model_fingerprint=prefix.model_fingerprint,
-        logical_length=prefix.logical_length,
-        prefix_hash=prefix.prefix_hash,
-        method=prefix.method,
-        params=prefix.params,
-        layers=layers,
-        head_dim=prefix.head_dim,
-        num_kv_heads=stop - start,
-        dtype=prefix.dtype,
-        extra=prefix.extra,
-    )
+    return dataclasses.replace(prefix, layers=layers, num_kv_heads=stop - start)
 
 
 class FollowerTrigger(CompactionTrigger):

@@ -182,7 +182,7 @@ def compact_once(
         "call_s": wall,
         "slowest_layer_s": max(st.per_layer),
         "kept_per_head_mean": sum(kept) / (len(kept) * heads),
-        "budget_per_head": prefix.params.get("budget_per_head"),
+        "budget_per_head": None if prefix.budget is None else prefix.budget.budget_per_head,
     }
     if cuda:
         rec["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

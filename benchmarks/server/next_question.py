@@ -240,7 +240,7 @@ def _budget_fields(spec: Any, compacted: Any, attn: float) -> dict[str, Any]:
     """ratio (configured; chosen for a target spec; realized for gvote), kept_ratio, and the
     target's chosen_ratio / estimated_error / target_error / target_met (None otherwise)."""
     kept = compacted.kept_fraction()
-    search = compacted.params.get("budget_search")
+    search = None if compacted.budget is None else compacted.budget.search
     out: dict[str, Any] = {
         "ratio": kept if spec.method == "gvote" else spec.ratio,
         "kept_ratio": kept,

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "logical_length": prefix.logical_length,
         "kept_tokens": prefix.kept_tokens(),
         "kept_fraction": round(prefix.kept_fraction(), 4),
-        "head_budgets": prefix.params["head_budgets"],
+        "head_budgets": None if prefix.budget is None else prefix.budget.per_head,
         "seconds": {k: round(v, 3) for k, v in times.as_dict().items()},
     }
     print(json.dumps(summary, indent=2))

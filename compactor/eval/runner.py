@@ -165,8 +165,9 @@ def run_eval(
                 )
                 rows.append(evaluate_prefix(model, tokenizer, ref, prefix, niah))
                 kept.append(prefix.kept_tokens())
-                if prefix.params.get("chosen_ratio") is not None:  # methods that pick a budget
-                    chosen.append(float(prefix.params["chosen_ratio"]))
+                budget = prefix.budget
+                if budget is not None and budget.ratio_chosen is not None:  # a chosen budget
+                    chosen.append(budget.ratio_chosen)
                 first = base_times.setdefault(ci, (times.prefill, times.queries))
                 st = {"prefill": first[0], "queries": first[1], "compaction": times.compaction}
                 st["total"] = sum(st.values())
@@ -177,7 +178,7 @@ def run_eval(
                 "ratio": ratio,
                 "kept_tokens": sum(kept) / len(kept),
                 "kept_per_head": sum(kept) / len(kept) / (info.num_layers * info.num_kv_heads),
-                "head_budgets": prefix.params.get("head_budgets"),
+                "head_budgets": None if prefix.budget is None else prefix.budget.per_head,
             }
             rec.update(summarize(rows))
             if chosen:

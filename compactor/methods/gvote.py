@@ -18,7 +18,8 @@ Per layer (needs a :class:`~compactor.methods.context.LayerContext`):
 
 No ratio is set: the input's ``budgets`` are ignored. The chosen kept count per KV head
 (and the kept fraction, ``"ratio"``) is in the report of each result; the pipeline collects
-them into ``params["method_report"]`` and their mean ratio into ``params["chosen_ratio"]``.
+them into ``params["method_report"]`` and their mean ratio into the prefix's
+``budget.ratio_chosen``.
 """
 
 from __future__ import annotations

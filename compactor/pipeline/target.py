@@ -88,7 +88,7 @@ class RatioChoice:
         return self.estimated_error <= self.target_error
 
     def as_params(self) -> dict[str, Any]:
-        """The JSON-able record in the prefix's ``params["budget_search"]``."""
+        """The JSON-able record in the prefix's ``budget.search``."""
         return {
             "target_error": self.target_error,
             "chosen_ratio": self.ratio,

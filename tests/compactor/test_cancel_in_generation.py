@@ -86,7 +86,7 @@ def test_cancel_stops_within_one_step_before_any_layer(
     def should_stop() -> bool:
         return forwards[0] >= 4
 
-    import compactor.pipeline as pipeline
+    import compactor.pipeline.compact as pipeline  # where compact_prefix finds its stages
 
     real = pipeline.compact_layers
 

@@ -87,13 +87,13 @@ def test_uniform_default_unchanged_and_flat_curves_reproduce_it(tiny, tmp_path):
     ids = random_ids(48)
     assert SPEC.head_budgets == "uniform"
     base = _run(tiny, ids)  # the spec's default head budgets
-    assert base.params["head_budgets"] == "uniform" and base.params["head_budget_table"] is None
+    assert base.budget.per_head == "uniform" and base.budget.head_table is None
     assert _same_tensors(base, _run(tiny, ids, head_budgets="uniform"))
     # identical curves for every head: the greedy swap moves nothing -> the uniform split
     flat = SensitivityCurves(FR, [[STEEP, STEEP], [STEEP, STEEP]], method="am-highest")
     same = _run(tiny, ids, head_budgets=_saved(flat, tmp_path / "flat.json"))
-    assert same.params["head_budgets"] == "sensitivity"
-    assert same.params["head_budget_table"] == [[12, 12], [12, 12]] == base.kept_per_head()
+    assert same.budget.per_head == "sensitivity"
+    assert same.budget.head_table == [[12, 12], [12, 12]] == base.kept_per_head()
     assert _same_tensors(base, same)
 
 
@@ -107,8 +107,8 @@ def test_sensitive_head_gets_more_with_the_same_total(tiny, tmp_path):
     assert kept[1][0] > 12 and all(kept[li][h] < 12 for li, h in ((0, 0), (0, 1), (1, 1)))
     assert min(min(r) for r in kept) >= 4 + 1  # sinks + at least one entry
     assert pre.kept_tokens() == uni.kept_tokens() == 4 * 12
-    assert pre.params["head_budget_table"] == kept
-    assert pre.params["head_budget_source"] == path
+    assert pre.budget.head_table == kept
+    assert pre.budget.head_source == path
     # the ragged layout decodes (padded per layer) and logits stay finite
     logits = hf.PrefixState.from_compacted(pre).forward(tiny, random_ids(5, seed=9))
     assert logits.shape == (5, 128) and bool(torch.isfinite(logits).all())
@@ -125,7 +125,7 @@ def test_auto_reads_the_model_dir_file(tiny, tmp_path, monkeypatch):
     a = _run(tiny, ids, head_budgets="auto", model_fingerprint="fp")
     copy = _saved(curves, tmp_path / "copy.json")
     b = _run(tiny, ids, head_budgets=copy, model_fingerprint="fp")
-    assert a.params["head_budget_source"] == str(sensitivity_path(tmp_path, "am-highest"))
+    assert a.budget.head_source == str(sensitivity_path(tmp_path, "am-highest"))
     assert _same_tensors(a, b) and a.kept_per_head()[0][0] > a.kept_per_head()[0][1]
 
 
@@ -168,7 +168,7 @@ def test_measure_sensitivity_core(tiny, tmp_path):
     save_sensitivity_json(path, curves)
     assert load_sensitivity_json(path) == curves
     prefix = _run(tiny, case.prefix_ids, head_budgets=str(path))  # fingerprint matches
-    assert prefix.params["head_budgets"] == "sensitivity"
+    assert prefix.budget.per_head == "sensitivity"
     with pytest.raises(ValueError, match="per-layer context"):
         measure_sensitivity(tiny, None, case, fit.replace(method="gvote"), progress=False)
     with pytest.raises(ValueError, match="increasing"):
@@ -192,7 +192,7 @@ def test_cli_sensitivity_then_compact_and_eval_auto(tiny_dir_with_tokenizer, tmp
     compact = ["compact", *common, "--ratio", "0.3", "--output", str(res), "--no-progress"]
     assert main([*compact, "--method", "am-highest", "--head-budgets", "auto"]) == 0
     assert json.loads(capsys.readouterr().out)["head_budgets"] == "sensitivity"
-    assert CompactedPrefix.load(res).params["head_budget_source"] == str(path)
+    assert CompactedPrefix.load(res).budget.head_source == str(path)
     # no curves for am-omp-fast: a clear error and exit code 2, nothing written
     assert main([*compact, "--method", "am-omp-fast", "--head-budgets", "auto"]) == 2
     err = capsys.readouterr().err
@@ -251,5 +251,5 @@ def test_worker_auto_without_curves_is_invalid_request(tiny, tmp_path, monkeypat
     curves = SensitivityCurves(FR, [[STEEP, FLAT], [FLAT, FLAT]], method="am-highest")
     save_sensitivity_json(sensitivity_path(tmp_path, "am-highest"), curves)
     res = run_compaction(tiny, None, "fp", job)
-    assert res.prefix.params["head_budgets"] == "sensitivity"
+    assert res.prefix.budget.per_head == "sensitivity"
     assert res.prefix.kept_per_head()[0][0] > res.prefix.kept_per_head()[0][1]

@@ -278,7 +278,7 @@ def test_pipeline_and_eval_on_the_tiny_model(tiny: Any) -> None:
     spec = CompactionSpec(method="kv-compress", ratio=0.25, queries=queries)
     hooks = Hooks(progress=False, model_fingerprint="tiny")
     prefix, _ = compact_prefix(tiny, None, ids, spec, hooks=hooks)
-    t = prefix.params["budget_per_head"]
+    t = prefix.budget.budget_per_head
     lengths = [c for layer in prefix.layers for c in layer.head_lengths()]
     assert sum(lengths) == len(prefix.layers) * prefix.num_kv_heads * t
     assert len(set(lengths)) > 1  # variable per (layer, head)

@@ -154,13 +154,13 @@ def test_method_reports_collected_per_layer_and_chunk(tiny):
     for r in report:
         assert 0 < r["ratio"] <= 1 and len(r["kept_per_kv_head"]) == 2
     ratios = [r["ratio"] for r in report]
-    assert gv.params["chosen_ratio"] == sum(ratios) / len(ratios)
+    assert gv.budget.ratio_chosen == sum(ratios) / len(ratios)
     flat = _spec("kvzip", method_params={"layerwise": True}, **run)
     zip_, _ = compact_prefix(tiny, None, ids, flat, hooks=QUIET)
     assert [sum(r["budgets"]) for r in zip_.params["method_report"]] == [20, 20]
-    assert zip_.params["chosen_ratio"] is None  # a report without "ratio"
+    assert zip_.budget.ratio_chosen is None  # a report without "ratio"
     am, _ = compact_prefix(tiny, None, ids, _spec("am-highest", **run), hooks=QUIET)
-    assert am.params["method_report"] is None and am.params["chosen_ratio"] is None
+    assert am.params["method_report"] is None and am.budget.ratio_chosen is None
 
 
 @pytest.mark.parametrize(

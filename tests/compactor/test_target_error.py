@@ -140,39 +140,40 @@ def chosen(prepared_model):
 
 def test_loose_target_picks_a_smaller_ratio_than_a_tight_one(chosen) -> None:
     T, out = chosen
-    loose, tight = out[0.5].params, out[0.1].params
-    assert loose["chosen_ratio"] < tight["chosen_ratio"]
-    for p in (loose, tight):
-        search = p["budget_search"]
-        assert p["chosen_ratio"] == search["chosen_ratio"] == p["ratio"]
-        assert p["chosen_ratio"] in TARGET_ERROR_RATIOS
+    loose, tight = out[0.5].budget, out[0.1].budget
+    assert loose.ratio_chosen < tight.ratio_chosen
+    for b in (loose, tight):
+        search = b.search
+        assert b.ratio_chosen == search["chosen_ratio"] == b.ratio_used
+        assert b.ratio_asked is None and b.ratio_chosen in TARGET_ERROR_RATIOS
+        assert b.estimated_error == search["estimated_error"]
         assert search["held_out"] == 1 and search["held_out_source"] == "follow-up"
-        assert p["budget_per_head"] == round(p["ratio"] * T)
+        assert b.budget_per_head == round(b.ratio_chosen * T)
         tried = [c["ratio"] for c in search["candidates"]]
-        assert tried == sorted(tried) and tried[-1] == p["chosen_ratio"]
+        assert tried == sorted(tried) and tried[-1] == b.ratio_chosen
         # every candidate before the chosen one missed the target
-        assert all(c["error"] > p["target_error"] for c in search["candidates"][:-1])
+        assert all(c["error"] > b.target_error for c in search["candidates"][:-1])
     # the refit keeps the chosen budget per head; the record travels with the prefix's
     # metadata (the service's Header.metadata_json)
     for prefix in out.values():
-        t = prefix.params["budget_per_head"]
+        t = prefix.budget.budget_per_head
         assert max(max(h) for h in prefix.kept_per_head()) <= t
         back = CompactedPrefix.from_parts(
             json.loads(json.dumps(prefix.metadata())), prefix.tensors()
         )
-        assert back.params["budget_search"] == prefix.params["budget_search"]
+        assert back.budget == prefix.budget
 
 
 def test_met_estimate_is_at_most_the_target(chosen) -> None:
     _, out = chosen
     for target, prefix in out.items():
-        search = prefix.params["budget_search"]
-        assert prefix.params["target_error"] == search["target_error"] == target
+        search = prefix.budget.search
+        assert prefix.budget.target_error == search["target_error"] == target
         if search["met"]:
             assert 0 < search["estimated_error"] <= target
         else:  # none met it: the largest candidate
-            assert prefix.params["chosen_ratio"] == TARGET_ERROR_RATIOS[-1]
-    assert out[0.5].params["budget_search"]["met"]
+            assert prefix.budget.ratio_chosen == TARGET_ERROR_RATIOS[-1]
+    assert out[0.5].budget.search["met"]
 
 
 def test_too_few_continuations_to_hold_out(prepared_model) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_helpers():
     p = make_prefix()
     assert p.kept_tokens() == 2 * 6
     assert p.kept_per_head() == [[2, 3, 1], [2, 3, 1]]
-    assert p.compression_ratio() == pytest.approx(2 * H * T / 12)
+    assert p.times_smaller() == pytest.approx(2 * H * T / 12)
     assert p.kept_fraction() == pytest.approx(12 / (2 * H * T))
     per_layer = 6 * D * 2 * 2 + 6 * 4 + 4 * 4 + 6 * 8
     assert p.nbytes() == 2 * per_layer
@@ -175,3 +176,24 @@ def test_padded_layout_masks_the_padding() -> None:
         assert not k[h, n:].any()
     with pytest.raises(ValueError, match="slots=2 < longest head"):
         layer.padded(2)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"ratio_chosen": "high"}, "ratio_chosen"), ({"budget_per_head": -1}, "budget_per_head"),
+     ({"estimated_error": float("nan")}, "estimated_error"), ({"head_table": [[1, "x"]]},
+     "head_table"), ({"search": [1, 2]}, "search"), ({"tokens_asked": True}, "tokens_asked")],
+)  # fmt: skip
+def test_a_budget_report_of_the_wrong_types_is_refused_when_read(
+    change: dict[str, Any], field: str
+) -> None:
+    """A prefix's budget report is the sender's JSON: read back, a field of the wrong type is
+    a ValueError naming it (a result carrying one is refused before anything is installed)."""
+    from compactor.budget_report import BudgetReport
+
+    good = BudgetReport(ratio_asked=0.1, tokens_asked=None, ratio_chosen=None, budget_per_head=3)
+    assert BudgetReport.from_dict(good.as_dict()) == good and good.ratio_used == 0.1
+    with pytest.raises(ValueError, match=field):
+        BudgetReport.from_dict({**good.as_dict(), **change})
+    with pytest.raises(ValueError, match="unknown fields"):
+        BudgetReport.from_dict({**good.as_dict(), "chosen": 1})

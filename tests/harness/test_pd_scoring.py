@@ -1,6 +1,7 @@
 """`harness.pd.pd_teacher_forced` against a loopback HTTP stand-in for the PD router: a request
 whose KV transfer SGLang reports failed is sent once more; any other error status stops the
-scoring with the body the server sent. (The real router and PD pair: test_pd_logprobs.)"""
+scoring with the body the server sent. (Through a real router and PD pair:
+`benchmarks/server/pd.py`'s `pd_logprobs` figures.)"""
 
 from __future__ import annotations
 

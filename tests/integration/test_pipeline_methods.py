@@ -93,7 +93,7 @@ def test_layer_planners_spread_budget_across_layers(
 def test_kv_compress_varies_budgets_under_the_total(model_and_ids: tuple[Any, list[int]]) -> None:
     model, ids = model_and_ids
     prefix = _compact(model, ids, "kv-compress")
-    t, L, H = prefix.params["budget_per_head"], len(prefix.layers), prefix.num_kv_heads
+    t, L, H = prefix.budget.budget_per_head, len(prefix.layers), prefix.num_kv_heads
     per_layer = [sum(layer.head_lengths()) for layer in prefix.layers]
     assert sum(per_layer) == L * H * t  # the total every method gets, sinks included
     assert len(set(per_layer)) > 1  # layers trade budget
@@ -103,7 +103,7 @@ def test_kv_compress_varies_budgets_under_the_total(model_and_ids: tuple[Any, li
 def test_gvote_chooses_its_own_budget(model_and_ids: tuple[Any, list[int]]) -> None:
     model, ids = model_and_ids
     prefix = _compact(model, ids, "gvote")
-    chosen = prefix.params["chosen_ratio"]
+    chosen = prefix.budget.ratio_chosen
     assert chosen is not None and 0 < chosen <= 1
     lengths = [c for layer in prefix.layers for c in layer.head_lengths()]
     assert len(set(lengths)) > 1  # per-head variable budgets

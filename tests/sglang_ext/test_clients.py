@@ -42,7 +42,7 @@ def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Wor
     prefix = _compact(monkeypatch, worker, spec, FOLLOW_UPS)
     prefix.validate(expected_fingerprint=worker.fingerprint)
     assert prefix.logical_length == len(IDS) and prefix.method == "am-highest"
-    assert prefix.params["tokens"] == 9 and prefix.params["ratio"] is None
+    assert prefix.budget.tokens_asked == 9 and prefix.budget.ratio_asked is None
     assert prefix.params["on_policy"] is True
     assert prefix.params["query_sources"] == list(PLUGIN_SPEC.queries.sources)
     assert all(n == 9 for layer in prefix.kept_per_head() for n in layer)
@@ -55,7 +55,7 @@ def test_no_follow_ups_falls_back_to_the_default_source(
     # what both compactors send for a prefix without follow-ups
     prefix = _compact(monkeypatch, worker, spec.for_follow_ups([]), [])
     assert prefix.params["query_sources"] == ["repeat-turn"]
-    assert prefix.params["ratio"] == 0.25 and prefix.params["budget_per_head"] == 10
+    assert prefix.budget.ratio_asked == 0.25 and prefix.budget.budget_per_head == 10
 
 
 def test_for_follow_ups_drops_only_a_missing_source() -> None:

@@ -71,7 +71,7 @@ def test_cancel_during_follow_up_generation_stops_before_the_layer_loop(
     """256 answer tokens per follow-up take tens of seconds on one CPU thread: the cancel
     stops the job within a token or so (the worker used to finish generating, then collect
     queries, and stop only before layer 0; the replica counted free after the grace)."""
-    import compactor.pipeline as pipeline
+    import compactor.pipeline.compact as pipeline  # where compact_prefix finds its stages
 
     layers: list[int] = []
     real = pipeline.compact_layers
@@ -177,7 +177,7 @@ def test_internal_errors_name_an_incident_not_the_exception(
     tiny_dir: Path, tiny_fp: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exception's text stays in the server log, under the incident id."""
-    import compactor.pipeline as pipeline
+    import compactor.pipeline.compact as pipeline  # where compact_prefix finds its stages
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("secret internal detail /srv/model/weights")
