@@ -115,6 +115,24 @@ def _serving(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+@table("serving_cold", "serving_cold_3072.json")
+def _serving_cold(data: list[dict[str, Any]]) -> list[list[str]]:
+    """The cold run: no warm-up, compactions asked and installed during it."""
+    rows = [["config", "req/s", "TTFT p50 / p90 (s)", "max requests running at once",
+             "compactions installed (onto an evicted original) / results rejected"]]  # fmt: skip
+    for r in data[0]["records"]:
+        if r["ratio"] is None:
+            done = "-"
+        else:
+            rejected = sum(r["results_rejected"].values())
+            done = (f"{r['compactions_installed']} of {r['compactions_requested']} "
+                    f"({r['compactions_installed_evicted']}) / {rejected}")  # fmt: skip
+        rows.append([r["config"], f"{r['requests_per_s']:.3f}",
+                     f"{r['ttft_p50_s']:.0f} / {r['ttft_p90_s']:.0f}",
+                     str(r["max_running_requests"]), done])  # fmt: skip
+    return rows
+
+
 @table("compaction_speed", "compaction_speed.json")
 def _compaction_speed(data: list[dict[str, Any]]) -> list[list[str]]:
     """Wall seconds per stage (and the process CPU seconds of the whole run) per T."""
