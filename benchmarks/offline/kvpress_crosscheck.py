@@ -1,7 +1,7 @@
 """Cross-check our snapkv / streamingllm / kvcompose against NVIDIA kvpress on SmolLM2.
 
     bash scripts/setup_kvpress_venv.sh          # once: third_party/.kvpress-venv
-    .venv/bin/python -m benchmarks.offline.kvpress_crosscheck [--tokens 384] [--ratio 0.8]
+    .venv/bin/python -m benchmarks.offline.kvpress_crosscheck [--tokens 384] [--ratio 0.2]
 
 Two processes: this script (project venv) builds a needle prefix, then re-runs itself with
 ``--kvpress-side`` under the kvpress venv (transformers 5.2), which runs each press on the
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks import ROOT, script_parser
+from benchmarks.offline._kvpress import compression_ratio, kvpress_kept
 
 KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
 
@@ -46,8 +47,11 @@ def _queries(mod: Any, hs: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) 
 
 @torch.inference_mode()
 def kvpress_side(model_dir: str, ids_path: str, out_path: str, ratio: float, window: int) -> None:
+    """Each press at our kept fraction `ratio` (converted for kvpress: `_kvpress`)."""
     from kvpress import KVComposePress, SnapKVPress, StreamingLLMPress
     from transformers import AutoModelForCausalLM, DynamicCache
+
+    removed = compression_ratio(ratio)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -55,8 +59,8 @@ def kvpress_side(model_dir: str, ids_path: str, out_path: str, ratio: float, win
     T = ids.shape[1]
     out: dict[str, Any] = {"T": T}
     for name, press in (
-        ("snapkv", SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=5)),
-        ("streamingllm", StreamingLLMPress(compression_ratio=ratio, n_sink=4)),
+        ("snapkv", SnapKVPress(compression_ratio=removed, window_size=window, kernel_size=5)),
+        ("streamingllm", StreamingLLMPress(compression_ratio=removed, n_sink=4)),
     ):
         rec: dict[int, dict[str, torch.Tensor]] = {}
         orig = press.score
@@ -67,7 +71,7 @@ def kvpress_side(model_dir: str, ids_path: str, out_path: str, ratio: float, win
             wq = _queries(
                 module, hidden_states[:, -window:], (pe[0][:, -window:], pe[1][:, -window:])
             )
-            n_kept = int(keys.shape[2] * (1 - ratio))
+            n_kept = kvpress_kept(keys.shape[2], ratio)
             _r[int(module.layer_idx)] = {
                 "keys": keys[0].clone(),
                 "queries": wq.clone(),
@@ -81,7 +85,7 @@ def kvpress_side(model_dir: str, ids_path: str, out_path: str, ratio: float, win
         out[name] = [rec[i] for i in sorted(rec)]
 
     # KVCompose: scores come from a second pass of the context over the cached context.
-    press = KVComposePress(compression_ratio=ratio)
+    press = KVComposePress(compression_ratio=removed)
     calls: dict[int, int] = {}
     task: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -141,7 +145,7 @@ def compare(dump: dict[str, Any], ratio: float, window: int, G: int) -> dict[str
     from compactor.methods.kvcompose import KVCompose
 
     T = dump["T"]
-    n_kept = int(T * (1 - ratio))
+    n_kept = kvpress_kept(T, ratio)
     res: dict[str, Any] = {"T": T, "n_kept": n_kept}
     for name, params in (
         ("snapkv", {"window": window, "kernel": 5}),
@@ -202,7 +206,7 @@ EXPLANATION = {
 def main() -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--tokens", type=int, default=384)
-    ap.add_argument("--ratio", type=float, default=0.8, help="kvpress compression_ratio (removed)")
+    ap.add_argument("--ratio", type=float, default=0.2, help="the kept fraction")
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "results" / "kvpress_crosscheck.json")
@@ -248,7 +252,8 @@ def main() -> int:
     res = compare(dump, args.ratio, args.window, G=3)
     res.update(
         {
-            "ratio_removed": args.ratio,
+            "ratio": args.ratio,
+            "kvpress_compression_ratio": compression_ratio(args.ratio),
             "window": args.window,
             "explanation": EXPLANATION,
             "seconds": time.perf_counter() - t0,

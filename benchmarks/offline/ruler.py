@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS, ROOT, add_options, script_parser
+from benchmarks.offline._kvpress import compression_ratio
 from benchmarks.offline.ruler_results import merge, overall, summarize
 
 SPLIT_SEED = {"dev": 0, "heldout": 1000}
 KVPRESS_PY = ROOT / "third_party" / ".kvpress-venv" / "bin" / "python"
-PRESSES = {  # --presses name -> kvpress class (compression_ratio = the fraction removed)
+PRESSES = {  # --presses name -> kvpress class (its compression_ratio: `_kvpress`)
     "kvzip": "KVzipPress",
     "expected_attention": "ExpectedAttentionPress",
     "snapkv": "SnapKVPress",
@@ -257,7 +258,7 @@ def kvpress_side(model_dir: str, items_json: str) -> None:
         ids = {"context_ids": torch.tensor([item["prefix_ids"]]),
                "questions_ids": [torch.tensor([item["question_ids"]])]}  # fmt: skip
         runs = [("none", 1.0, None)] + [
-            (name, r, getattr(kvpress, PRESSES[name])(compression_ratio=1 - r))
+            (name, r, getattr(kvpress, PRESSES[name])(compression_ratio=compression_ratio(r)))
             for name in job["presses"]
             for r in job["ratios"]
         ]
