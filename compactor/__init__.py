@@ -97,7 +97,7 @@ if TYPE_CHECKING:
         usage_error,
     )
     from compactor.spec.compaction import CompactionSpec
-    from compactor.spec.queries import QueryConfig
+    from compactor.spec.query_config import QueryConfig
     from compactor.types import CompactedLayer, CompactedPrefix, prefix_hash
     from compactor.workers.job import CompactJob
     from compactor.workers.worker import Worker, run_compaction

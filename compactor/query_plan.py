@@ -16,7 +16,7 @@ Sources (``QUERY_SOURCES``):
 
 Every source but ``context-prefill`` and ``random`` is a *continuation*: tokens appended
 after the prefix. They are fixed once here (:func:`plan_queries`, which runs any generation
-on the full prefix); :mod:`compactor.queries` then runs them and records their queries.
+on the full prefix); :mod:`compactor.query_capture` then runs them and records their queries.
 Generation can take long (one forward call per generated token), so it takes a `checkpoint` callback:
 called with the stage's name ("self-study generation", "follow-up answer generation") once
 per generated token, it may raise to abort (the service's cancellation).

@@ -15,7 +15,7 @@
 # The wheelhouse is ONE archive (xz of the unpacked files, under the 64 MiB a call carries):
 # the wheels of scripts/gpu_wheels.txt (SGLang 0.5.23 and the pure-Python needs a CUDA image
 # with torch lacks) unpacked as pip would install them with --no-deps, and FlashInfer 0.7.2's
-# serving bundle (the members benchmarks/gpu/_preflight_flashinfer.py lists: Python code, headers,
+# serving bundle (the members benchmarks/gpu/preflight/flashinfer.py lists: Python code, headers,
 # the sources SGLang's FlashInfer backend JIT-compiles). Left out (PACK_DROP): SGLang's
 # diffusion server (sglang/multimodal_gen) and its benchmark extension, which serving never
 # imports. No model travels: the run makes random-weight checkpoints on the GPU and serves
@@ -28,7 +28,7 @@
 # Call 1 installs once (a warm machine keeps /tmp/site and the phase records), starts the GPU
 # tests (`pytest -m gpu`, niced) beside the serving run, and gives the phases what is left of
 # BUDGET_S (default 540: the plan's command limit); GPU_SERVING_ARGS adds flags of
-# `python -m benchmarks.gpu.gpu_serving run` (e.g. --compaction-timeout 90). PHASES=a,b runs only those; a phase whose
+# `python -m benchmarks.gpu.serving.run run` (e.g. --compaction-timeout 90). PHASES=a,b runs only those; a phase whose
 # record in /tmp/gpu_serving/state holds no error is not run again. What comes back in $OUT:
 # gpu_serving.json + .png, logs.tar.gz (every log and phase record).
 set -u
@@ -37,8 +37,8 @@ WHEELHOUSE=.whl/gpu_serving
 PACK_DROP=(sglang/multimodal_gen "sglang/srt/rust_extensions/_bench*.so")
 
 case "${1:-}" in
-    preflight) exec "${PY:-.venv/bin/python}" -m benchmarks.gpu.gpu_preflight "${@:2}" ;;
-    plan) exec "${PY:-.venv/bin/python}" -m benchmarks.gpu.gpu_plan "${@:2}" ;;
+    preflight) exec "${PY:-.venv/bin/python}" -m benchmarks.gpu.preflight.run "${@:2}" ;;
+    plan) exec "${PY:-.venv/bin/python}" -m benchmarks.gpu.serving.plan "${@:2}" ;;
     pack | compaction | "") ;;
     *) echo "usage: bash $0 [preflight|plan|pack|compaction]" >&2; exit 2 ;;
 esac
@@ -62,9 +62,9 @@ if [ "${1:-}" = pack ]; then
     for whl in "$w"/files/*.whl; do  # a wheel's purelib/platlib root is the site folder
         unzip -q -o "$whl" -x '*.data/*' -d "$w/site"
     done
-    # FlashInfer: only the bundle's members (benchmarks/gpu/_preflight_flashinfer.py; its `check`
+    # FlashInfer: only the bundle's members (benchmarks/gpu/preflight/flashinfer.py; its `check`
     # vets them on CPU)
-    "$PY" -m benchmarks.gpu._preflight_flashinfer list --wheel "$w"/fi/flashinfer_python-*.whl > "$w/fi/list"
+    "$PY" -m benchmarks.gpu.preflight.flashinfer list --wheel "$w"/fi/flashinfer_python-*.whl > "$w/fi/list"
     (cd "$w/fi" && unzip -q flashinfer_python-*.whl && tar -cf - -T list) | tar -xf - -C "$w/site"
     for drop in "${PACK_DROP[@]}"; do
         # shellcheck disable=SC2086  # the glob in a PACK_DROP entry expands here
@@ -133,7 +133,7 @@ tests=$!
 # 3. the phases, in what is left of BUDGET_S (each record and the merged report written as
 # each phase ends)
 left=$((${BUDGET_S:-540} - ($(date +%s) - T0)))
-timeout $((left + 15)) "$PY" -m benchmarks.gpu.gpu_serving run --state "$WORK/state" --out "$OUT" \
+timeout $((left + 15)) "$PY" -m benchmarks.gpu.serving.run run --state "$WORK/state" --out "$OUT" \
     --budget-s $((left - 15)) ${PHASES:+--phases "$PHASES"} ${GPU_SERVING_ARGS:-} 2>&1 \
     | grep -v "it/s]" \
     | tee "$WORK/state/logs/run.log" | tail -60

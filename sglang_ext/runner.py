@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from compactor import CompactedPrefix
-from sglang_ext.clients import Compactor
+from sglang_ext.compactors import Compactor
 
 __all__ = ["CompactionRunner", "JobResult"]
 

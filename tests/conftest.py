@@ -97,15 +97,15 @@ def prepared_model() -> Path:
 def plumbing_model(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight 2-layer Llama (the GPU run's CPU-smoke shape, `TINY`, at 8192
     positions; fp32) with the embedded model's tokenizer and chat template, written by the GPU
-    run's own checkpoint writer (`benchmarks.gpu._gpu_serving_lib.make_model`). SGLang and
+    run's own checkpoint writer (`benchmarks.gpu.serving.checkpoint.make_model`). SGLang and
     `compactor serve` load it like any checkpoint, at a small fraction of SmolLM2's compute
     per token: for the server tests that check how a compaction is carried (installs,
     fallbacks, transfers, counters), not what the answers say. Its answers are noise; a test
     that compares them compares them with the same model served stock."""
     from dataclasses import replace
 
-    from benchmarks.gpu._gpu_serving_lib import make_model
-    from benchmarks.gpu.gpu_serving import TINY
+    from benchmarks.gpu.serving.checkpoint import make_model
+    from benchmarks.gpu.serving.run import TINY
 
     out = tmp_path_factory.mktemp("plumbing-model")
     make_model(out, prepared_model, replace(TINY, max_positions=8192), device="cpu",

@@ -43,8 +43,10 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
 
 
 def test_the_readme_reads_in_two_screens() -> None:
-    """The front page: at most 120 lines, none over 200 characters; its figures sit in marked
-    tables, which tests/benchmarks/test_readme_results.py checks against their result files."""
+    """The front page: at most 120 lines, none over 200 characters (a results marker, an HTML
+    comment GitHub does not show, aside: it names its files); its figures sit in marked tables,
+    which tests/benchmarks/test_readme_results.py checks against their result files."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 120
-    assert [i + 1 for i, line in enumerate(lines) if len(line) > 200] == []
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > 200]
+    assert [n for n in long if not lines[n - 1].startswith("<!-- results: ")] == []

@@ -85,7 +85,7 @@ def question_queries(
     `prefill`: ``hf.prefill`` of `prefix` [T]. Raises ValueError on no suffixes.
     """
     from compactor import hf
-    from compactor.queries import QueryConfig, collect_queries, plan_queries
+    from compactor.query_capture import QueryConfig, collect_queries, plan_queries
 
     if not suffixes:
         raise ValueError("question_queries: no suffixes")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ROOT, add_options
-from benchmarks.gpu._gpu_serving_phases import burst, random_ids
+from benchmarks.gpu.serving.phases import burst, random_ids
 
 CONFIGS = ("stock", "off", "idle")
 

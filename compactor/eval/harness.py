@@ -6,7 +6,7 @@ For each case (a prefix + follow-up questions) the *full* model is run once
 (:func:`build_reference`): it answers each question greedily, and the queries of question +
 answer tokens (post-RoPE, GQA-pooled, recorded under the full cache) are the held-out set.
 A compacted prefix is then scored (:func:`evaluate_prefix`) by
-  - attention errors per layer/head on those held-out queries (``compactor.attention_errors``),
+  - attention errors per layer/head on those held-out queries (``compactor.attention_metrics``),
   - logppl: mean NLL of the full model's own greedy answer tokens, teacher-forced under the
     compacted cache (logppl_gap = compacted - full; 0 for the full cache),
   - agreement: fraction of answer positions where the compacted argmax = the full token,
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.attention_errors import attention_errors
+from compactor.attention_metrics import attention_errors
 from compactor.eval.niah import score_answer
-from compactor.queries import cat_pooled, reservoir
+from compactor.query_capture import cat_pooled, reservoir
 from compactor.types import CompactedPrefix
 
 __all__ = ["EvalCase", "Reference", "build_reference", "evaluate_prefix", "summarize"]

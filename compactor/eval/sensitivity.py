@@ -22,7 +22,7 @@ from typing import Any
 from compactor import hf
 from compactor.eval.harness import EvalCase, build_reference
 from compactor.head_budgets.curves import SensitivityCurves, sensitivity_curve
-from compactor.queries import collect_queries, plan_queries
+from compactor.query_capture import collect_queries, plan_queries
 from compactor.spec import CompactionSpec
 
 __all__ = [

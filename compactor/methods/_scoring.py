@@ -41,7 +41,7 @@ def attention_probs(
     are dropped from the result. Without them, a query that mostly reads the sinks looks as
     sharp as one that reads a single key.
     suffix_lse: [H, n] the log of each query's softmax mass over the keys after the prefix
-    (its own continuation's, causally: ``compactor.queries``), one more term of its softmax;
+    (its own continuation's, causally: ``compactor.query_capture``), one more term of its softmax;
     -inf where there is none. Without it, a query that mostly reads its own recent tokens
     looks like a sharp read of whichever prefix key gets its leftover mass.
     """

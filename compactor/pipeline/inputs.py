@@ -13,7 +13,7 @@ import torch
 
 from compactor import hf
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import Checkpoint, QueryPlan, collect_reference, plan_queries
+from compactor.query_capture import Checkpoint, QueryPlan, collect_reference, plan_queries
 from compactor.spec import CompactionSpec
 
 __all__ = ["Inputs", "prepare_inputs", "resolve_fingerprint"]
@@ -27,7 +27,7 @@ class Inputs:
     queries: off-policy reference queries ``{layer: [H_kv, n, D]}`` fp32 (a private copy the
     loop may pop from; empty on-policy). stream: the on-policy ``hf.LayerStream`` (or None).
     suffix_lse: ``{layer: [H_kv, n]}`` each off-policy query's log mass after the prefix
-    (``compactor.queries.suffix_lse``), for a method that reads it; else empty.
+    (``compactor.query_capture.suffix_lse``), for a method that reads it; else empty.
     """
 
     prefill: hf.PrefillResult
@@ -55,7 +55,7 @@ def prepare_inputs(
     ~0 s), except the query collection when the suffix lse is asked for and the hit has none
     (it is then collected, with the queries, once more and cached). Times the "prefill" and
     "queries" stages into `watch`. `checkpoint` is called per generated token and per
-    collected continuation (``compactor.queries``): it may raise to abort.
+    collected continuation (``compactor.query_capture``): it may raise to abort.
     `with_suffix_lse`: also each off-policy query's log mass after the prefix (the method
     reads it: ``compactor.methods.context.wants_suffix_lse``).
     """

@@ -28,7 +28,7 @@ from compactor.methods import LayerInput
 from compactor.pipeline.budget_plan import BudgetPlan
 from compactor.pipeline.inputs import Inputs
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import pool_queries
+from compactor.query_capture import pool_queries
 from compactor.types import CompactedLayer
 
 __all__ = ["assemble_layer", "chunk_groups", "compact_layers"]

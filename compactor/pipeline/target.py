@@ -11,7 +11,7 @@ error of the held-out queries against the full prefix:
 
     err(r) = mean_l mean_h mean_q ||o_c(q) - o(q)|| / ||o(q)||
 
-(``compactor.attention_errors.attention_errors``' ``output_rel_err``: over the prefix block, so
+(``compactor.attention_metrics.attention_errors``' ``output_rel_err``: over the prefix block, so
 it is what decides the whole attention with the new tokens added; see
 ``compactor.pipeline``), the held-out queries being recorded on the full prefix: one cheap
 attention per layer, no extra forward pass. The smallest candidate with err <= target is
@@ -43,13 +43,13 @@ from typing import Any
 import torch
 
 from compactor import hf
-from compactor.attention_errors import attention_errors
+from compactor.attention_metrics import attention_errors
 from compactor.methods.context import wants_suffix_lse
 from compactor.pipeline.budget_plan import plan_budgets
 from compactor.pipeline.inputs import Inputs
 from compactor.pipeline.layers import compact_layers
 from compactor.pipeline.timing import Stopwatch
-from compactor.queries import Continuation, QueryPlan, collect_queries, collect_reference
+from compactor.query_capture import Continuation, QueryPlan, collect_queries, collect_reference
 from compactor.spec import CompactionSpec
 from compactor.types import CompactedLayer
 

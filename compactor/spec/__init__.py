@@ -2,7 +2,7 @@
 
 - `compaction`: `CompactionSpec` (method, budget, queries, chunking, head budgets), its
   validation and JSON form;
-- `queries`: `QueryConfig`, the reference queries' sources and sizes;
+- `query_config`: `QueryConfig`, the reference queries' sources and sizes;
 - `fields`: the field metadata every knob carries, and the errors that name a field;
 - `limits`: `WorkLimits`, the caps on one request's work a service enforces;
 - `cli_args`: the spec as command-line flags (the CLI and the SGLang plugin share them).
@@ -30,7 +30,7 @@ from compactor.spec.compaction import (
 )
 from compactor.spec.fields import LabelledError, SpecError
 from compactor.spec.limits import WorkLimits
-from compactor.spec.queries import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
+from compactor.spec.query_config import QUERY_SOURCES, SELF_STUDY_PROMPTS, QueryConfig
 
 __all__ = [
     "AUTO_CHUNK_TOKENS",

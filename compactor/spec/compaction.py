@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.spec.fields import SpecError, is_int, is_number, knob, meta
-from compactor.spec.queries import DEFAULT_QUERY_SOURCES, QueryConfig
+from compactor.spec.query_config import DEFAULT_QUERY_SOURCES, QueryConfig
 
 __all__ = [
     "AUTO_CHUNK_TOKENS",
@@ -102,7 +102,7 @@ class CompactionSpec:
     # the embedded model can repeat (G x T: ~12k at 4k tokens; none dropped at random), on the
     # ~4k-token items where the reservoir lost kvzip the keys of dropped readers (the "~4k"
     # table of docs/results.md). The source then went repeat-prefill -> repeat-turn
-    # (compactor.spec.queries.DEFAULT_QUERY_SOURCES).
+    # (compactor.spec.query_config.DEFAULT_QUERY_SOURCES).
     method: str = knob("kvzip", "method", "registered compaction method name", "str")
     method_params: dict[str, Any] = field(
         default_factory=dict,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from compactor.spec.fields import SpecError
 from compactor.spec.method_limits import Caps, check_method_params
-from compactor.spec.queries import MAX_QUERIES_PER_HEAD
+from compactor.spec.query_config import MAX_QUERIES_PER_HEAD
 
 if TYPE_CHECKING:
     from compactor.spec.compaction import CompactionSpec

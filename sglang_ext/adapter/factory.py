@@ -101,7 +101,7 @@ def create_compaction_cache(ctx: Any, *, verify: Callable[[], None]) -> Any:
     """
     from compactor import fingerprint
     from sglang_ext.adapter.radix_cache import CompactionRadixCache
-    from sglang_ext.clients import make_compactor
+    from sglang_ext.compactors import make_compactor
     from sglang_ext.metrics import PrometheusExporter
     from sglang_ext.pool_shape import PoolShape
     from sglang_ext.runner import CompactionRunner

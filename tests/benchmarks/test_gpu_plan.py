@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import gpu_plan
-from benchmarks.gpu.gpu_plan import COMMAND_LIMIT_S, PHASES, check, load_timings, need_s, plan_calls
+from benchmarks.gpu.serving import plan as gpu_plan
+from benchmarks.gpu.serving.plan import (
+    COMMAND_LIMIT_S,
+    PHASES,
+    check,
+    load_timings,
+    need_s,
+    plan_calls,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

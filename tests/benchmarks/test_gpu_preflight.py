@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.gpu import gpu_preflight
-from benchmarks.gpu.gpu_preflight import Server, check_server_args, check_tree_core
-from benchmarks.gpu.gpu_serving import tree_core_env
+from benchmarks.gpu.preflight import run as gpu_preflight
+from benchmarks.gpu.preflight.run import Server, check_server_args, check_tree_core
+from benchmarks.gpu.serving.run import tree_core_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_failure_5_another_torch_selects_the_python_tree_core() -> None:
 
 
 def test_failure_5_check_fails_without_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    import benchmarks.gpu.gpu_serving as gs
+    import benchmarks.gpu.serving.run as gs
 
     monkeypatch.setattr(gs, "tree_core_env", lambda torch_version=None: {})
     problems = check_tree_core()

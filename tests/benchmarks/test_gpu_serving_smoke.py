@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu._gpu_serving_lib import GpuServingResult, decode_lines, make_model, step_time_s
+from benchmarks.gpu.serving.checkpoint import make_model
+from benchmarks.gpu.serving.record import GpuServingResult
+from benchmarks.gpu.serving.schedlog import decode_lines, step_time_s
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "scripts" / "gpu_standin" / "sgl_kernel"
@@ -161,7 +163,7 @@ print("ok")
 def test_make_model_tiny_on_cpu(tmp_path: Path) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from benchmarks.gpu.gpu_serving import TINY
+    from benchmarks.gpu.serving.run import TINY
     from compactor.models import prepare_model
 
     tok_dir = prepare_model("smollm2-135m")
@@ -187,7 +189,7 @@ def test_make_model_without_a_tokenizer(tmp_path: Path) -> None:
     tokenizer file."""
     from transformers import LlamaForCausalLM
 
-    from benchmarks.gpu.gpu_serving import TINY
+    from benchmarks.gpu.serving.run import TINY
 
     summary = make_model(tmp_path, None, TINY, device="cpu")
     assert (
@@ -220,7 +222,7 @@ def _phase(name: str, **kw: Any) -> dict[str, Any]:
 
 
 def test_report_writes_the_issue_fields(tmp_path: Path) -> None:
-    from benchmarks.gpu.gpu_serving import main
+    from benchmarks.gpu.serving.run import main
 
     state = tmp_path / "state"
     state.mkdir()
@@ -285,7 +287,7 @@ def test_compactor_serve_device_flag() -> None:
 def _no_servers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     """`run` without models or servers: each phase's processes are none; returns the phases
     whose processes were spawned."""
-    from benchmarks.gpu import gpu_serving as gs
+    from benchmarks.gpu.serving import run as gs
 
     spawned: list[str] = []
 
@@ -304,7 +306,7 @@ def test_a_phase_stopped_by_sigterm_leaves_its_record(
 ) -> None:
     """The outer `timeout` stops a phase with SIGTERM (SystemExit here): its record says so
     and the merged report is written before the run stops (a GPU run once lost both)."""
-    from benchmarks.gpu import gpu_serving as gs
+    from benchmarks.gpu.serving import run as gs
 
     def stopped(*args: Any) -> Any:
         raise SystemExit(143)
@@ -324,7 +326,7 @@ def test_a_rerun_skips_phases_recorded_without_error(
 ) -> None:
     """Resumable phases: a second call runs only the phases whose record is missing or holds
     an error, and starts no server for the others."""
-    from benchmarks.gpu import gpu_serving as gs
+    from benchmarks.gpu.serving import run as gs
 
     spawned = _no_servers(monkeypatch, tmp_path)
     ran: list[str] = []
@@ -368,8 +370,8 @@ def test_a_rerun_skips_phases_recorded_without_error(
 def test_a_phase_is_not_started_without_its_recorded_need(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks.gpu import gpu_serving as gs
-    from benchmarks.gpu.gpu_plan import need_s
+    from benchmarks.gpu.serving import run as gs
+    from benchmarks.gpu.serving.plan import need_s
 
     _no_servers(monkeypatch, tmp_path)
     monkeypatch.setattr(gs, "identity", lambda a, procs: _phase("identity"))
@@ -386,7 +388,7 @@ def test_a_phase_is_not_started_without_its_recorded_need(
 def test_identity_needs_the_scored_requests_served_from_the_compacted_prefix() -> None:
     """The identity figure cannot pass vacuously: scores equal to stock's count only when the
     plugin's counter says every scored request read the compacted prefix."""
-    from benchmarks.gpu._gpu_serving_phases import LOGPROB_TOL, identity_verdict
+    from benchmarks.gpu.serving.phases import LOGPROB_TOL, identity_verdict
 
     close = LOGPROB_TOL / 2
     assert identity_verdict(True, close, 1.0, rows_served=6, scored=6) is True
@@ -404,7 +406,7 @@ def test_stock8b_second_half_needs_the_idle_figure_time(
     left it is not started, and its record keeps the first half's readings."""
     import time
 
-    from benchmarks.gpu import gpu_serving as gs
+    from benchmarks.gpu.serving import run as gs
 
     _no_servers(monkeypatch, tmp_path)
     idle = {"decode_tokens_per_s": 1.0}

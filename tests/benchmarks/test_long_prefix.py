@@ -7,7 +7,7 @@ import torch
 
 from compactor import hf
 from compactor.hf import decode as hf_decode
-from compactor.queries import QueryConfig, collect_queries, plan_queries
+from compactor.query_capture import QueryConfig, collect_queries, plan_queries
 from compactor.service.engine import AUTO_CHUNK_TOKENS, auto_chunk_size
 from compactor.spec import CompactionSpec
 from compactor.workers.job import CompactJob

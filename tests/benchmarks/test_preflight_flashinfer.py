@@ -1,7 +1,7 @@
-"""benchmarks/gpu/_preflight_flashinfer.py: the include-following rules on small made-up trees,
+"""benchmarks/gpu/preflight/flashinfer.py: the include-following rules on small made-up trees,
 the bundle selection, and the real flashinfer_python 0.7.2 wheel (today's bundle passes; one
 without cutlass/tools/util/include fails naming cutlass/util/command_line.h, as nvcc did on
-the GPU). benchmarks/gpu/_wheels.py's cache and error paths too."""
+the GPU). benchmarks/gpu/wheelhouse.py's cache and error paths too."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import _wheels
-from benchmarks.gpu._preflight_flashinfer import (
+from benchmarks.gpu import wheelhouse as _wheels
+from benchmarks.gpu.preflight.flashinfer import (
     ENTRY_SOURCES,
     REQUIREMENT,
     MissingInclude,
@@ -21,7 +21,7 @@ from benchmarks.gpu._preflight_flashinfer import (
     main,
     missing_includes,
 )
-from benchmarks.gpu._wheels import DEFAULT_CACHE, fetch_wheel
+from benchmarks.gpu.wheelhouse import DEFAULT_CACHE, fetch_wheel
 
 D = "flashinfer/data/"
 CSRC = D + "csrc/"
@@ -231,7 +231,7 @@ def test_real_wheel_without_cutlass_util_fails(
     assert any("batch_prefill_sm90.cu is not in the bundle" in p for p in check(wheel, no_entry))
 
 
-# --- benchmarks/gpu/_wheels.py ---
+# --- benchmarks/gpu/wheelhouse.py ---
 
 
 def test_fetch_wheel_uses_cache_without_pip(

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/_preflight_kernels.py against the real SGLang in .venv, and the check-only GPU
+"""benchmarks/gpu/preflight/kernels.py against the real SGLang in .venv, and the check-only GPU
 stand-in it checks (scripts/gpu_standin): the sgl_kernel import scan and its resolution, the
 names table's stubs, utils.is_arch_support_pdl, scalar_type, the dual-GEMM shim (in
 subprocesses, as the GPU script's PYTHONPATH gives it) and the unavailable-imports probe. The
@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from benchmarks.gpu import _preflight_kernels as pk
+from benchmarks.gpu.preflight import kernels as pk
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "scripts" / "gpu_standin"

@@ -1,4 +1,4 @@
-"""compactor.queries: sources, pooling, reservoir, plan/collect."""
+"""compactor.query_capture: sources, pooling, reservoir, plan/collect."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from compactor import hf
-from compactor.queries import QueryConfig, collect_queries, plan_queries, random_queries, reservoir
+from compactor.query_capture import (
+    QueryConfig,
+    collect_queries,
+    plan_queries,
+    random_queries,
+    reservoir,
+)
 from tests._tiny import random_ids, real_model
 
 
@@ -67,7 +73,7 @@ def test_suffix_lse_is_the_models_mass_over_the_repeated_tokens(tiny):
     (context-prefill, random) have none (-inf)."""
     from transformers import DynamicCache
 
-    from compactor.queries import collect_reference
+    from compactor.query_capture import collect_reference
 
     ids, T = random_ids(24, seed=3), 24
     pre = hf.prefill(tiny, ids, with_queries=True)
@@ -155,7 +161,7 @@ def test_self_study_on_real_model(prepared_model):
 
 def test_cat_pooled_and_grouped_reservoir_keep_query_heads_contiguous() -> None:
     from compactor.hf import pool_gqa
-    from compactor.queries import cat_pooled, reservoir
+    from compactor.query_capture import cat_pooled, reservoir
 
     # 2 KV heads x G=3 query heads; each row's value encodes (query head, token)
     def block(n: int, offset: int) -> torch.Tensor:

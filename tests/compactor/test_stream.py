@@ -7,7 +7,7 @@ import torch
 
 from compactor import hf
 from compactor.pipeline import Hooks, compact_prefix
-from compactor.queries import QueryConfig, collect_queries, plan_queries
+from compactor.query_capture import QueryConfig, collect_queries, plan_queries
 from compactor.spec import CompactionSpec
 from tests._tiny import random_ids
 from tests.compactor import _methods  # noqa: F401  (registers the test-first method)

@@ -14,7 +14,7 @@ import pytest
 
 from compactor.pipeline import Hooks, compact_prefix
 from compactor.pipeline.target import split_held_out
-from compactor.queries import Continuation, QueryPlan
+from compactor.query_capture import Continuation, QueryPlan
 from compactor.spec import TARGET_ERROR_RATIOS, CompactionSpec, QueryConfig, SpecError
 from compactor.spec.cli_args import UsageError, add_spec_args, spec_from_args
 from compactor.types import CompactedPrefix

@@ -22,7 +22,7 @@ def test_all_three_phases_run_in_one_call_and_resume(tmp_path: Path) -> None:
     state, out = tmp_path / "state", tmp_path / "out"
     # --budget-s as long as the test waits: a busy machine must not skip the deferred second
     # half (the budget is a GPU session's; the plumbing is what this test checks)
-    cmd = [sys.executable, "-m", "benchmarks.gpu.gpu_serving", "run", "--cpu-smoke",
+    cmd = [sys.executable, "-m", "benchmarks.gpu.serving.run", "run", "--cpu-smoke",
            "--state", str(state), "--out", str(out), "--budget-s", "900"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # as scripts/gpu_serving.sh runs it
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
@@ -38,7 +38,7 @@ def test_all_three_phases_run_in_one_call_and_resume(tmp_path: Path) -> None:
     assert res["identity_outputs_equal"] is True
     assert ident["logprob_max_abs_diff"] < 0.5 * ident["control_mean_abs_diff"]
     assert res["prefix_slots_ratio"] > 1 and res["idle_plugin_throughput_ratio"] > 0
-    assert res["provenance"]["command"].startswith("python -m benchmarks.gpu.gpu_serving run")
+    assert res["provenance"]["command"].startswith("python -m benchmarks.gpu.serving.run run")
 
     # what SGLang runs: the plugin's servers wrap torch_native, the stock ones are it
     assert res["backend"] == "torch_native" and res["cuda_graphs"] is False  # CPU: no graphs

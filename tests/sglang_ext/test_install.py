@@ -315,7 +315,7 @@ def test_an_identity_fit_installs_with_every_slot_and_the_original_kv(
 ) -> None:
     """keep-only of am-highest at ratio 1 (every key, beta 0, original values): N = T slots, no
     alias, and the pool holds the original KV again (what the GPU identity check installs:
-    benchmarks/gpu/gpu_serving.py)."""
+    benchmarks/gpu/serving/run.py)."""
     from compactor.hf import load_model
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.spec import CompactionSpec, QueryConfig

@@ -14,7 +14,7 @@ import pytest
 
 from compactor.service.auth import TOKEN_HEADER, TokenAuthInterceptor, TokenFile, token_bytes
 from sglang_ext.channel import TOKEN_ENV, endpoint_host, is_loopback
-from sglang_ext.clients import GrpcCompactor
+from sglang_ext.compactors import GrpcCompactor
 from sglang_ext.config import CompactionConfig, add_cli_args, config_from_namespace
 
 SECRET = "tok-3f9a1c"

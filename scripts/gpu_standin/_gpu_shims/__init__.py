@@ -5,7 +5,7 @@ there alone; never installed for users).
 a meta-path finder first that serves the shim file's code under the module's own name, for
 exactly those names, when (and only when) something imports one; it is called by this
 folder's sitecustomize.py, so every Python process SGLang spawns (PYTHONPATH is inherited)
-gets it. benchmarks/gpu/_preflight_kernels.py reads the table: an import of a package absent from
+gets it. benchmarks/gpu/preflight/kernels.py reads the table: an import of a package absent from
 the GPU machine counts as resolved only while a shim here serves the module that needs it.
 Stdlib only, nothing imported until a shimmed module is.
 """

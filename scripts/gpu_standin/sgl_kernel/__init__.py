@@ -23,7 +23,7 @@ the one table `_names.STUBS`, and raises NotImplementedError naming itself and t
 when called; its submodules (`flash_attn`, `kvcacheio`, `quantization`, ...) are registered in
 sys.modules so `from sgl_kernel.x import y` works. Any name SGLang does not import raises
 AttributeError naming this stand-in, so a code path that needs the real kernels fails loudly.
-`benchmarks/gpu/_preflight_kernels.py` checks that every import SGLang has resolves here. Shapes:
+`benchmarks/gpu/preflight/kernels.py` checks that every import SGLang has resolves here. Shapes:
 x [N, H] (rows, hidden), gated input [N, 2d] -> out [N, d], probs [B, V].
 """
 

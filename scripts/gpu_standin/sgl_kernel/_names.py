@@ -9,7 +9,7 @@ sys.modules, so `import sgl_kernel.x` and `from sgl_kernel.x import y` work.
 What it lists: every name SGLang 0.5.23 imports from `sgl_kernel` anywhere (module level or in
 a function, on any platform branch), less what the stand-in implements: the ops in
 `__init__.py`, `utils.is_arch_support_pdl` and `scalar_type` (real files). The list is the
-output of `benchmarks/gpu/_preflight_kernels.py`'s AST scan; that check fails when SGLang imports a
+output of `benchmarks/gpu/preflight/kernels.py`'s AST scan; that check fails when SGLang imports a
 name that neither this table nor a real file provides.
 """
 

@@ -1,4 +1,4 @@
-"""The fresh interpreters of benchmarks/gpu/_preflight_kernels.py: `run_probe` starts one on this
+"""The fresh interpreters of benchmarks/gpu/preflight/kernels.py: `run_probe` starts one on this
 file, which runs one of its entry points, `resolve_main` (does the GPU stand-in resolve each
 sgl_kernel import) or `unavailable_main` (`-S`: which imports fail on the GPU machine's
 packages), on a JSON request and writes a JSON answer. This module imports only the stdlib at

@@ -1,22 +1,22 @@
 """Everything a GPU serving run (scripts/gpu_serving.sh) could fail on that a CPU can check.
 
-    bash scripts/gpu_serving.sh preflight [--skip wheelhouse]     # = python -m benchmarks.gpu.gpu_preflight
+    bash scripts/gpu_serving.sh preflight [--skip wheelhouse]     # = python -m benchmarks.gpu.preflight.run
 
 Checks, each printed with what it found; the exit status is the number that failed:
 
-- server-args: every SGLang server the run starts (`benchmarks.gpu.gpu_serving argv`) has its
+- server-args: every SGLang server the run starts (`benchmarks.gpu.serving.run argv`) has its
   flags parsed by SGLang's own `ServerArgs` parser, with the plugin's flags only where the
   plugin is loaded (a stock server does not know them). An ambiguous or unknown flag fails.
 - sgl-kernel: every `sgl_kernel` import in the installed SGLang resolves against the GPU
   stand-in (scripts/gpu_standin), and the optional CUDA-only packages a bf16 Llama reaches
-  are available there or answered by the stand-in (`benchmarks.gpu._preflight_kernels`).
+  are available there or answered by the stand-in (`benchmarks.gpu.preflight.kernels`).
 - flashinfer: every `#include` reachable from the sources SGLang's FlashInfer backend and
-  sampler JIT-compile resolves inside the serving bundle (`benchmarks.gpu._preflight_flashinfer`).
+  sampler JIT-compile resolves inside the serving bundle (`benchmarks.gpu.preflight.flashinfer`).
 - tree-core: a torch other than the one SGLang's wheel pins selects SGLang's pure-Python radix
   tree core (its compiled core misreads the tensors of another torch: `insert value must be
   an int64 tensor, got Float`).
 - wheelhouse: `scripts/gpu_serving.sh pack` makes one archive that, with the working tree,
-  fits what one device call carries (`benchmarks.gpu.gpu_plan.TREE_LIMIT_MIB`).
+  fits what one device call carries (`benchmarks.gpu.serving.plan.TREE_LIMIT_MIB`).
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ class Server(NamedTuple):
 
 
 def servers() -> dict[str, Server]:
-    """Each server of the GPU run, by name (`python -m benchmarks.gpu.gpu_serving argv`)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_serving", "argv"], cwd=ROOT,
+    """Each server of the GPU run, by name (`python -m benchmarks.gpu.serving.run argv`)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu.serving.run", "argv"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     if out.returncode:
-        raise RuntimeError(f"benchmarks.gpu.gpu_serving argv failed: {out.stderr[-2000:]}")
+        raise RuntimeError(f"benchmarks.gpu.serving.run argv failed: {out.stderr[-2000:]}")
     found = json.loads(out.stdout.strip().splitlines()[-1])
     return {name: Server(bool(s["plugin"]), list(s["flags"])) for name, s in found.items()}
 
@@ -89,21 +89,21 @@ def check_server_args(run: dict[str, Server] | None = None) -> list[str]:
 
 
 def check_sgl_kernel(standin: Path = STANDIN) -> list[str]:
-    from benchmarks.gpu._preflight_kernels import check, installed_sglang
+    from benchmarks.gpu.preflight.kernels import check, installed_sglang
 
     return [f"sgl-kernel: {p}" for p in check(installed_sglang(), standin)]
 
 
 def check_flashinfer(bundle: set[str] | None = None) -> list[str]:
-    from benchmarks.gpu._preflight_flashinfer import REQUIREMENT, check
-    from benchmarks.gpu._wheels import DEFAULT_CACHE, fetch_wheel
+    from benchmarks.gpu.preflight.flashinfer import REQUIREMENT, check
+    from benchmarks.gpu.wheelhouse import DEFAULT_CACHE, fetch_wheel
 
     wheel = fetch_wheel(REQUIREMENT, DEFAULT_CACHE)
     return [f"flashinfer: {p}" for p in check(wheel, bundle)]
 
 
 def check_tree_core() -> list[str]:
-    from benchmarks.gpu.gpu_serving import tree_core_env
+    from benchmarks.gpu.serving.run import tree_core_env
 
     env = tree_core_env(OTHER_TORCH)
     if env.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") != "python":
@@ -118,7 +118,7 @@ def check_tree_core() -> list[str]:
 def check_wheelhouse() -> list[str]:
     """Pack the wheelhouse into a temporary folder: one archive that travels, with the working
     tree, within one device call."""
-    from benchmarks.gpu.gpu_plan import TREE_LIMIT_MIB, tree_mib
+    from benchmarks.gpu.serving.plan import TREE_LIMIT_MIB, tree_mib
 
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(

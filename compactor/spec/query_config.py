@@ -1,5 +1,5 @@
 """Reference-query settings of a compaction spec (torch-free): the sources, their sizes,
-the self-study prompts. ``compactor.queries`` runs them; ``compactor.spec`` re-exports."""
+the self-study prompts. ``compactor.query_capture`` runs them; ``compactor.spec`` re-exports."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ SELF_STUDY_PROMPTS = (
 
 @dataclass(frozen=True)
 class QueryConfig:
-    """Which reference-query sources to use and how many queries to keep (``compactor.queries``).
+    """Which reference-query sources to use and how many queries to keep (``compactor.query_capture``).
 
     Attributes:
         sources: names from ``QUERY_SOURCES``.

@@ -1,6 +1,6 @@
 """The device plan of a GPU run, checked before any GPU time is spent.
 
-    bash scripts/gpu_serving.sh plan        # = python -m benchmarks.gpu.gpu_plan [--phases ...]
+    bash scripts/gpu_serving.sh plan        # = python -m benchmarks.gpu.serving.plan [--phases ...]
 
 A device session has `SESSION_S` seconds of machine time in all (the machine's start, each
 command, the transfers and the idle wait after the last call count), and one command may run
@@ -11,7 +11,7 @@ what runs, and each step's seconds as recorded by past runs
 when a command is over its limit or the whole does not fit the session with `MARGIN_S` to
 spare. It needs nothing staged and no GPU.
 
-`benchmarks.gpu.gpu_serving` reads the same figures: a phase starts only while the time left
+`benchmarks.gpu.serving.run` reads the same figures: a phase starts only while the time left
 covers its recorded need (`need_s`).
 """
 

@@ -5,8 +5,8 @@ csrc sources); the GPU machine JIT-compiles from it. This module names the bundl
 (``bundle_members``, which ``pack`` uses) and checks, from the wheel alone, that every header
 the JIT reaches from the sources SGLang 0.5.23 compiles is in it (``missing_includes``).
 
-    python -m benchmarks.gpu._preflight_flashinfer check [--wheel PATH]   # exit 1 if any missing
-    python -m benchmarks.gpu._preflight_flashinfer list --wheel PATH      # the bundle's members
+    python -m benchmarks.gpu.preflight.flashinfer check [--wheel PATH]   # exit 1 if any missing
+    python -m benchmarks.gpu.preflight.flashinfer list --wheel PATH      # the bundle's members
 """
 
 from __future__ import annotations
@@ -285,13 +285,13 @@ def check(wheel: Path, bundle: set[str] | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: ``check`` or ``list``."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu._preflight_flashinfer")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.preflight.flashinfer")
     ap.add_argument("command", choices=["check", "list"])
     ap.add_argument("--wheel", type=Path, help=f"default: {REQUIREMENT} from the wheel cache")
     args = ap.parse_args(argv)
     wheel = args.wheel
     if wheel is None:
-        from benchmarks.gpu._wheels import DEFAULT_CACHE, fetch_wheel
+        from benchmarks.gpu.wheelhouse import DEFAULT_CACHE, fetch_wheel
 
         wheel = fetch_wheel(REQUIREMENT, DEFAULT_CACHE)
     if args.command == "list":

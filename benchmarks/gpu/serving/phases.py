@@ -1,4 +1,4 @@
-"""The phases of benchmarks/gpu/gpu_serving.py on live SGLang servers (`--skip-tokenizer-init`:
+"""The phases of benchmarks/gpu/serving/run.py on live SGLang servers (`--skip-tokenizer-init`:
 token ids in and out), and their HTTP clients: bursts timed from the scheduler log, and what
 the server reports about itself.
 
@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu._gpu_serving_lib import decode_lines, step_time_s
+from benchmarks.gpu.serving.schedlog import decode_lines, step_time_s
 
 __all__ = [
     "COMPACTED_ROWS",

@@ -12,7 +12,7 @@ import pytest
 
 from compactor import CompactionSpec, QueryConfig, Worker
 from compactor.workers.errors import ModelMismatch
-from sglang_ext import clients
+from sglang_ext import compactors
 from sglang_ext.config import PLUGIN_SPEC
 from tests._tiny import tiny_llama
 
@@ -29,8 +29,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
 
 def _compact(monkeypatch: pytest.MonkeyPatch, worker: Worker, spec: CompactionSpec,
              follow_ups: list[list[int]], fp: str | None = None) -> Any:  # fmt: skip
-    monkeypatch.setattr(clients, "_WORKER", worker)
-    return clients._worker_compact(spec, fp or worker.fingerprint, IDS, follow_ups)
+    monkeypatch.setattr(compactors, "_WORKER", worker)
+    return compactors._worker_compact(spec, fp or worker.fingerprint, IDS, follow_ups)
 
 
 def test_flags_reach_the_compaction(monkeypatch: pytest.MonkeyPatch, worker: Worker) -> None:
@@ -73,9 +73,9 @@ def test_other_model_is_refused(monkeypatch: pytest.MonkeyPatch, worker: Worker)
 
 
 def test_worker_used_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(clients, "_WORKER", None)
+    monkeypatch.setattr(compactors, "_WORKER", None)
     with pytest.raises(RuntimeError, match="before its initializer"):
-        clients._worker_compact(PLUGIN_SPEC, "fp", IDS, [])
+        compactors._worker_compact(PLUGIN_SPEC, "fp", IDS, [])
 
 
 def test_plugin_uses_only_the_public_surface() -> None:

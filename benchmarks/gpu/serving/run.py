@@ -1,8 +1,8 @@
 """A real SGLang server with the plugin on a GPU machine: the GPU serving figures, one run.
 
-    python -m benchmarks.gpu.gpu_serving run --state S --out DIR [--phases a,b] [--cpu-smoke]
-    python -m benchmarks.gpu.gpu_serving report --state S --out DIR    # re-merge the records
-    python -m benchmarks.gpu.gpu_serving argv                          # every server's flags
+    python -m benchmarks.gpu.serving.run run --state S --out DIR [--phases a,b] [--cpu-smoke]
+    python -m benchmarks.gpu.serving.run report --state S --out DIR    # re-merge the records
+    python -m benchmarks.gpu.serving.run argv                          # every server's flags
 
 Run by scripts/gpu_serving.sh, which sets up SGLang, FlashInfer and the check-only sgl_kernel
 stand-in on a machine without network. `run` makes two random-weight checkpoints (no
@@ -10,10 +10,10 @@ tokenizer: every server runs with `--skip-tokenizer-init`, ids in and ids out), 
 service and servers of every phase to run at once (one FlashInfer JIT: both models have
 head_dim 128; the servers idle, using no GPU, until their phase), then runs the phases in
 order, each only while what is left of `--budget-s` covers its recorded need
-(`benchmarks.gpu.gpu_plan.need_s`). Each phase's record (S/<phase>.json) and the merged
+(`benchmarks.gpu.serving.plan.need_s`). Each phase's record (S/<phase>.json) and the merged
 gpu_serving.json + .png are written as it ends; a phase whose record holds no error is not
 run again (`--phases` picks phases; a warm machine keeps S). The phases
-(`benchmarks.gpu._gpu_serving_phases`):
+(`benchmarks.gpu.serving.phases`):
 
 - identity: the identity model (`IDENTITY`, bf16); a stock server (the plugin not loaded) and
   a plugin server whose fit is `keep-only` at ratio 1 (every key, beta 0), on a
@@ -59,21 +59,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ROOT, add_options
-from benchmarks.gpu._gpu_serving_lib import (
-    IDENTITY,
-    LLAMA3_8B,
-    GpuServingResult,
-    LlamaShape,
-    make_model,
-    plot_result,
-)
-from benchmarks.gpu._gpu_serving_phases import (
+from benchmarks.gpu.serving.checkpoint import IDENTITY, LLAMA3_8B, LlamaShape, make_model
+from benchmarks.gpu.serving.phases import (
     eight_b,
     eight_b_measure,
     eight_b_warm,
     identity,
 )
-from benchmarks.gpu.gpu_plan import PHASES, load_timings
+from benchmarks.gpu.serving.plan import PHASES, load_timings
+from benchmarks.gpu.serving.record import GpuServingResult, plot_result
 from harness.pool import IDLE_REPUBLISH_S
 
 DECODE_GRAPH_BS = (1, 2, 4, 8, 16, 32, 64)
@@ -224,7 +218,7 @@ def report(a: argparse.Namespace) -> GpuServingResult:
         plug["decode_step_ratio"] = p_step / s_step if s_step and p_step else None
     ordered = [parts[k] for k in PHASES if k in parts]
     res = GpuServingResult.merge(a.device or device_name(), ordered)
-    res.provenance = provenance(module="benchmarks.gpu.gpu_serving")
+    res.provenance = provenance(module="benchmarks.gpu.serving.run")
     a.out.mkdir(parents=True, exist_ok=True)
     res.write(a.out / "gpu_serving.json")
     plot_result(res, a.out / "gpu_serving.png")

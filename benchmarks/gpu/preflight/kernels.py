@@ -14,9 +14,9 @@
    is off a bf16 Llama's path; packages the GPU machine has but this venv lacks (FlashInfer,
    CuPy, pynvml) cannot be followed here and are notes (-v).
 
-Both subprocesses run benchmarks/gpu/_preflight_probe.py (stdlib-only at module level).
+Both subprocesses run benchmarks/gpu/preflight/probe.py (stdlib-only at module level).
 
-    python -m benchmarks.gpu._preflight_kernels [-v]    # exit 1 if any problem
+    python -m benchmarks.gpu.preflight.kernels [-v]    # exit 1 if any problem
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks import ROOT
-from benchmarks.gpu._preflight_probe import Finding, Statement, run_probe
+from benchmarks.gpu.preflight.probe import Finding, Statement, run_probe
 
 STANDIN_DIR = ROOT / "scripts" / "gpu_standin"
 WHEELS = ROOT / "scripts" / "gpu_wheels.txt"
