@@ -20,7 +20,15 @@ import torch.nn.functional as F
 from compactor.methods.base import RefitSpec
 from compactor.methods.selection import topk_selection
 
-REFIT_CHOICES = (None, "am")
+# What a selection baseline's `refit` fits after its pick: name -> (beta, values). "am" is
+# the whole Attention-Matching refit; "beta" and "values" are its halves alone (the other
+# half kept as selected: beta 0 / the original values). None keeps the pick as it is.
+REFIT_MODES: dict[str, tuple[bool, bool]] = {
+    "am": (True, True),
+    "beta": (True, False),
+    "values": (False, True),
+}
+REFIT_CHOICES = (None, *REFIT_MODES)
 
 
 def attention_probs(
@@ -100,7 +108,8 @@ class RefitOption:
 
     refit: None keeps the selected keys as they are (beta 0, original values); ``"am"``
     applies the Attention-Matching refit (NNLS beta within refit_beta_bounds + LS values,
-    :func:`compactor.methods.refit.refit`) on the reference queries.
+    :func:`compactor.methods.refit.refit`) on the reference queries; ``"beta"`` fits beta
+    alone (original values), ``"values"`` the values alone (beta 0) (`REFIT_MODES`).
     """
 
     refit: str | None = None
@@ -120,8 +129,16 @@ class RefitOption:
         self.refit_beta_bounds = (lo, hi)
 
     def refit_spec(self) -> RefitSpec | None:
-        """None (keep as is) or the AM refit with refit_beta_bounds."""
-        return RefitSpec(self.refit_beta_bounds) if self.refit == "am" else None
+        """None (keep as is) or the AM refit with refit_beta_bounds (see `REFIT_MODES`)."""
+        return refit_spec_for(self.refit, self.refit_beta_bounds)
+
+
+def refit_spec_for(refit: str | None, beta_bounds: tuple[float, float]) -> RefitSpec | None:
+    """The RefitSpec of a `refit` choice (`REFIT_MODES`; None or "none": no refit)."""
+    if refit is None or refit == "none":
+        return None
+    fit_beta, fit_values = REFIT_MODES[refit]
+    return RefitSpec(beta_bounds, fit_values=fit_values, fit_beta=fit_beta)
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -133,11 +150,13 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 __all__ = [
     "REFIT_CHOICES",
+    "REFIT_MODES",
     "RefitOption",
     "attention_probs",
     "avg_pool",
     "check_positive_int",
     "global_topk_budgets",
     "group_view",
+    "refit_spec_for",
     "topk_selection",
 ]
