@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compactor.methods.base import RefitSpec
+from compactor.methods.base import LayerInput, RefitSpec, Selection
 from compactor.methods.selection import topk_selection
 
 # What a selection baseline's `refit` fits after its pick: name -> (beta, values). "am" is
@@ -110,14 +110,20 @@ class RefitOption:
     applies the Attention-Matching refit (NNLS beta within refit_beta_bounds + LS values,
     :func:`compactor.methods.refit.refit`) on the reference queries; ``"beta"`` fits beta
     alone (original values), ``"values"`` the values alone (beta 0) (`REFIT_MODES`).
+    refit_verbatim: None, or p in (0, 1]: a kept key that some reference query reads with at
+    least p of its attention (the sinks and, where the method has it, the query's own
+    continuation in the softmax, as kvzip scores) stays as it is through the refit (beta 0,
+    its own value), and the others are fitted to what it leaves (:meth:`held_verbatim`).
     """
 
     refit: str | None = None
     refit_beta_bounds: tuple[float, float] = (-3.0, 3.0)
+    refit_verbatim: float | None = None
 
     def __post_init__(self) -> None:
         if self.refit not in REFIT_CHOICES:
             raise ValueError(f"refit must be one of {REFIT_CHOICES}, got {self.refit!r}")
+        self.refit_verbatim = check_verbatim(self.refit_verbatim, self.refit)
         try:
             lo, hi = (float(x) for x in self.refit_beta_bounds)
         except (TypeError, ValueError):
@@ -131,6 +137,28 @@ class RefitOption:
     def refit_spec(self) -> RefitSpec | None:
         """None (keep as is) or the AM refit with refit_beta_bounds (see `REFIT_MODES`)."""
         return refit_spec_for(self.refit, self.refit_beta_bounds)
+
+    def held_verbatim(self, x: LayerInput, selection: Selection) -> torch.Tensor | None:
+        """The kept entries some reference query reads with >= refit_verbatim of its
+        attention ([H_kv, t_max] bool), or None without refit_verbatim."""
+        if self.refit_verbatim is None:
+            return None
+        reads = attention_probs(
+            x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
+        ).amax(1)
+        return (torch.gather(reads, 1, selection.indices) >= self.refit_verbatim) & selection.mask
+
+
+def check_verbatim(value: Any, refit: str | None) -> float | None:
+    """refit_verbatim as a float in (0, 1] or None; ValueError otherwise, or when there is no
+    refit to hold entries out of."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"refit_verbatim must be None or a number in (0, 1], got {value!r}")
+    if refit is None or refit == "none":
+        raise ValueError("refit_verbatim needs a refit (refit='am', 'beta' or 'values')")
+    return float(value)
 
 
 def refit_spec_for(refit: str | None, beta_bounds: tuple[float, float]) -> RefitSpec | None:
@@ -155,6 +183,7 @@ __all__ = [
     "attention_probs",
     "avg_pool",
     "check_positive_int",
+    "check_verbatim",
     "global_topk_budgets",
     "group_view",
     "refit_spec_for",

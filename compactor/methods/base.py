@@ -205,6 +205,11 @@ class SelectingMethod(CompactionMethod):
         """None keeps the picked keys as they are; a RefitSpec applies the AM refit."""
         return None
 
+    def held_verbatim(self, x: LayerInput, selection: Selection) -> torch.Tensor | None:
+        """[H_kv, t_max] bool: the picked entries the refit leaves as they are (beta 0, their
+        own values; :func:`compactor.methods.refit.refit`'s ``verbatim``); None: none."""
+        return None
+
     @final
     def compact(self, x: LayerInput) -> MethodResult:
         """Pick, then keep as is or refit (see :meth:`refit_spec`)."""
@@ -223,6 +228,7 @@ class SelectingMethod(CompactionMethod):
             fit_values=spec.fit_values,
             value_ridge=spec.value_ridge,
             targets=x.targets,
+            verbatim=self.held_verbatim(x, sel),
         )
         return MethodResult(layer, report)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from compactor.methods import Selection
+from compactor.methods import Selection, get_method
 from compactor.methods.refit import fit_layer_values, refit
 from compactor.methods.targets import reference_targets
 
@@ -81,6 +81,42 @@ def test_verbatim_values_need_their_prior() -> None:
     beta = torch.zeros(sel.indices.shape)
     with pytest.raises(ValueError, match="prior"):
         fit_layer_values(q, ck, beta, sel, tg, sm_scale=0.25, verbatim=sel.mask)
+
+
+def test_kvzip_holds_the_keys_a_query_reads_sharply_verbatim() -> None:
+    k, v, q = _layer(H=3, T=45, n=31, seed=6)
+    k[1, 17] = 6 * q[1, 4] / q[1, 4].norm()  # query 4 of head 1 reads key 17 sharply
+    budgets = [7, 9, 5]
+    plain = get_method("kvzip").compact_layer(k, v, q, budgets)
+    fitted = get_method("kvzip", refit="am").compact_layer(k, v, q, budgets)
+    held = get_method("kvzip", refit="am", refit_verbatim=0.5).compact_layer(k, v, q, budgets)
+    assert torch.equal(held.kept_indices, plain.kept_indices)
+    lo = int(held.indptr[1])
+    j = lo + _kept(held, 1).index(17)
+    assert float(held.beta[j]) == 0.0 and torch.equal(held.values[j], v[1, 17])
+    assert not torch.equal(fitted.values[j], v[1, 17])  # the plain refit moves it
+    everything = get_method("kvzip", refit="am", refit_verbatim=1e-9)
+    whole = everything.compact_layer(k, v, q, budgets)  # every kept key is read a little
+    assert torch.equal(whole.values, plain.values) and not bool(whole.beta.any())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"refit": "am", "refit_verbatim": 0.0},
+        {"refit": "am", "refit_verbatim": 1.5},
+        {"refit": "am", "refit_verbatim": True},
+        {"refit": "am", "refit_verbatim": "0.5"},
+        {"refit_verbatim": 0.5},  # nothing to hold out of
+    ],
+)
+def test_bad_refit_verbatim_raises(params: dict) -> None:
+    with pytest.raises(ValueError, match="refit_verbatim"):
+        get_method("kvzip", **params)
+
+
+def _kept(layer, h: int) -> list[int]:
+    return layer.kept_indices[int(layer.indptr[h]) : int(layer.indptr[h + 1])].tolist()
 
 
 def _pick_heads(layer, heads: list[int]):
