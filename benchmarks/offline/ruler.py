@@ -93,7 +93,7 @@ def _parse(argv: list[str] | None) -> Any:
             "kvpress presses run on the same items in the kvpress venv; '' for none",
         ),
     )
-    add_options(p, json=(str(RESULTS / "ruler.json"), "where the results go"))
+    add_options(p, json=(str(RESULTS / "ruler" / "ruler.json"), "where the results go"))
     p.add_argument(
         "--merge",
         nargs="+",
