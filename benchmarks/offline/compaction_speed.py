@@ -103,7 +103,9 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
         with clock.measure("beta", sync):
             g = idx.unsqueeze(-1).expand(-1, -1, x.D)
             ck, cv0 = torch.gather(x.keys, 1, g), torch.gather(x.values, 1, g).float()
-            beta = fit_layer_beta(x.targets, sel, spec.beta_bounds)
+            beta = torch.zeros(idx.shape, device=x.keys.device)
+            if spec.fit_beta:
+                beta = fit_layer_beta(x.targets, sel, spec.beta_bounds)
         with clock.measure("values", sync):
             cv = cv0
             if spec.fit_values:

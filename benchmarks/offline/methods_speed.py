@@ -90,6 +90,8 @@ def exact_check(
             q_fit,
             sel,
             beta_bounds=spec.beta_bounds,
+            fit_beta=spec.fit_beta,
+            fit_values=spec.fit_values,
             value_ridge=spec.value_ridge,
             nnls_rounds=rounds,
         )

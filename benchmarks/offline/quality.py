@@ -2,9 +2,9 @@
 
 Runs the held-out-future-query eval (compactor.eval) over `--docs` generated needle
 documents (filler prose + needles, ~`--tokens` tokens each), for each method x ratio plus
-the uncompacted `full` baseline, prints the table and writes JSON + PNG. Then times one
-standalone compaction (`--speed-method` at `--speed-ratio`, all layers and heads, all stages
-included) of the first document.
+the uncompacted `full` baseline, prints the table and writes JSON (with its provenance) + PNG.
+Then times one standalone compaction (`--speed-method` at `--speed-ratio`, all layers and
+heads, all stages included) of the first document.
 
     .venv/bin/python -m benchmarks.offline.quality --json out/quality.json --plot out/quality.png
 """
@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
+    from harness.provenance import provenance
+
+    prov = provenance(argv)
 
     from compactor import hf
     from compactor.eval.runner import (
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in (args.json, args.plot):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_json(records, args.json, meta)
+    write_json(records, args.json, meta, prov)
     if args.plot:
         plot_records(records, args.plot)
     print(format_table(records))

@@ -15,7 +15,9 @@ falls back to repeat-prefill, as a served prefix does).
 
 Per (setting, method, ratio) it reports accuracy, retention = P(compacted correct | stock
 correct) with McNemar counts, and the teacher-forced per-token agreement and log-prob gap on
-stock's answers, each with a bootstrap 95% interval (`compactor.eval.paired`). Seeds come from
+stock's answers, each with a bootstrap 95% interval (`compactor.eval.paired`). Each record also
+holds the attention errors on the scored question's and stock answer's own queries (the
+queries that read the needle): output and mass relative errors, means over layers and heads. Seeds come from
 a split: `dev` (0, 1, ...) to choose defaults, `heldout` (1000, 1001, ...) to report them.
 
     .venv/bin/python -m benchmarks.offline.ruler --quick     # a minute or two: structure, pairing
@@ -92,7 +94,7 @@ def _parse(argv: list[str] | None) -> Any:
             "kvpress presses run on the same items in the kvpress venv; '' for none",
         ),
     )
-    add_options(p, json=(str(RESULTS / "ruler.json"), "where the results go"))
+    add_options(p, json=(str(RESULTS / "ruler" / "ruler.json"), "where the results go"))
     p.add_argument(
         "--merge",
         nargs="+",
@@ -193,6 +195,8 @@ def run_items(args: Any, model: Any, tok: Any) -> tuple[list[dict[str, Any]], li
                                             "ratio": ratio, "score": m["niah_accuracy"],
                                             "token_agreement": m["agreement"],
                                             "logprob_gap": m["logppl_gap"],
+                                            "output_err": m["output_rel_err"],
+                                            "mass_err": m["mass_rel_err"],
                                             "seconds": time.perf_counter() - t0})  # fmt: skip
                 print(f"{task} ({haystack}) T={len(ids)} seed={seed}: stock "
                       f"{ref.niah_scores[0]:.2f}", flush=True)  # fmt: skip
@@ -237,6 +241,7 @@ def run_kvpress(args: Any, items: list[dict[str, Any]], model_dir: Path) -> list
             records.append({**base, "setting": "agnostic", "method": f"kvpress:{press}",
                             "ratio": float(ratio), "score": score_answer(answer, item["answers"]),
                             "token_agreement": None, "logprob_gap": None,
+                            "output_err": None, "mass_err": None,
                             "seconds": seconds})  # fmt: skip
     return records
 

@@ -37,8 +37,8 @@ def _needles(data: dict[str, Any], ratio: float) -> list[str]:
     "headline",
     "demo.json",
     "serving_cold_3072.json",
-    "ruler_2k_10x.json",
-    "ruler_2k_20x.json",
+    "ruler/ruler_2k_10x.json",
+    "ruler/ruler_2k_20x.json",
     "gpu_serving.json",
 )
 def _headline(data: list[dict[str, Any]]) -> list[list[str]]:

@@ -1,6 +1,6 @@
 """Renderers of the RULER-style suite's tables (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): the
-held-out run, ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
+held-out run, ruler/ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
 kvpress's KVzip at 10x and at 20x on more of its items (`ruler_10x`, `ruler_20x`), the same at
 ~4k tokens (`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our
 kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), the
@@ -32,7 +32,7 @@ def _ruler_10x_20x(summary: list[dict[str, Any]], **match: Any) -> list[str]:
     return [*(_ruler_cell(s) for s in picked), agree]
 
 
-@table("ruler", "ruler.json")
+@table("ruler", "ruler/ruler.json")
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     """All tasks and haystacks together: per setting and method, one column per compression.
     A method run on part of the items (one haystack) is left to the per-haystack table."""
@@ -51,7 +51,7 @@ def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-@table("ruler_haystacks", "ruler.json")
+@table("ruler_haystacks", "ruler/ruler.json")
 def _ruler_haystacks(data: list[dict[str, Any]]) -> list[list[str]]:
     """Query-agnostic, per haystack: stock's accuracy, then each method's cells."""
     return _per_haystack(data[0]["summary"], with_all=False)
@@ -98,19 +98,19 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     return rows
 
 
-@table("ruler_10x", "ruler_2k_10x.json")
+@table("ruler_10x", "ruler/ruler_2k_10x.json")
 def _ruler_10x(data: list[dict[str, Any]]) -> list[list[str]]:
     """Ours against kvpress's KVzip at 10x (:func:`_head_to_head`)."""
     return _head_to_head(data, 0.1)
 
 
-@table("ruler_20x", "ruler_2k_20x.json")
+@table("ruler_20x", "ruler/ruler_2k_20x.json")
 def _ruler_20x(data: list[dict[str, Any]]) -> list[list[str]]:
     """Ours against kvpress's KVzip at 20x (:func:`_head_to_head`)."""
     return _head_to_head(data, 0.05)
 
 
-@table("ruler_4k", "ruler_4k.json")
+@table("ruler_4k", "ruler/ruler_4k.json")
 def _ruler_4k(data: list[dict[str, Any]]) -> list[list[str]]:
     """~4k-token contexts, query-agnostic: every method and press over all items, then per
     haystack."""
@@ -137,10 +137,10 @@ def _per_haystack(summary: list[dict[str, Any]], with_all: bool) -> list[list[st
 # and the new one (16384: above what repeat-prefill yields there, ~12k): (split, cap, file);
 # query-agnostic.
 _CAP_STEPS = (
-    ("dev", "8192 (the old default)", "ruler_dev_4k_cap8192.json"),
-    ("dev", "16384 (none dropped)", "ruler_dev_4k_cap16384.json"),
-    ("held-out", "8192 (the old default)", "ruler_4k_cap8192.json"),
-    ("held-out", "16384 (the new default)", "ruler_4k_cap16384.json"),
+    ("dev", "8192 (the old default)", "ruler/ruler_dev_4k_cap8192.json"),
+    ("dev", "16384 (none dropped)", "ruler/ruler_dev_4k_cap16384.json"),
+    ("held-out", "8192 (the old default)", "ruler/ruler_4k_cap8192.json"),
+    ("held-out", "16384 (the new default)", "ruler/ruler_4k_cap16384.json"),
 )
 
 
@@ -169,16 +169,16 @@ def _cap_cell(cells: dict[float, dict[str, Any]], ratio: float, items: int) -> s
 
 # Our kvzip's softmax, step by step: (split, haystack, what it holds, file); query-agnostic.
 _KVZIP_STEPS = (
-    ("dev", "filler", "the prefix", "ruler_dev_kvzip_before.json"),
-    ("dev", "filler", "+ the sinks", "ruler_dev_kvzip_after.json"),
-    ("dev", "filler", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix.json"),
-    ("dev", "essays", "+ the sinks", "ruler_dev_kvzip_essays.json"),
-    ("dev", "essays", "+ the sinks + its own tokens", "ruler_dev_kvzip_suffix_essays.json"),
-    ("held-out", "filler", "the prefix", "ruler_before_sinks.json"),
-    ("held-out", "filler", "+ the sinks", "ruler_agnostic.json"),
-    ("held-out", "filler", "+ the sinks + its own tokens", "ruler_suffix_filler_agnostic.json"),
-    ("held-out", "essays", "+ the sinks", "ruler_essays.json"),
-    ("held-out", "essays", "+ the sinks + its own tokens", "ruler_suffix_essays.json"),
+    ("dev", "filler", "the prefix", "ruler/ruler_dev_kvzip_before.json"),
+    ("dev", "filler", "+ the sinks", "ruler/ruler_dev_kvzip_after.json"),
+    ("dev", "filler", "+ the sinks + its own tokens", "ruler/ruler_dev_kvzip_suffix.json"),
+    ("dev", "essays", "+ the sinks", "ruler/ruler_dev_kvzip_essays.json"),
+    ("dev", "essays", "+ the sinks + its own tokens", "ruler/ruler_dev_kvzip_suffix_essays.json"),
+    ("held-out", "filler", "the prefix", "ruler/ruler_before_sinks.json"),
+    ("held-out", "filler", "+ the sinks", "ruler/ruler_agnostic.json"),
+    ("held-out", "filler", "+ the sinks + its own tokens", "ruler/ruler_suffix_filler_agnostic.json"),
+    ("held-out", "essays", "+ the sinks", "ruler/ruler_essays.json"),
+    ("held-out", "essays", "+ the sinks + its own tokens", "ruler/ruler_suffix_essays.json"),
 )  # fmt: skip
 
 
@@ -197,22 +197,22 @@ def _ruler_kvzip(data: list[dict[str, Any]]) -> list[list[str]]:
 # the held-out ones: (split, defaults, file, method). "old" / "new": as shipped before / after.
 _DEFAULTS = (
     ("dev", "CLI/service, old: am-omp-fast, repeat-prefill + self-study, 2048 per head",
-     "ruler_dev_spec.json", "am-omp-fast"),
-    ("dev", "CLI/service: kvzip, repeat-prefill + self-study, 2048", "ruler_dev_spec.json", "kvzip"),
-    ("dev", "CLI/service, new: kvzip, repeat-prefill, 8192", "ruler_dev_kvzip_after.json", "kvzip"),
-    ("dev", "plugin, old: am-highest, on-policy", "ruler_dev_plugin.json", "am-highest"),
-    ("dev", "plugin: kvzip, on-policy", "ruler_dev_plugin.json", "kvzip"),
-    ("dev", "plugin: kvzip, on-policy, 8192", "ruler_dev_plugin_8192.json", "kvzip"),
-    ("dev", "plugin: am-highest, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+     "ruler/ruler_dev_spec.json", "am-omp-fast"),
+    ("dev", "CLI/service: kvzip, repeat-prefill + self-study, 2048", "ruler/ruler_dev_spec.json", "kvzip"),
+    ("dev", "CLI/service, new: kvzip, repeat-prefill, 8192", "ruler/ruler_dev_kvzip_after.json", "kvzip"),
+    ("dev", "plugin, old: am-highest, on-policy", "ruler/ruler_dev_plugin.json", "am-highest"),
+    ("dev", "plugin: kvzip, on-policy", "ruler/ruler_dev_plugin.json", "kvzip"),
+    ("dev", "plugin: kvzip, on-policy, 8192", "ruler/ruler_dev_plugin_8192.json", "kvzip"),
+    ("dev", "plugin: am-highest, off-policy, 8192", "ruler/ruler_dev_plugin_offpolicy.json",
      "am-highest"),
-    ("dev", "plugin: kvzip:refit=am, off-policy, 8192", "ruler_dev_plugin_offpolicy.json",
+    ("dev", "plugin: kvzip:refit=am, off-policy, 8192", "ruler/ruler_dev_plugin_offpolicy.json",
      "kvzip:refit=am"),
-    ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler_dev_plugin_offpolicy.json", "kvzip"),
-    ("held-out", "CLI/service, old", "ruler_default_method.json", "am-omp-fast"),
-    ("held-out", "CLI/service, new", "ruler_agnostic.json", "kvzip"),
-    ("held-out", "CLI/service, new", "ruler_multiquery.json", "kvzip"),
-    ("held-out", "plugin, old", "ruler_plugin_old.json", "am-highest"),
-    ("held-out", "plugin, new", "ruler_plugin_new.json", "kvzip"),
+    ("dev", "plugin, new: kvzip, off-policy, 8192", "ruler/ruler_dev_plugin_offpolicy.json", "kvzip"),
+    ("held-out", "CLI/service, old", "ruler/ruler_default_method.json", "am-omp-fast"),
+    ("held-out", "CLI/service, new", "ruler/ruler_agnostic.json", "kvzip"),
+    ("held-out", "CLI/service, new", "ruler/ruler_multiquery.json", "kvzip"),
+    ("held-out", "plugin, old", "ruler/ruler_plugin_old.json", "am-highest"),
+    ("held-out", "plugin, new", "ruler/ruler_plugin_new.json", "kvzip"),
 )  # fmt: skip
 
 
@@ -234,10 +234,10 @@ def _ruler_defaults(data: list[dict[str, Any]]) -> list[list[str]]:
 # default before) or asked as the assistant's turn (repeat-turn, the default since); query-
 # agnostic, on the same items per split: (split, source, file).
 _REPEAT = (
-    ("dev", "repeat-prefill", "ruler_dev_kvzip_kernel.json"),
-    ("dev", "repeat-turn", "ruler_dev_repeat_turn.json"),
-    ("held-out", "repeat-prefill", "ruler_2k_repeat_prefill.json"),
-    ("held-out", "repeat-turn", "ruler_2k_repeat_turn.json"),
+    ("dev", "repeat-prefill", "ruler/ruler_dev_kvzip_kernel.json"),
+    ("dev", "repeat-turn", "ruler/ruler_dev_repeat_turn.json"),
+    ("held-out", "repeat-prefill", "ruler/ruler_2k_repeat_prefill.json"),
+    ("held-out", "repeat-turn", "ruler/ruler_2k_repeat_turn.json"),
 )
 
 

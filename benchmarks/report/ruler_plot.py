@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks import RESULTS
 from benchmarks.offline.ruler_results import on_every_item
 
-FILES = ("ruler.json",)
+FILES = ("ruler/ruler.json",)
 
 
 def curves(summaries: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, ...]]]]:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "files", nargs="*", type=Path, help=f"result files (default: {', '.join(FILES)})"
     )
-    p.add_argument("--out", type=Path, default=RESULTS / "ruler.png", help="the PNG")
+    p.add_argument("--out", type=Path, default=RESULTS / "ruler" / "ruler.png", help="the PNG")
     args = p.parse_args(argv)
     plot(args.files or [RESULTS / f for f in FILES], args.out)
     print(f"wrote {args.out}")

@@ -206,12 +206,15 @@ def format_table(records: Sequence[dict[str, Any]], columns: Sequence[str] = TAB
 
 
 def write_json(
-    records: Sequence[dict[str, Any]], path: str | Path, meta: dict[str, Any] | None = None
+    records: Sequence[dict[str, Any]],
+    path: str | Path,
+    meta: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> None:
-    """Write {"meta": ..., "records": [...]} to `path`."""
-    Path(path).write_text(
-        json.dumps({"meta": meta or {}, "records": list(records)}, indent=2) + "\n"
-    )
+    """Write {"provenance": ... (when given), "meta": ..., "records": [...]} to `path`."""
+    out: dict[str, Any] = {} if provenance is None else {"provenance": provenance}
+    out.update({"meta": meta or {}, "records": list(records)})
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
 def plot_records(records: Sequence[dict[str, Any]], path: str | Path) -> None:

@@ -17,10 +17,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compactor.methods.base import RefitSpec
+from compactor.methods.base import LayerInput, RefitSpec, Selection
 from compactor.methods.selection import topk_selection
 
-REFIT_CHOICES = (None, "am")
+# What a selection baseline's `refit` fits after its pick: name -> (beta, values). "am" is
+# the whole Attention-Matching refit; "beta" and "values" are its halves alone (the other
+# half kept as selected: beta 0 / the original values). None keeps the pick as it is.
+REFIT_MODES: dict[str, tuple[bool, bool]] = {
+    "am": (True, True),
+    "beta": (True, False),
+    "values": (False, True),
+}
+REFIT_CHOICES = (None, *REFIT_MODES)
 
 
 def attention_probs(
@@ -100,15 +108,22 @@ class RefitOption:
 
     refit: None keeps the selected keys as they are (beta 0, original values); ``"am"``
     applies the Attention-Matching refit (NNLS beta within refit_beta_bounds + LS values,
-    :func:`compactor.methods.refit.refit`) on the reference queries.
+    :func:`compactor.methods.refit.refit`) on the reference queries; ``"beta"`` fits beta
+    alone (original values), ``"values"`` the values alone (beta 0) (`REFIT_MODES`).
+    refit_verbatim: None, or p in (0, 1]: a kept key that some reference query reads with at
+    least p of its attention (the sinks and, where the method has it, the query's own
+    continuation in the softmax, as kvzip scores) stays as it is through the refit (beta 0,
+    its own value), and the others are fitted to what it leaves (:meth:`held_verbatim`).
     """
 
     refit: str | None = None
     refit_beta_bounds: tuple[float, float] = (-3.0, 3.0)
+    refit_verbatim: float | None = None
 
     def __post_init__(self) -> None:
         if self.refit not in REFIT_CHOICES:
             raise ValueError(f"refit must be one of {REFIT_CHOICES}, got {self.refit!r}")
+        self.refit_verbatim = check_verbatim(self.refit_verbatim, self.refit)
         try:
             lo, hi = (float(x) for x in self.refit_beta_bounds)
         except (TypeError, ValueError):
@@ -120,8 +135,38 @@ class RefitOption:
         self.refit_beta_bounds = (lo, hi)
 
     def refit_spec(self) -> RefitSpec | None:
-        """None (keep as is) or the AM refit with refit_beta_bounds."""
-        return RefitSpec(self.refit_beta_bounds) if self.refit == "am" else None
+        """None (keep as is) or the AM refit with refit_beta_bounds (see `REFIT_MODES`)."""
+        return refit_spec_for(self.refit, self.refit_beta_bounds)
+
+    def held_verbatim(self, x: LayerInput, selection: Selection) -> torch.Tensor | None:
+        """The kept entries some reference query reads with >= refit_verbatim of its
+        attention ([H_kv, t_max] bool), or None without refit_verbatim."""
+        if self.refit_verbatim is None:
+            return None
+        reads = attention_probs(
+            x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
+        ).amax(1)
+        return (torch.gather(reads, 1, selection.indices) >= self.refit_verbatim) & selection.mask
+
+
+def check_verbatim(value: Any, refit: str | None) -> float | None:
+    """refit_verbatim as a float in (0, 1] or None; ValueError otherwise, or when there is no
+    refit to hold entries out of."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"refit_verbatim must be None or a number in (0, 1], got {value!r}")
+    if refit is None or refit == "none":
+        raise ValueError("refit_verbatim needs a refit (refit='am', 'beta' or 'values')")
+    return float(value)
+
+
+def refit_spec_for(refit: str | None, beta_bounds: tuple[float, float]) -> RefitSpec | None:
+    """The RefitSpec of a `refit` choice (`REFIT_MODES`; None or "none": no refit)."""
+    if refit is None or refit == "none":
+        return None
+    fit_beta, fit_values = REFIT_MODES[refit]
+    return RefitSpec(beta_bounds, fit_values=fit_values, fit_beta=fit_beta)
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -133,11 +178,14 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 __all__ = [
     "REFIT_CHOICES",
+    "REFIT_MODES",
     "RefitOption",
     "attention_probs",
     "avg_pool",
     "check_positive_int",
+    "check_verbatim",
     "global_topk_budgets",
     "group_view",
+    "refit_spec_for",
     "topk_selection",
 ]

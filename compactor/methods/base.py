@@ -136,11 +136,12 @@ class Picked(NamedTuple):
 class RefitSpec(NamedTuple):
     """How a SelectingMethod finishes its pick with the AM refit
     (:func:`compactor.methods.refit.refit`): beta bounds (None = unbounded on that side),
-    whether values are fitted, and the value ridge."""
+    whether values are fitted, the value ridge, and whether beta is fitted (False: 0)."""
 
     beta_bounds: tuple[float | None, float | None]
     fit_values: bool = True
     value_ridge: float = 1e-3
+    fit_beta: bool = True
 
 
 @dataclasses.dataclass
@@ -204,6 +205,11 @@ class SelectingMethod(CompactionMethod):
         """None keeps the picked keys as they are; a RefitSpec applies the AM refit."""
         return None
 
+    def held_verbatim(self, x: LayerInput, selection: Selection) -> torch.Tensor | None:
+        """[H_kv, t_max] bool: the picked entries the refit leaves as they are (beta 0, their
+        own values; :func:`compactor.methods.refit.refit`'s ``verbatim``); None: none."""
+        return None
+
     @final
     def compact(self, x: LayerInput) -> MethodResult:
         """Pick, then keep as is or refit (see :meth:`refit_spec`)."""
@@ -218,9 +224,11 @@ class SelectingMethod(CompactionMethod):
             sel,
             sm_scale=x.scale,
             beta_bounds=spec.beta_bounds,
+            fit_beta=spec.fit_beta,
             fit_values=spec.fit_values,
             value_ridge=spec.value_ridge,
             targets=x.targets,
+            verbatim=self.held_verbatim(x, sel),
         )
         return MethodResult(layer, report)
 

@@ -61,10 +61,12 @@ from collections.abc import Sequence
 import torch
 
 from compactor.methods._scoring import (
+    REFIT_MODES,
     RefitOption,
     attention_probs,
     check_positive_int,
     global_topk_budgets,
+    refit_spec_for,
     topk_selection,
 )
 from compactor.methods.base import LayerInput, Picked, RefitSpec, ScoreMethod, resolve_sm_scale
@@ -73,7 +75,7 @@ from compactor.methods.registry import register_method
 
 __all__ = ["REFIT_VALUES", "KVCompress", "kv_compress_scores", "round_layer_shares"]
 
-REFIT_VALUES = ("none", "am")
+REFIT_VALUES = ("none", *REFIT_MODES)
 
 
 def kv_compress_scores(
@@ -118,8 +120,9 @@ class KVCompress(ScoreMethod, LayerBudgetPlanner):
     max(1, floor(min_fraction * t)) of the uniform budget t. per_head: heads of a layer
     trade budget (False: each head keeps its given budget). across_layers: layers trade
     budget in :meth:`plan_layer_budgets` (False: every layer keeps t per head on average).
-    refit: "none" (selected keys and values as they are, beta 0) or "am" (AM refit of beta
-    within refit_beta_bounds and of the values). Report: {"budgets": kept per KV head}.
+    refit: "none" (selected keys and values as they are, beta 0), "am" (AM refit of beta
+    within refit_beta_bounds and of the values), or one half of it, "beta" or "values"
+    (``REFIT_MODES``). Report: {"budgets": kept per KV head}.
     """
 
     window: int = 0
@@ -145,8 +148,8 @@ class KVCompress(ScoreMethod, LayerBudgetPlanner):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def refit_spec(self) -> RefitSpec | None:
-        """None (keep as is) or the AM refit with refit_beta_bounds."""
-        return RefitSpec(self.refit_beta_bounds) if self.refit == "am" else None
+        """None (keep as is) or the AM refit with refit_beta_bounds (``REFIT_MODES``)."""
+        return refit_spec_for(self.refit, self.refit_beta_bounds)
 
     def min_per_head(self, budget: float) -> int:
         """The fewest entries a head keeps when the uniform per-head budget is ``budget``."""

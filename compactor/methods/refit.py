@@ -67,6 +67,7 @@ def refit(
     nnls_ridge: float = 1e-6,
     nnls_rounds: int | None = NNLS_ROUNDS,
     targets: Targets | None = None,
+    verbatim: torch.Tensor | None = None,
 ) -> CompactedLayer:
     """NNLS beta + least-squares values for the kept keys of ``selection``.
 
@@ -81,6 +82,9 @@ def refit(
         nnls_ridge: ridge of the mass NNLS (relative).
         nnls_rounds: fixed active-set rounds of the NNLS (None: exact, with host syncs).
         targets: precomputed :func:`reference_targets` (saves one q K' product).
+        verbatim: [H_kv, t_max] bool, kept entries that stay as they are (beta 0, their own
+            values): the others' beta is fitted to the mass these leave, their values to
+            the outputs these leave (None: every kept entry is fitted).
 
     Returns:
         CompactedLayer (keys = original kept keys in the input dtype, fitted values in
@@ -97,11 +101,14 @@ def refit(
     if tg is None and (fit_beta or fit_values):
         tg = reference_targets(keys, values, queries, scale)
     if fit_beta and tg is not None and idx.shape[1] > 0:
-        beta = fit_layer_beta(tg, selection, beta_bounds, ridge=nnls_ridge, rounds=nnls_rounds)
+        beta = fit_layer_beta(
+            tg, selection, beta_bounds, ridge=nnls_ridge, rounds=nnls_rounds, verbatim=verbatim
+        )
     if fit_values and tg is not None and idx.shape[1] > 0:
         cv = fit_layer_values(
-            queries, ck, beta, selection, tg, sm_scale=scale, ridge=value_ridge, prior=cv0
-        )
+            queries, ck, beta, selection, tg, sm_scale=scale, ridge=value_ridge, prior=cv0,
+            verbatim=verbatim,
+        )  # fmt: skip
     return pack_layer(ck, cv, beta, selection, keys.dtype)
 
 
@@ -112,14 +119,18 @@ def fit_layer_beta(
     *,
     ridge: float = 1e-6,
     rounds: int | None = NNLS_ROUNDS,
+    verbatim: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """beta [H, t_max] of the kept keys: box-NNLS of the mass on their mass features.
 
     rounds: fixed-work solver rounds (None: exact, see :func:`compactor.solvers.nnls_gram`).
+    verbatim: [H, t_max] bool, entries held at beta = 0; the others fit the mass they leave.
     Heads are solved in blocks whose features and solver matrices stay within
     ``targets.block_bytes``. Padded entries get beta = 0.
     """
     idx, mask = selection.indices, selection.mask
+    if verbatim is not None:
+        return _fit_beta_around(targets, selection, verbatim, beta_bounds, ridge, rounds)
     H, t = idx.shape
     n = targets.shape[1]
     # per head: the features, then the solver's copies (fp64 kernel form when n < t)
@@ -148,12 +159,18 @@ def fit_layer_values(
     sm_scale: float,
     ridge: float = 1e-3,
     prior: torch.Tensor | None = None,
+    verbatim: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values [H, t_max, D] fp32 of the kept keys ck [H, t_max, D] with beta [H, t_max]:
     ridge least squares of the original outputs on the compacted attention weights,
     shrunk towards ``prior`` (the original values), in blocks of heads within
-    ``targets.block_bytes``. A head whose solve is not finite keeps ``prior`` (or 0)."""
+    ``targets.block_bytes``. A head whose solve is not finite keeps ``prior`` (or 0).
+    verbatim: [H, t_max] bool, entries that keep ``prior`` (required with it); the others
+    fit the outputs left once these entries' share of them is taken out."""
     mask = selection.mask
+    if verbatim is not None and prior is None:
+        raise ValueError("fit_layer_values: verbatim entries need the prior values")
+    free = mask if verbatim is None else mask & ~verbatim
     H, t = mask.shape
     n = queries.shape[1]
     # per head: logits / weights, then the solver's [t, t] (or fp64 [n, n] when n < t) copies
@@ -168,8 +185,13 @@ def fit_layer_values(
         logits = logits.masked_fill(~mask[h0:h1].unsqueeze(1), -math.inf)
         P = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
         pr = None if prior is None else prior[h0:h1]
-        parts.append(lstsq_values(P, out[h0:h1], ridge=ridge, prior=pr, mask=mask[h0:h1]))
+        y = out[h0:h1]
+        if verbatim is not None and pr is not None:
+            y = y - torch.bmm(P * verbatim[h0:h1].unsqueeze(1), pr)
+        parts.append(lstsq_values(P, y, ridge=ridge, prior=pr, mask=free[h0:h1]))
     cv = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if verbatim is not None and prior is not None:
+        cv = torch.where(verbatim.unsqueeze(-1), prior.to(cv.dtype), cv)
     bad = ~torch.isfinite(cv).all(-1).all(-1)  # [H]: never ship a blown-up head
     fallback = prior if prior is not None else torch.zeros_like(cv)
     return torch.where(bad[:, None, None], fallback.to(cv.dtype), cv)
@@ -229,6 +251,32 @@ def selection_from_budgets(indices: torch.Tensor, budgets: Sequence[int]) -> Sel
 
 
 # ---- private helpers -------------------------------------------------------------------
+
+
+def _fit_beta_around(
+    targets: Targets,
+    selection: Selection,
+    verbatim: torch.Tensor,
+    beta_bounds: tuple[float | None, float | None],
+    ridge: float,
+    rounds: int | None,
+) -> torch.Tensor:
+    """:func:`fit_layer_beta` with the `verbatim` entries at beta = 0: the others' NNLS
+    fits the mass left once the verbatim entries' own is taken out (head by head block)."""
+    idx, mask = selection.indices, selection.mask
+    free = mask & ~verbatim
+    H, t = idx.shape
+    n = targets.shape[1]
+    per_head = 8 * n * t + (24 * n * t + 32 * n * n if n < t else 20 * t * t)
+    hb = max(1, targets.block_bytes // per_head)
+    parts = []
+    for h0 in range(0, H, hb):
+        h1 = min(H, h0 + hb)
+        A = targets.features(idx[h0:h1], h0, h1)
+        held = (A * (verbatim[h0:h1] & mask[h0:h1]).unsqueeze(1)).sum(-1)
+        left = (targets.mass[h0:h1] - held).clamp_min(0.0)
+        parts.append(fit_beta_nnls(A, left, free[h0:h1], beta_bounds, ridge=ridge, rounds=rounds))
+    return torch.cat(parts)
 
 
 def _weight_bounds(beta_bounds: tuple[float | None, float | None]) -> tuple[float, float | None]:

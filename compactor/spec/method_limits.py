@@ -45,6 +45,8 @@ class Param(NamedTuple):
 
 
 _REFIT = {"refit": Param("str"), "refit_beta_bounds": Param("pair", -20.0, 20.0)}
+# the selection baselines' (RefitOption) refit: the above and the keys it holds verbatim
+_REFIT_OPTION = {**_REFIT, "refit_verbatim": Param("float", 0.0, 1.0)}
 _RIDGE = Param("float", 0.0, 1e3)
 _OMP = {
     "k": Param("int", 1, "prefix"),
@@ -64,17 +66,17 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
     "am-omp": _OMP,
     "am-omp-fast": _OMP,
     "keep-only": {"inner": Param("method"), "inner_params": Param("params")},
-    "snapkv": {**_REFIT, "window": Param("int", 0, "prefix"), "kernel": Param("int", 1, "prefix")},
+    "snapkv": {**_REFIT_OPTION, "window": Param("int", 0, "prefix"), "kernel": Param("int", 1, "prefix")},
     "h2o": {
-        **_REFIT,
+        **_REFIT_OPTION,
         "recent_fraction": Param("float", 0.0, 1.0),
         "window": Param("int", 0, "prefix"),
     },
-    "streamingllm": {**_REFIT, "n_sink": Param("int", 0, "prefix")},
-    "kvzip": {**_REFIT, "non_uniform": Param("bool"), "layerwise": Param("bool")},
+    "streamingllm": {**_REFIT_OPTION, "n_sink": Param("int", 0, "prefix")},
+    "kvzip": {**_REFIT_OPTION, "non_uniform": Param("bool"), "layerwise": Param("bool")},
     # `calibration` (a path on the server) is not settable by a request
     "compresskv": {
-        **_REFIT,
+        **_REFIT_OPTION,
         "top_heads": Param("int", 1, 4096),
         "kernel": Param("int", 1, "prefix"),
         "window": Param("int", 0, "prefix"),
@@ -82,7 +84,7 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "max_scale": Param("float", 0.0, 100.0),
     },
     "gvote": {
-        **_REFIT,
+        **_REFIT_OPTION,
         "p": Param("float", 0.0, 1.0),
         "S": Param("int", 1, "queries"),
         "n_sink": Param("int", 0, "prefix"),
@@ -98,7 +100,7 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "across_layers": Param("bool"),
     },
     "kvcompose": {
-        **_REFIT,
+        **_REFIT_OPTION,
         "group_size": Param("int", 1, "prefix"),
         "agg_task": Param("str"),
         "agg_group": Param("str"),

@@ -102,7 +102,11 @@ def test_table_matches_its_result_file(
     )
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted([*RESULTS.glob("*.json"), *RESULTS.glob("ruler/*.json")]),
+    ids=lambda p: p.relative_to(RESULTS).as_posix(),
+)
 def test_result_file_records_its_provenance(path: Path) -> None:
     prov = json.loads(path.read_text()).get("provenance")
     assert isinstance(prov, dict), f"{path.name} has no provenance block"
@@ -114,7 +118,7 @@ def test_result_file_records_its_provenance(path: Path) -> None:
 def _named_results(text: str) -> set[str]:
     """Patterns of result files a document names: `X.json`, `X.{json,png}`, `X.*`, `X*.json`."""
     out = set()
-    for token in re.findall(r"benchmarks/results/([\w.*{},-]+)", text):
+    for token in re.findall(r"benchmarks/results/([\w.*{},/-]+)", text):
         token = token.rstrip(".,")
         m = re.fullmatch(r"(.*)\{([\w,]+)\}", token)
         out.update(f"{m.group(1)}{e}" for e in m.group(2).split(",")) if m else out.add(token)

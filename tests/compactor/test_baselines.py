@@ -239,6 +239,39 @@ def test_am_refit_reduces_output_error_on_fit_queries(name: str) -> None:
     assert _out_err(k, v, q, fitted) < _out_err(k, v, q, plain)
 
 
+def _mass_sq_err(k, v, q, layer) -> float:
+    """Sum over heads and queries of the squared error of the attention mass exp(q k' s)."""
+    scale, err = 1 / math.sqrt(D), 0.0
+    for h in range(k.shape[0]):
+        m = torch.exp(q[h] @ k[h].T * scale).sum(-1)
+        ck, _, b = layer.head(h)
+        err += float((torch.exp(q[h] @ ck.float().T * scale + b).sum(-1) - m).square().sum())
+    return err
+
+
+@pytest.mark.parametrize("name", ["kvzip", "snapkv", "kv-compress"])
+def test_refit_halves_fit_only_their_part(name: str) -> None:
+    k, v, q = _rand(H=3, T=37, n=29, seed=5)
+    budgets = [7, 5, 9]
+    plain = get_method(name).compact_layer(k, v, q, budgets)
+    beta = get_method(name, refit="beta").compact_layer(k, v, q, budgets)
+    values = get_method(name, refit="values").compact_layer(k, v, q, budgets)
+    both = get_method(name, refit="am").compact_layer(k, v, q, budgets)
+    for layer in (beta, values, both):
+        assert torch.equal(layer.kept_indices, plain.kept_indices)
+        assert layer.head_lengths() == plain.head_lengths()
+    # beta alone: the original values, a fitted beta that matches the mass better
+    assert torch.equal(beta.values, plain.values)
+    assert bool((beta.beta != 0).any())
+    assert _mass_sq_err(k, v, q, beta) < _mass_sq_err(k, v, q, plain)
+    # values alone: beta 0, fitted values that match the outputs better
+    assert torch.equal(values.beta, torch.zeros_like(values.beta))
+    assert not torch.equal(values.values, plain.values)
+    assert _out_err(k, v, q, values) < _out_err(k, v, q, plain)
+    # both: the "am" refit fits beta as "beta" does
+    assert torch.allclose(both.beta, beta.beta)
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
     [
@@ -247,6 +280,8 @@ def test_am_refit_reduces_output_error_on_fit_queries(name: str) -> None:
         ("h2o", {"recent_fraction": 1.5}),
         ("streamingllm", {"n_sink": -1}),
         ("kvzip", {"refit": "omp"}),
+        ("kvzip", {"refit": "none"}),
+        ("kv-compress", {"refit": "both"}),
         ("kvzip", {"refit_beta_bounds": (1.0, 2.0)}),
     ],
 )
