@@ -50,6 +50,7 @@ DOCUMENTS = (
     "docs/gpu.md",
     "docs/benchmarks.md",
     "docs/cluster.md",
+    "docs/testing.md",
     "sglang_ext/README.md",
 )
 MARKER = re.compile(r"<!-- results: (\S+)((?: \S+\.json)+) -->")
@@ -112,6 +113,19 @@ def _serving(data: list[dict[str, Any]]) -> list[list[str]]:
                 _seen_unseen(r, "agreement"),
             ]
         )
+    return rows
+
+
+@table("suite_time", "suite_time.json")
+def _suite_time(data: list[dict[str, Any]]) -> list[list[str]]:
+    """One run of `make test`'s two streams: each pytest session and the whole run."""
+    r = data[0]
+    names = ("stream 1: the server tests", "stream 2: the tests without a server",
+             "stream 2: the short server tests")  # fmt: skip
+    rows = [["part", "tests passed", "skipped", "minutes"]]
+    for name, s in zip(names, r["sessions"], strict=True):
+        rows.append([name, str(s["passed"]), str(s["skipped"]), f"{s['seconds'] / 60:.1f}"])
+    rows.append(["the whole run, both streams side by side", "-", "-", f"{r['total_s'] / 60:.1f}"])
     return rows
 
 
