@@ -55,3 +55,13 @@ def rec(records: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
         if all(r.get(k) == v for k, v in match.items()):
             return r
     raise KeyError(f"no record with {match}")
+
+
+def held(r: dict[str, Any], base: int) -> list[str]:
+    """A server run's config, the KV slots it held, and how many times fewer than `base`."""
+    return [r["config"], str(r["kv_slots_held"]), f"{base / r['kv_slots_held']:.1f}x"]
+
+
+def seen_unseen(r: dict[str, Any], key: str) -> str:
+    """`key` on the fitted and on the unseen questions, as "0.88 / 0.75"."""
+    return f"{r[key + '_seen']:.2f} / {r[key + '_unseen']:.2f}"

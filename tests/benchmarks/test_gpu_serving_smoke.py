@@ -255,10 +255,10 @@ def test_report_writes_the_issue_fields(tmp_path: Path) -> None:
 
 def test_result_checks_fail_and_missing() -> None:
     res = GpuServingResult.merge(
-        "x", [_phase("plugin8b", idle_plugin_throughput_ratio=0.9, decode_step_ratio=0.3)]
+        "x", [_phase("plugin8b", idle_plugin_throughput_ratio=0.9, decode_step_ratio=0.4)]
     )
     checks = res.checks()
-    assert checks["idle_within_3pct"] is False and checks["decode_step_0.2x"] is False
+    assert checks["idle_within_3pct"] is False and checks["decode_step_0.35x"] is False
     assert checks["prefix_slots_8x"] is None and checks["identity_equal"] is None
     mixed = GpuServingResult.merge("x", [_phase("a"), {**_phase("b"), "backends": ["triton"]}])
     assert mixed.backend == "flashinfer,triton" and mixed.checks()["flashinfer"] is False
