@@ -17,10 +17,11 @@ document (bold `**` ignored), checks that every renderer has a table, that marke
 in `DOCUMENTS`, and that each result file records its provenance (command, commit, machine,
 date). Rounding: the renderers', to the digits the documents print.
 
-Renderers register with `@table` (benchmarks/report/_tables_lib.py, re-exported here): the serving and
-speed tables below, the compaction-quality ones in benchmarks/report/_tables_quality.py, the
-RULER-style suite's in benchmarks/report/_tables_ruler.py, the cluster ones (PD, the cluster
-simulator) in benchmarks/report/_tables_cluster.py.
+Renderers register with `@table` (benchmarks/report/_tables_lib.py, re-exported here): the demo,
+speed, GPU and suite-time tables below, the serving runs' in _tables_serving.py, the README's
+headline in _tables_headline.py, the compaction-quality ones in _tables_quality.py, the
+RULER-style suite's in _tables_ruler.py, the cluster ones (PD, the cluster simulator) in
+_tables_cluster.py (all in benchmarks/report/).
 """
 
 from __future__ import annotations
