@@ -4,7 +4,7 @@ CompactedPrefix, retry UNAVAILABLE with exponential backoff, and keep every atte
 backoff inside the call's deadline (`timeout` seconds).
 
     with CompactorClient("127.0.0.1:50051") as c:
-        result = c.compact(token_ids, fingerprint, CompactionSpec(method="am-omp-fast", ratio=0.1))
+        result = c.compact_prefix(token_ids, fingerprint, CompactionSpec(method="am-omp-fast", ratio=0.1))
         result.prefix, result.cache_hit
 
 A spec whose ratio and tokens are both None asks for the server's auto budget. The server
@@ -173,7 +173,7 @@ class _Base(Generic[R]):
         nothing else (results are signed with the separate signing key)."""
         self.metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
 
-    def compact(
+    def compact_prefix(
         self,
         token_ids: Sequence[int],
         model_fingerprint: str,

@@ -24,7 +24,7 @@ ids = tok(f"<|im_start|>user\n{document}")["input_ids"]
 with CompactorClient(endpoint) as client:
     print(f"service at {endpoint} serves {client.model_info().name or 'a model'}")
     for attempt in ("first", "again"):
-        result = client.compact(ids, fingerprint(model_dir), CompactionSpec(ratio=0.1),
+        result = client.compact_prefix(ids, fingerprint(model_dir), CompactionSpec(ratio=0.1),
                                 timeout=600)  # fmt: skip
         p = result.prefix
         print(f"{attempt}: {p.logical_length} tokens -> {p.kept_tokens()} KV entries "

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class Compactor(Protocol):
-    async def compact(
+    async def compact_prefix(
         self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix: ...
 
@@ -48,7 +48,7 @@ class InProcessCompactor:
         self.fingerprint = fingerprint
         self._executor: ProcessPoolExecutor | None = None
 
-    async def compact(
+    async def compact_prefix(
         self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix:
         if self._executor is None:
@@ -98,7 +98,7 @@ def _worker_compact(
         spec=spec,
         follow_ups=tuple(tuple(f) for f in follow_ups),
     )
-    return _WORKER.compact(uuid.uuid4().hex, job).prefix
+    return _WORKER.compact_job(uuid.uuid4().hex, job).prefix
 
 
 class GrpcCompactor:
@@ -160,7 +160,7 @@ class GrpcCompactor:
         self._sent_token = token
         return self._client
 
-    async def compact(
+    async def compact_prefix(
         self, token_ids: Sequence[int], follow_ups: Sequence[Sequence[int]], fit_round: int = 0
     ) -> CompactedPrefix:
         client = self._client_for(self._token())
@@ -169,7 +169,7 @@ class GrpcCompactor:
         spec = self.config.spec.for_follow_ups(fus)
         T = len(token_ids)
         budget = spec.result_budget(T)
-        result = await client.compact(
+        result = await client.compact_prefix(
             [int(t) for t in token_ids],
             self.fingerprint,
             spec,

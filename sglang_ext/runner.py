@@ -119,7 +119,7 @@ class CompactionRunner:
         error: BaseException | None = None
         try:
             prefix = await asyncio.wait_for(
-                self.compactor.compact(token_ids, follow_ups, fit_round), self.timeout
+                self.compactor.compact_prefix(token_ids, follow_ups, fit_round), self.timeout
             )
             if self.check is not None:
                 self.check(prefix)

@@ -77,7 +77,7 @@ def main() -> int:
     service, transfer = [], []
     with CompactorClient(ep) as c:
         for ids in prefixes[args.repeats : 2 * args.repeats]:
-            res = c.compact(ids, fp, spec, timeout=1800)
+            res = c.compact_prefix(ids, fp, spec, timeout=1800)
             service.append(res.seconds)
             transfer.append(res.seconds - res.compute_seconds)
             print(
@@ -86,14 +86,17 @@ def main() -> int:
                 flush=True,
             )
         t0 = time.perf_counter()
-        c.compact(prefixes[args.repeats], fp, spec, timeout=60)
+        c.compact_prefix(prefixes[args.repeats], fp, spec, timeout=60)
         cache_hit_s = time.perf_counter() - t0
 
     async def concurrent() -> float:
         async with AsyncCompactorClient(ep) as ac:
             t0 = time.perf_counter()
             await asyncio.gather(
-                *(ac.compact(ids, fp, spec, timeout=1800) for ids in prefixes[2 * args.repeats :])
+                *(
+                    ac.compact_prefix(ids, fp, spec, timeout=1800)
+                    for ids in prefixes[2 * args.repeats :]
+                )
             )
             return time.perf_counter() - t0
 
@@ -152,7 +155,7 @@ async def abort_latencies(
         return time.perf_counter() - t0
 
     async with AsyncCompactorClient(ep) as ac:
-        task = asyncio.ensure_future(ac.compact(ids_cancel, fp, spec, timeout=1800))
+        task = asyncio.ensure_future(ac.compact_prefix(ids_cancel, fp, spec, timeout=1800))
         while not pool.busy:
             await asyncio.sleep(0.005)
         await asyncio.sleep(half)
@@ -160,7 +163,7 @@ async def abort_latencies(
         cancel_to_free = await until_free()
         t0 = time.perf_counter()
         try:
-            await ac.compact(ids_deadline, fp, spec, timeout=half)
+            await ac.compact_prefix(ids_deadline, fp, spec, timeout=half)
             code = "OK"
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name

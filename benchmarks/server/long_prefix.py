@@ -142,11 +142,11 @@ def run_one(
         sampler = stack.enter_context(_Sampler(pid))
         with CompactorClient(service.endpoint) as client:
             # warm-up: the worker loads its model and torch its thread pools on a first job
-            client.compact(ids[:WARMUP_TOKENS], fingerprint(model), spec, follow_ups)
+            client.compact_prefix(ids[:WARMUP_TOKENS], fingerprint(model), spec, follow_ups)
             loaded = sampler.sample()
             print(f"T={tokens}: service warm (pid {pid}, RSS {loaded / 2**20:.0f} MiB)", flush=True)
             t0 = time.perf_counter()
-            res = client.compact(ids, fingerprint(model), spec, follow_ups, timeout=7200)
+            res = client.compact_prefix(ids, fingerprint(model), spec, follow_ups, timeout=7200)
             wall = time.perf_counter() - t0
         hwm = peak_rss_bytes(pid)
     prefix = res.prefix

@@ -68,7 +68,7 @@ def _request(args: argparse.Namespace) -> int:
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
     try:
         with CompactorClient(args.endpoint, tls=tls, auth_token=token) as client:
-            res = client.compact(token_ids, fp, spec, timeout=args.timeout)
+            res = client.compact_prefix(token_ids, fp, spec, timeout=args.timeout)
     except grpc.RpcError as err:
         raise SystemExit(f"compactor request: {err.code().name}: {err.details()}") from None
     except ChecksumError as exc:

@@ -3,7 +3,7 @@
     gate = DrainGate(limit=256)
     with gate.track():                               # per call; ServerDraining once closed,
                                                      # QueueFull past `limit` calls in flight
-        out = await gate.run(service.compact(job))   # ServerDraining if the drain expires first
+        out = await gate.run(service.compact_job(job))   # ServerDraining if the drain expires first
     ...
     finished = await gate.drain(30.0)                # on shutdown
 

@@ -192,7 +192,7 @@ class CompactionService:
         """The longest prefix accepted: the configured limit, else the model's context."""
         return self.config.max_prefix_tokens or FALLBACK_MAX_PREFIX_TOKENS
 
-    async def compact(self, job: CompactJob, timeout: float | None = None) -> CompactOutcome:
+    async def compact_job(self, job: CompactJob, timeout: float | None = None) -> CompactOutcome:
         """The encoded result for `job` (cache, else shared or new compaction).
 
         Raises ModelMismatch, InvalidRequest, QueueFull, DeadlineExceeded (after `timeout`

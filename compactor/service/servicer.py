@@ -56,7 +56,7 @@ class CompactorServicer(pb_grpc.CompactorServicer):
                 job = job_from_request(request, self.service.config.auto_ratio)
                 job = dataclasses.replace(job, tenant=tenant_of(context))
                 out = await self.gate.run(
-                    self.service.compact(job, timeout=context.time_remaining())
+                    self.service.compact_job(job, timeout=context.time_remaining())
                 )
                 key = token_bytes(self.signing_key)
                 trailer = pb.Trailer(

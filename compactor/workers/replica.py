@@ -80,7 +80,7 @@ class LocalReplica(Replica):
 
     async def run(self, job_id: str, job: CompactJob) -> JobResult:
         fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, self.worker.compact, job_id, job
+            self._executor, self.worker.compact_job, job_id, job
         )
         return await self._await(fut)
 
@@ -102,7 +102,7 @@ class RayReplica(Replica):
     async def run(self, job_id: str, job: CompactJob) -> JobResult:
         import ray
 
-        fut = asyncio.wrap_future(self.handle.compact.remote(job_id, job).future())
+        fut = asyncio.wrap_future(self.handle.compact_job.remote(job_id, job).future())
         try:
             return await self._await(fut)
         except ray.exceptions.RayActorError as exc:

@@ -151,7 +151,7 @@ class Worker:
     def pid(self) -> int:
         return os.getpid()
 
-    def compact(self, job_id: str, job: CompactJob) -> JobResult:
+    def compact_job(self, job_id: str, job: CompactJob) -> JobResult:
         """Run `job`; raises Cancelled if :meth:`cancel` (job_id) is called meanwhile (or
         shortly before: see EARLY_CANCELS)."""
         with self._lock:

@@ -49,7 +49,7 @@ class _StubbornWorker:
         self.started = threading.Event()
         _StubbornWorker.instances.append(self)
 
-    def compact(self, job_id: str, job: CompactJob) -> str:
+    def compact_job(self, job_id: str, job: CompactJob) -> str:
         self.events.append(("start", job.token_ids[0], time.monotonic()))
         self.started.set()
         time.sleep(HOLD_S)
@@ -161,7 +161,7 @@ class _DeafOnceWorker:
         self.started = threading.Event()
         _DeafOnceWorker.instances.append(self)
 
-    def compact(self, job_id: str, job: CompactJob) -> str:
+    def compact_job(self, job_id: str, job: CompactJob) -> str:
         if job.token_ids[0] == 1:
             self.started.set()
             self.ends.append("stopped" if self.stop.wait(HOLD_S * 4) else "ran out")
@@ -214,6 +214,6 @@ def test_worker_remembers_cancels_of_running_jobs_only(tmp_path: Any) -> None:
     spec = CompactionSpec("am-highest", ratio=0.5, queries=QueryConfig(sources=("repeat-prefill",)))
     job = CompactJob(w.fingerprint, tuple(range(2, 34)), spec)
     with pytest.raises(Cancelled):
-        w.compact("early", job)
+        w.compact_job("early", job)
     assert "early" not in w._cancelled and "early" not in w._early
-    assert w.compact("later", job).prefix.logical_length == 32
+    assert w.compact_job("later", job).prefix.logical_length == 32

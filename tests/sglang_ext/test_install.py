@@ -281,7 +281,7 @@ def test_runner_checks_results_on_its_own_thread(compacted: Any) -> None:
     seen: list[str] = []
 
     class Instant:
-        async def compact(
+        async def compact_prefix(
             self, token_ids: Any, follow_ups: Any, fit_round: int = 0
         ) -> CompactedPrefix:
             await asyncio.sleep(0)

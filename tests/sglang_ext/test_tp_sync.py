@@ -60,7 +60,9 @@ class DelayedCompactor:
         self.prefix, self.delay_s, self.fail = prefix, delay_s, fail
         self.calls: list[tuple[int, ...]] = []
 
-    async def compact(self, token_ids: Any, follow_ups: Any, fit_round: int = 0) -> CompactedPrefix:
+    async def compact_prefix(
+        self, token_ids: Any, follow_ups: Any, fit_round: int = 0
+    ) -> CompactedPrefix:
         self.calls.append(tuple(token_ids))
         await asyncio.sleep(self.delay_s)
         if self.fail:

@@ -84,7 +84,7 @@ def running_server(
 def compact_in_background(
     endpoint: str, ids: list[int], model_fp: str, timeout: float
 ) -> tuple[threading.Thread, dict[str, Any]]:
-    """`CompactorClient.compact(ids)` on a thread of its own, started; the dict gets "res" (the
+    """`CompactorClient.compact_prefix(ids)` on a thread of its own, started; the dict gets "res" (the
     result) or "err" (what it raised) when the call ends."""
     from compactor.client import CompactorClient
 
@@ -93,7 +93,7 @@ def compact_in_background(
     def call() -> None:
         with CompactorClient(endpoint) as c:
             try:
-                out["res"] = c.compact(ids, model_fp, FAST, timeout=timeout)
+                out["res"] = c.compact_prefix(ids, model_fp, FAST, timeout=timeout)
             except Exception as exc:
                 out["err"] = exc
 

@@ -33,7 +33,7 @@ NO_RETRY = RetryPolicy(attempts=1)
 
 def _compact(endpoint: str, fp: str, ids: list[int], **spec: Any) -> CompactResult:
     with CompactorClient(endpoint, retry=NO_RETRY) as client:
-        return client.compact(ids, fp, FAST.replace(**spec), timeout=180)
+        return client.compact_prefix(ids, fp, FAST.replace(**spec), timeout=180)
 
 
 def _rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:

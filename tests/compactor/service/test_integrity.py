@@ -104,11 +104,11 @@ def test_a_real_service_signs_and_a_swapping_proxy_is_refused(
     ep = f"127.0.0.1:{signed_server.port}"
     key = KEY.decode()
     with CompactorClient(ep, auth_token=TOKEN, signing_key=key) as c:
-        res = c.compact(PREFIX, model_fp, FAST, timeout=120)
+        res = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
     assert res.prefix.num_layers == 30
     with HostileProxy(ep) as proxy, CompactorClient(proxy.address, auth_token=TOKEN,
                                                     signing_key=key) as c:  # fmt: skip
         proxy.expect("swap")
         with pytest.raises(ChecksumError, match="HMAC mismatch"):
-            c.compact(PREFIX, model_fp, FAST, timeout=120)
+            c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
         assert [call.mode for call in proxy.calls] == ["swap"]

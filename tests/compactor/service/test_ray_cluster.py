@@ -102,7 +102,7 @@ def test_serve_on_the_cluster_survives_losing_its_node(
 
     ids = make_prefix(30)
     with CompactorClient(serve.endpoint) as client:
-        first = client.compact(ids, model_fp, FAST, timeout=300)
+        first = client.compact_prefix(ids, model_fp, FAST, timeout=300)
     assert_same_prefix(first.prefix, reference(ids))
     assert node_a.owns(_worker_pid(first)), f"{first.worker} is not on the second node"
 

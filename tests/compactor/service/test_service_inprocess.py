@@ -47,8 +47,8 @@ def test_round_trip_is_bit_exact_then_cached(
         info = c.model_info()
         assert info.model_fingerprint == model_fp and info.num_kv_heads == 3
         assert "am-omp-fast" in c.list_methods()
-        first = c.compact(PREFIX, model_fp, FAST, timeout=120)
-        second = c.compact(PREFIX, model_fp, FAST, timeout=120)
+        first = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
+        second = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
     assert_same_prefix(first.prefix, reference_prefix)
     assert_same_prefix(second.prefix, reference_prefix)
     assert not first.cache_hit and second.cache_hit
@@ -62,7 +62,7 @@ def test_status_codes_from_real_bad_requests(server: Any, model_fp: str) -> None
 
         def call(fp: str = model_fp, ids: Any = None, timeout: float = 60, **kw: Any) -> Any:
             spec = FAST.replace(**kw)
-            return c.compact(_prefix(1) if ids is None else ids, fp, spec, timeout=timeout)
+            return c.compact_prefix(_prefix(1) if ids is None else ids, fp, spec, timeout=timeout)
 
         def raw(spec_json: str) -> Any:
             req = pb.CompactRequest(
@@ -96,7 +96,9 @@ def test_queue_full_is_resource_exhausted(prepared_model: Path, model_fp: str) -
 
         async def main() -> list[Any]:
             async with AsyncCompactorClient(ep) as c:
-                calls = [c.compact(_prefix(10 + i), model_fp, FAST, timeout=1.5) for i in range(3)]
+                calls = [
+                    c.compact_prefix(_prefix(10 + i), model_fp, FAST, timeout=1.5) for i in range(3)
+                ]
                 return await asyncio.gather(*calls, return_exceptions=True)
 
         results = asyncio.run(main())
@@ -112,7 +114,7 @@ def test_32_identical_requests_share_one_compaction(server: Any, model_fp: str) 
     async def main() -> list[Any]:
         async with AsyncCompactorClient(f"127.0.0.1:{server.port}") as c:
             return await asyncio.gather(
-                *(c.compact(ids, model_fp, FAST, timeout=120) for _ in range(32))
+                *(c.compact_prefix(ids, model_fp, FAST, timeout=120) for _ in range(32))
             )
 
     results = asyncio.run(main())
@@ -129,9 +131,11 @@ def test_other_follow_ups_share_the_result(server: Any, model_fp: str) -> None:
     ep = f"127.0.0.1:{server.port}"
     before = _metric(server, "compactor_compactions_total")
     with CompactorClient(ep) as c:
-        first = c.compact(_prefix(20), model_fp, spec, [[101, 102, 103]], timeout=120)
-        second = c.compact(_prefix(20), model_fp, spec, [[201, 202], [203, 204]], timeout=120)
-        other = c.compact(_prefix(20), model_fp, FAST, timeout=120)  # another query policy
+        first = c.compact_prefix(_prefix(20), model_fp, spec, [[101, 102, 103]], timeout=120)
+        second = c.compact_prefix(
+            _prefix(20), model_fp, spec, [[201, 202], [203, 204]], timeout=120
+        )
+        other = c.compact_prefix(_prefix(20), model_fp, FAST, timeout=120)  # another query policy
     assert not first.cache_hit and second.cache_hit and not other.cache_hit
     assert_same_prefix(second.prefix, first.prefix)
     assert _metric(server, "compactor_compactions_total") - before == 2
@@ -139,7 +143,10 @@ def test_other_follow_ups_share_the_result(server: Any, model_fp: str) -> None:
     async def at_once() -> list[Any]:  # two replicas asking together: one compaction
         async with AsyncCompactorClient(ep) as ac:
             return await asyncio.gather(
-                *(ac.compact(_prefix(21), model_fp, spec, [[300 + i]], timeout=120) for i in (1, 2))
+                *(
+                    ac.compact_prefix(_prefix(21), model_fp, spec, [[300 + i]], timeout=120)
+                    for i in (1, 2)
+                )
             )
 
     a, b = asyncio.run(at_once())
@@ -155,7 +162,7 @@ def test_prefix_limit_defaults_to_the_model_context(prepared_model: Path, model_
         c = CompactorClient(f"127.0.0.1:{srv.port}")
         with c, pytest.raises(grpc.RpcError) as info:
             assert c.model_info().max_prefix_tokens == 8192
-            c.compact(_prefix(6, 8193), model_fp, FAST, timeout=60)
+            c.compact_prefix(_prefix(6, 8193), model_fp, FAST, timeout=60)
     assert info.value.code() == INVALID
     assert info.value.details() == "prefix has 8193 tokens; this server's limit is 8192"
 
@@ -255,7 +262,7 @@ def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp
         assert dict(c.model_info().limits) == WorkLimits().as_dict()
         huge = FAST.replace(queries=replace(FAST.queries, sources=("random",), random_count=10**9))
         with pytest.raises(grpc.RpcError) as info:
-            c.compact(_prefix(7), model_fp, huge, timeout=60)
+            c.compact_prefix(_prefix(7), model_fp, huge, timeout=60)
     assert info.value.code() == INVALID
     assert "queries.random_count = 1000000000 is over this server's limit 8192" in (
         info.value.details() or ""
@@ -269,7 +276,7 @@ def test_work_caps_refuse_before_any_work_and_are_reported(server: Any, model_fp
          "queries.self_study_prompts = 1048576 is over this server's limit 4096"),
     ):  # fmt: skip
         with CompactorClient(f"127.0.0.1:{server.port}") as c, pytest.raises(grpc.RpcError) as info:
-            c.compact(_prefix(7), model_fp, spec, timeout=60)
+            c.compact_prefix(_prefix(7), model_fp, spec, timeout=60)
         assert info.value.code() == INVALID and field in (info.value.details() or "")
     assert _metric(server, "compactor_requests_total", status="OK") == busy
 
@@ -286,7 +293,9 @@ def test_per_tenant_limit_and_deadline_cap(prepared_model: Path, model_fp: str) 
 
         def slow() -> None:
             with CompactorClient(ep) as c:
-                codes.append(_code(lambda: c.compact(_prefix(11), model_fp, FAST, timeout=None)))
+                codes.append(
+                    _code(lambda: c.compact_prefix(_prefix(11), model_fp, FAST, timeout=None))
+                )
 
         first = threading.Thread(target=slow)
         first.start()
@@ -294,7 +303,7 @@ def test_per_tenant_limit_and_deadline_cap(prepared_model: Path, model_fp: str) 
         while srv.service.pool.busy == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         with CompactorClient(ep) as c:
-            second = _code(lambda: c.compact(_prefix(12), model_fp, FAST, timeout=60))
+            second = _code(lambda: c.compact_prefix(_prefix(12), model_fp, FAST, timeout=60))
         first.join(60)
     assert second == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED]  # ~6 s of work, capped at 1.5 s

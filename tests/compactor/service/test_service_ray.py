@@ -47,7 +47,7 @@ def _wait(pred: Any, timeout: float) -> None:
 
 def test_round_trip_is_bit_exact(server: Any, model_fp: str, reference_prefix: Any) -> None:
     with CompactorClient(f"127.0.0.1:{server.port}") as c:
-        res = c.compact(PREFIX, model_fp, FAST, timeout=120)
+        res = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
     assert_same_prefix(res.prefix, reference_prefix)
     assert not res.cache_hit
     assert str(res.worker) != ""
@@ -78,7 +78,7 @@ def test_32_identical_requests_one_compaction(server: Any, model_fp: str) -> Non
     async def main() -> list[Any]:
         async with AsyncCompactorClient(f"127.0.0.1:{server.port}") as c:
             return await asyncio.gather(
-                *(c.compact(ids, model_fp, FAST, timeout=120) for _ in range(32))
+                *(c.compact_prefix(ids, model_fp, FAST, timeout=120) for _ in range(32))
             )
 
     results = asyncio.run(main())

@@ -120,12 +120,12 @@ def test_a_poison_prefix_restarts_at_most_two_replicas(
         ep = f"127.0.0.1:{srv.port}"
         with CompactorClient(ep) as c:  # retries UNAVAILABLE up to 5 attempts
             with pytest.raises(grpc.RpcError) as first:
-                c.compact(poison, tiny_fp, TINY_SPEC, timeout=60)
+                c.compact_prefix(poison, tiny_fp, TINY_SPEC, timeout=60)
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as again:
-                c.compact(poison, tiny_fp, TINY_SPEC.replace(ratio=0.5), timeout=60)
+                c.compact_prefix(poison, tiny_fp, TINY_SPEC.replace(ratio=0.5), timeout=60)
             refused_in = time.monotonic() - t0
-            healthy = c.compact(random_ids(32, seed=6), tiny_fp, TINY_SPEC, timeout=60)
+            healthy = c.compact_prefix(random_ids(32, seed=6), tiny_fp, TINY_SPEC, timeout=60)
         restarts = _metric(srv, "compactor_worker_restarts_total")
     for err in (first.value, again.value):
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, (err.code(), err.details())
@@ -189,7 +189,7 @@ def test_internal_errors_name_an_incident_not_the_exception(
         CompactorClient(f"127.0.0.1:{srv.port}") as c,
         pytest.raises(grpc.RpcError) as info,
     ):
-        c.compact(random_ids(32, seed=7), tiny_fp, TINY_SPEC, timeout=60)
+        c.compact_prefix(random_ids(32, seed=7), tiny_fp, TINY_SPEC, timeout=60)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     details = info.value.details() or ""
     m = re.fullmatch(r"internal error \(incident ([0-9a-f]{12})\)", details)
@@ -207,7 +207,7 @@ def test_request_ids_are_logged_printable_and_bounded(
         running_server(tiny_dir, max_prefix_tokens=None) as (srv, _lt),
         CompactorClient(f"127.0.0.1:{srv.port}") as c,
     ):
-        c.compact(random_ids(32, seed=8), tiny_fp, TINY_SPEC, timeout=60, request_id=evil)
+        c.compact_prefix(random_ids(32, seed=8), tiny_fp, TINY_SPEC, timeout=60, request_id=evil)
     done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compacted ")]
     line = next(msg for msg in done if "evil" in msg)
     assert "\n" not in line and "\x1b" not in line and "x" * 100 not in line, line
@@ -237,7 +237,7 @@ def test_compact_calls_past_the_limit_are_refused_and_health_still_answers(
         def first() -> None:
             try:
                 with CompactorClient(addr) as c:
-                    c.compact(random_ids(32, seed=1), tiny_fp, TINY_SPEC, timeout=120)
+                    c.compact_prefix(random_ids(32, seed=1), tiny_fp, TINY_SPEC, timeout=120)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
@@ -246,7 +246,7 @@ def test_compact_calls_past_the_limit_are_refused_and_health_still_answers(
         _wait(lambda: srv.gate.active == 1, 30)
         with CompactorClient(addr) as c:
             with pytest.raises(grpc.RpcError) as info:
-                c.compact(random_ids(32, seed=2), tiny_fp, TINY_SPEC, timeout=30)
+                c.compact_prefix(random_ids(32, seed=2), tiny_fp, TINY_SPEC, timeout=30)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-concurrent-rpcs" in (info.value.details() or "")
             assert c.model_info().model_fingerprint == tiny_fp

@@ -33,7 +33,7 @@ def test_mtls_with_token_works(server: Any, certs: Path, model_fp: str) -> None:
     tls = TlsFiles(certs / "ca.pem", certs / "client.pem", certs / "client.key")
     with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=TOKEN) as c:
         assert c.model_info().model_fingerprint == model_fp
-        res = c.compact(PREFIX, model_fp, FAST, timeout=120)
+        res = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120)
     assert res.prefix.logical_length == len(PREFIX)
 
 
@@ -46,7 +46,7 @@ def test_request_without_the_token_is_refused(
     before = reg.get_sample_value("compactor_compactions_total")
     with CompactorClient(f"127.0.0.1:{server.port}", tls=tls, auth_token=token) as c:
         with pytest.raises(grpc.RpcError) as info:
-            c.compact(PREFIX, model_fp, FAST, timeout=30)
+            c.compact_prefix(PREFIX, model_fp, FAST, timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as info:
             c.model_info()
@@ -95,9 +95,9 @@ def test_tenants_are_kept_apart(server: Any, certs: Path, model_fp: str) -> None
     reg = server.service.metrics.registry
     before = reg.get_sample_value("compactor_compactions_total") or 0.0
     with client("client") as a, client("client-b") as b:
-        first = a.compact(ids, model_fp, spec, follow_ups=crafted, timeout=120)
-        again_a = a.compact(ids, model_fp, spec, follow_ups=honest, timeout=120)
-        got_b = b.compact(ids, model_fp, spec, follow_ups=honest, timeout=120)
+        first = a.compact_prefix(ids, model_fp, spec, follow_ups=crafted, timeout=120)
+        again_a = a.compact_prefix(ids, model_fp, spec, follow_ups=honest, timeout=120)
+        got_b = b.compact_prefix(ids, model_fp, spec, follow_ups=honest, timeout=120)
     assert not first.cache_hit and again_a.cache_hit  # one tenant shares its own results
     assert not got_b.cache_hit and not got_b.shared
     assert reg.get_sample_value("compactor_compactions_total") == before + 2

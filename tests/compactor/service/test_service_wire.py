@@ -105,7 +105,7 @@ def test_sync_client_cancels_an_over_limit_stream(hostile, announce, error, matc
     servicer, ep = hostile(announce)
     with CompactorClient(ep) as c:
         with pytest.raises(error, match=match) as info:  # keeps the call's frame alive
-            c.compact(PREFIX, "fp", FAST, timeout=30, max_result_bytes=1 << 20)
+            c.compact_prefix(PREFIX, "fp", FAST, timeout=30, max_result_bytes=1 << 20)
         _assert_stopped(servicer)
         assert info.type is error
 
@@ -116,7 +116,7 @@ def test_async_client_cancels_an_over_limit_stream(hostile) -> None:
     async def go() -> None:
         async with AsyncCompactorClient(ep) as c:
             with pytest.raises(ResultTooLarge, match="exceeds the limit") as info:
-                await c.compact(PREFIX, "fp", FAST, timeout=30, max_result_bytes=1 << 20)
+                await c.compact_prefix(PREFIX, "fp", FAST, timeout=30, max_result_bytes=1 << 20)
             await asyncio.to_thread(_assert_stopped, servicer)
             assert info.value.limit == 1 << 20
 
@@ -175,11 +175,11 @@ def test_bf16_payload_round_trip_and_cache_key(
     limit32 = max_result_bytes(L, H, D, T, torch.float32, t)
     limit16 = max_result_bytes(L, H, D, T, torch.bfloat16, t)
     with CompactorClient(ep) as c:
-        fp32 = c.compact(PREFIX, model_fp, FAST, timeout=120, max_result_bytes=limit32)
-        bf16 = c.compact(
+        fp32 = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120, max_result_bytes=limit32)
+        bf16 = c.compact_prefix(
             PREFIX, model_fp, FAST, timeout=120, kv_dtype=torch.bfloat16, max_result_bytes=limit16
         )
-        again = c.compact(PREFIX, model_fp, FAST, timeout=120, kv_dtype="bfloat16")
+        again = c.compact_prefix(PREFIX, model_fp, FAST, timeout=120, kv_dtype="bfloat16")
     assert_same_prefix(fp32.prefix, ref)
     assert not bf16.cache_hit and again.cache_hit  # a cache entry of its own
     assert_same_prefix(again.prefix, bf16.prefix)
