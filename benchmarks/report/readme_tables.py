@@ -19,8 +19,9 @@ date). Rounding: the renderers', to the digits the documents print.
 
 Renderers register with `@table` (benchmarks/report/_tables_lib.py, re-exported here): the serving and
 speed tables below, the compaction-quality ones in benchmarks/report/_tables_quality.py, the
-RULER-style suite's in benchmarks/report/_tables_ruler.py, the cluster ones (PD, the cluster
-simulator) in benchmarks/report/_tables_cluster.py.
+RULER-style suite's in benchmarks/report/_tables_ruler.py (its Attention Matching ones in
+_tables_ruler_am.py), the cluster ones (PD, the cluster simulator) in
+benchmarks/report/_tables_cluster.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from typing import Any
 from benchmarks import ROOT
 
 # the quality family registers its renderers on import
-from benchmarks.report import _tables_cluster, _tables_quality, _tables_ruler  # noqa: F401
+from benchmarks.report import (  # noqa: F401
+    _tables_cluster,
+    _tables_quality,
+    _tables_ruler,
+    _tables_ruler_am,
+)
 from benchmarks.report._tables_lib import TABLES, rec, sig, table
 
 # Every document that shows results (tables under a marker, or result files it names), relative
