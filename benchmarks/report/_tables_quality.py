@@ -2,7 +2,7 @@
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
 on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
 (`agreement`), next_question.json (`next_question`) and equal_memory.json (`equal_memory`). The
-RULER-style suite's tables are in `_tables_ruler.py`.
+RULER-style suite's tables are in `_tables_ruler.py` and `_tables_ruler_am.py`.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ date). Rounding: the renderers', to the digits the documents print.
 Renderers register with `@table` (benchmarks/report/_tables_lib.py, re-exported here): the demo,
 speed, GPU and suite-time tables below, the serving runs' in _tables_serving.py, the README's
 headline in _tables_headline.py, the compaction-quality ones in _tables_quality.py, the
-RULER-style suite's in _tables_ruler.py, the cluster ones (PD, the cluster simulator) in
-_tables_cluster.py (all in benchmarks/report/).
+RULER-style suite's in _tables_ruler.py (its Attention Matching ones in _tables_ruler_am.py),
+the cluster ones (PD, the cluster simulator) in _tables_cluster.py (all in benchmarks/report/).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from benchmarks.report import (  # noqa: F401
     _tables_headline,
     _tables_quality,
     _tables_ruler,
+    _tables_ruler_am,
     _tables_serving,
 )
 from benchmarks.report._tables_lib import TABLES, held, rec, seen_unseen, sig, table

@@ -1,0 +1,96 @@
+"""Renderers of the RULER-style suite's Attention Matching tables (registered in
+`benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): where
+the AM fit loses the needle, lever by lever from am-highest to kvzip (`ruler_am_decomposition`);
+a method against kvzip on the same items (`paired_to_kvzip`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.offline.ruler_results import item_key, overall
+from benchmarks.report._tables_lib import rec, table
+from compactor.eval.paired import retention_difference
+
+RATIOS = (0.1, 0.05)
+
+# Held-out, ~2k tokens, query-agnostic, repeat-prefill queries: (key score, budget split,
+# what the refit fits, method). Each row changes one lever of the one above it or of the
+# kvzip row.
+_RMS = "RMS over queries (am-highest)"
+_MAX = "max over queries, sinks in the softmax (kvzip)"
+_UNIFORM = "uniform per head"
+_GLOBAL = "global top-k (kvzip)"
+_FLAT = "kvzip:layerwise=true:non_uniform=false"
+_DECOMPOSITION = (
+    (_RMS, _UNIFORM, "beta + values", "am-highest"),
+    (_RMS, _UNIFORM, "none", "keep-only:inner=am-highest"),
+    (_MAX, _UNIFORM, "none", _FLAT),
+    (_MAX, _UNIFORM, "beta + values", f"{_FLAT}:refit=am"),
+    (_MAX, _GLOBAL, "none", "kvzip"),
+    (_MAX, _GLOBAL, "beta", "kvzip:refit=beta"),
+    (_MAX, _GLOBAL, "values", "kvzip:refit=values"),
+    (_MAX, _GLOBAL, "beta + values", "kvzip:refit=am"),
+)
+
+
+def _cell(s: dict[str, Any]) -> str:
+    """Retention with its 95% interval, then accuracy: "0.75 [0.40, 1.00] / 0.43"."""
+    if s["retention"] is None:
+        return f"- / {s['accuracy']:.2f}"
+    lo, hi = s["retention_ci"]
+    return f"{s['retention']:.2f} [{lo:.2f}, {hi:.2f}] / {s['accuracy']:.2f}"
+
+
+def _fit_cell(s: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """Per-token agreement / log-prob gap / attention output error on the needle's readers."""
+    err = [r["output_err"] for r in records]
+    return f"{s['token_agreement']:.2f} / {s['logprob_gap']:.2f} / {sum(err) / len(err):.3f}"
+
+
+def _records(data: dict[str, Any], method: str, ratio: float) -> list[dict[str, Any]]:
+    return [r for r in data["items"]
+            if r["method"] == method and r["ratio"] == ratio and r["setting"] == "agnostic"]  # fmt: skip
+
+
+@table("ruler_am_decomposition", "ruler/ruler_am_decomp_s0.json")
+def _ruler_am_decomposition(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per row of `_DECOMPOSITION`, at 10x and at 20x: retention / accuracy, then per-token
+    agreement / log-prob gap / output error (mean over layers and heads, on the queries of
+    the scored question and stock's answer)."""
+    summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
+    head = ["key score", "budget split", "refit"]
+    for r in RATIOS:
+        x = f"{1 / r:.0f}x"
+        head += [f"{x}: retention / accuracy", f"{x}: agreement / log-prob gap / output error"]
+    first = rec(summary, method="kvzip", ratio=RATIOS[0])
+    rows = [head, ["stock", f"{first['items']} items", "-",
+                   *([f"accuracy {first['stock_accuracy']:.2f}", "1.00 / 0 / 0"] * len(RATIOS))]]  # fmt: skip
+    for score, split, fit, method in _DECOMPOSITION:
+        row = [score, split, fit]
+        for r in RATIOS:
+            s = rec(summary, method=method, ratio=r)
+            row += [_cell(s), _fit_cell(s, _records(data[0], method, r))]
+        rows.append(row)
+    return rows
+
+
+def paired_to_kvzip(data: dict[str, Any], method: str, ratio: float) -> str:
+    """`method`'s retention minus kvzip's at `ratio` with the paired 95% interval, and the
+    items each answers right where the other is wrong: "+0.05 [-0.02, +0.12] (3 / 1)".
+
+    Raises:
+        ValueError: the two ran on different items.
+    """
+    right = [{item_key(r): r["score"] == 1.0 for r in _records(data, m, ratio)}
+             for m in (method, "kvzip")]  # fmt: skip
+    if right[0].keys() != right[1].keys():
+        raise ValueError(f"{method} and kvzip at {1 / ratio:.0f}x ran on different items")
+    stock = {item_key(r): r["stock_score"] == 1.0 for r in data["items"]}
+    keys = list(right[0])
+    diff, ci = retention_difference(
+        [stock[k] for k in keys], [right[0][k] for k in keys], [right[1][k] for k in keys]
+    )
+    a, b = (sum(x[k] and not y[k] for k in keys) for x, y in (right, right[::-1]))
+    if diff is None or ci is None:
+        return f"- ({a} / {b})"
+    return f"{diff:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] ({a} / {b})"
