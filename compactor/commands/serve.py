@@ -242,11 +242,14 @@ def _first(received: asyncio.Future[signal.Signals], sig: signal.Signals) -> Non
 
 
 def _check_port(host: str, port: int) -> None:
-    """Fail early, with a clear message, if host:port cannot be bound."""
+    """Fail early, with a clear message, if host:port cannot be bound. Binds as gRPC's
+    listener does (SO_REUSEADDR): a restart on the port of a life that had clients finds its
+    old connections in TIME_WAIT, which only a listener still there should refuse."""
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

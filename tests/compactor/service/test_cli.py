@@ -25,6 +25,26 @@ def test_serve_reports_a_taken_port() -> None:
     assert "cannot bind" in str(info.value) and str(port) in str(info.value)
 
 
+def test_serve_binds_again_where_its_last_life_had_clients() -> None:
+    """A restart on the same port: the old life closed its clients' connections first, so
+    they sit in TIME_WAIT on the port; the port check lets the new listener bind (as gRPC's
+    own bind does), and still refuses a port with a listener on it."""
+    from compactor.commands.serve import _check_port
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server side closes first: TIME_WAIT on 127.0.0.1:port
+        client.close()
+        with pytest.raises(SystemExit, match="cannot bind"):
+            _check_port("127.0.0.1", port)  # the listener is still there
+    _check_port("127.0.0.1", port)  # gone: its old connection does not hold the port
+
+
 def test_serve_refuses_plaintext_on_a_non_loopback_address(
     monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
