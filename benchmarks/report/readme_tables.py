@@ -87,14 +87,18 @@ def _demo(data: list[dict[str, Any]]) -> list[list[str]]:
 
 @table("suite_time", "suite_time.json")
 def _suite_time(data: list[dict[str, Any]]) -> list[list[str]]:
-    """One run of `make test`'s two streams: each pytest session and the whole run."""
+    """One run of `make test`'s two streams: each pytest session and the tests in all; from a
+    `.ci/run` log also the setup and lint, and the whole run."""
     r = data[0]
     names = ("stream 1: the server tests", "stream 2: the tests without a server",
              "stream 2: the short server tests")  # fmt: skip
     rows = [["part", "tests passed", "skipped", "minutes"]]
     for name, s in zip(names, r["sessions"], strict=True):
         rows.append([name, str(s["passed"]), str(s["skipped"]), f"{s['seconds'] / 60:.1f}"])
-    rows.append(["the whole run, both streams side by side", "-", "-", f"{r['total_s'] / 60:.1f}"])
+    rows.append(["the tests, both streams side by side", "-", "-", f"{r['total_s'] / 60:.1f}"])
+    if r.get("ci_s") is not None:  # a .ci/run log: the venvs built and lint, then the tests
+        rows.append(["setting up the venvs and lint", "-", "-", f"{r['setup_s'] / 60:.1f}"])
+        rows.append(["`.ci/run` in all", "-", "-", f"{r['ci_s'] / 60:.1f}"])
     return rows
 
 

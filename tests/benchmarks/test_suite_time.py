@@ -39,6 +39,12 @@ def test_reads_the_run() -> None:
     assert [s["seconds"] for s in got["slowest"]][:3] == [464.93, 240.13, 70.63]
 
 
+def test_reads_the_whole_ci_run_when_the_log_is_ci_runs() -> None:
+    assert (read_log(LOG)["ci_s"], read_log(LOG)["setup_s"]) == (None, None)  # make test's
+    got = read_log(LOG + "ci: 2100 s in all (setup and lint 250 s)\n")
+    assert (got["ci_s"], got["setup_s"], got["total_s"]) == (2100, 250, 1850)
+
+
 def test_a_run_cut_short_is_refused() -> None:
     with pytest.raises(ValueError, match="cut short"):
         read_log(LOG.split("run_tests:")[0])
