@@ -1,8 +1,8 @@
 """Whole-model compaction speed per stage vs prefix length, on the real model (CPU by default).
 
     python -m benchmarks.offline.compaction_speed [--lengths 1024,2048,4096,8192] \
-        [--methods am-highest,am-omp-fast] [--omp-max-T 8192] [--ratio 0.1] [--device cpu] \
-        [--queries plugin|library] [--follow-ups 8] [--chunk-tokens N|none]
+        [--methods am-highest,am-omp-fast,kvzip:refit=am] [--omp-max-T 8192] [--ratio 0.1] \
+        [--device cpu] [--queries plugin|library] [--follow-ups 8] [--chunk-tokens N|none]
 
 For each prefix length T (a needle document from the shipped filler): one
 ``compact_prefix`` per method with the spec a compaction gets in practice:
@@ -101,11 +101,12 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
                 return MethodResult(keep_selected(x.keys, x.values, sel), report)
         idx = sel.indices
         with clock.measure("beta", sync):
+            verbatim = self.held_verbatim(x, sel)
             g = idx.unsqueeze(-1).expand(-1, -1, x.D)
             ck, cv0 = torch.gather(x.keys, 1, g), torch.gather(x.values, 1, g).float()
             beta = torch.zeros(idx.shape, device=x.keys.device)
             if spec.fit_beta:
-                beta = fit_layer_beta(x.targets, sel, spec.beta_bounds)
+                beta = fit_layer_beta(x.targets, sel, spec.beta_bounds, verbatim=verbatim)
         with clock.measure("values", sync):
             cv = cv0
             if spec.fit_values:
@@ -118,6 +119,7 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
                     sm_scale=x.scale,
                     ridge=spec.value_ridge,
                     prior=cv0,
+                    verbatim=verbatim,
                 )
             layer = pack_layer(ck, cv, beta, sel, x.keys.dtype)
         return MethodResult(layer, report)
@@ -224,6 +226,7 @@ def main() -> int:
 
     from compactor import hf
     from compactor.eval.niah import make_niah
+    from compactor.eval.runner import method_spec
     from compactor.models import resolve_model
     from compactor.pipeline import Hooks, compact_prefix
     from compactor.service.engine import auto_chunk_size
@@ -269,9 +272,10 @@ def main() -> int:
             if "omp" in name and a.omp_max_T < T:
                 continue
             clock = StageClock()
-            spec = base.replace(method=name, ratio=a.ratio).for_follow_ups(fus or ())
+            spec = method_spec(base, name, a.ratio).for_follow_ups(fus or ())
             spec = spec.replace(chunk_size=auto_chunk_size(spec, len(ids), limit))
-            hooks = Hooks(progress=False, reuse=reuse, method=timed_method(name, clock, sync))
+            timed = timed_method(spec.method, clock, sync, **spec.method_params)
+            hooks = Hooks(progress=False, reuse=reuse, method=timed)
             _, st = compact_prefix(model, tok, ids, spec, follow_ups=fus, hooks=hooks)
             first = first or st
             wall = {"prefill": first.prefill, "queries": first.queries, **clock.wall}
