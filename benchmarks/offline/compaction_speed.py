@@ -124,7 +124,7 @@ def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) 
             layer = pack_layer(ck, cv, beta, sel, x.keys.dtype)
         return MethodResult(layer, report)
 
-    timed = dataclasses.dataclass(type(f"Timed{base.__name__}", (base,), {"compact": compact}))
+    timed: Any = dataclasses.dataclass(type(f"Timed{base.__name__}", (base,), {"compact": compact}))
     return timed(**params)
 
 
