@@ -1,7 +1,8 @@
 """Renderers of the compaction-quality tables in the documents (registered in
-`benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): quality.json and the
-on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`), agreement.json
-(`agreement`), next_question.json (`next_question`) and equal_memory.json (`equal_memory`). The
+`benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py):
+quality.json and the on-policy runs (`quality`, `onpolicy`, `seeds`), methods.json (`methods`),
+agreement.json (`agreement`), next_question.json (`next_question`), equal_memory.json
+(`equal_memory`), and the AM refit's candidates on quality and cost (`quality_am_refit`). The
 RULER-style suite's tables are in `_tables_ruler.py` and `_tables_ruler_am.py`.
 """
 
@@ -162,4 +163,28 @@ def _equal_memory(data: list[dict[str, Any]]) -> list[list[str]]:
             [r["kind"], r["config"], f"{r['physical_slots']:.0f} ({r['physical_vs_gvote']:.2f}x)",
              f"{r['kept_entries']:.0f}", num(r["unseen_logppl_gap"]), f"{r['unseen_agree']:.2f}"]
         )  # fmt: skip
+    return rows
+
+
+@table("quality_am_refit", "quality_am_refit.json", "am_refit_speed/compaction_speed.json")
+def _quality_am_refit(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per method of the quality file (not `full`), at each of its ratios: the log-prob gap /
+    agreement / output error on the held-out future queries; then the method's compaction
+    (the fit alone, CPU seconds) at the speed file's T and ratio."""
+    records = [r for r in data[0]["records"] if r["method"] != "full"]
+    speed = data[1]["records"]
+    ratios = sorted({r["ratio"] for r in records}, reverse=True)
+    T, ratio = speed[0]["T"], data[1]["meta"]["ratio"]
+    head = ["method", *(f"{1 / x:.0f}x: log-prob gap / agreement / output error" for x in ratios),
+            f"compaction at T = {T}, {1 / ratio:.0f}x: CPU s"]  # fmt: skip
+    rows = [head]
+    for method in dict.fromkeys(r["method"] for r in records):
+        cells = []
+        for x in ratios:
+            r = rec(records, method=method, ratio=x)
+            cells.append(
+                f"{num(r['logppl_gap'])} / {r['agreement']:.2f} / {num(r['output_rel_err'])}"
+            )
+        s = rec(speed, method=method)
+        rows.append([method, *cells, f"{s['cpu_s']['compaction']:.1f}"])
     return rows

@@ -1,7 +1,8 @@
 """Renderers of the RULER-style suite's Attention Matching tables (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): where
 the AM fit loses the needle, lever by lever from am-highest to kvzip (`ruler_am_decomposition`);
-a method against kvzip on the same items (`paired_to_kvzip`)."""
+kvzip with the AM refit against kvzip, dev and held-out (`ruler_am_refit`); a method against
+kvzip on the same items (`paired_to_kvzip`)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,34 @@ def paired_to_kvzip(data: dict[str, Any], method: str, ratio: float) -> str:
     if diff is None or ci is None:
         return f"- ({a} / {b})"
     return f"{diff:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] ({a} / {b})"
+
+
+# kvzip's keys refitted by Attention Matching, whole or holding verbatim the keys some query
+# reads with >= 0.2 of its attention, against kvzip as it is: dev (to choose) and held-out
+# (to report), at 10x and 20x.
+_REFIT_SPLITS = ("dev", "held-out")
+_REFIT_METHODS = ("kvzip", "kvzip:refit=am", "kvzip:refit=am:refit_verbatim=0.2")
+
+
+@table("ruler_am_refit", "ruler/ruler_dev_am_refit.json", "ruler/ruler_am_refit.json")
+def _ruler_am_refit(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per split and method of `_REFIT_METHODS` run there, at 10x and 20x: retention /
+    accuracy, agreement / log-prob gap / output error, and the retention minus kvzip's with
+    its paired interval (right alone: it / kvzip)."""
+    head = ["split", "method", "items"]
+    for r in RATIOS:
+        x = f"{1 / r:.0f}x"
+        head += [f"{x}: retention / accuracy", f"{x}: agreement / log-prob gap / output error",
+                 f"{x}: retention - kvzip's [paired 95%] (right alone: it / kvzip)"]  # fmt: skip
+    rows = [head]
+    for split, d in zip(_REFIT_SPLITS, data, strict=True):
+        summary = [s for s in overall(d["summary"]) if s["setting"] == "agnostic"]
+        ran = {s["method"] for s in summary}
+        for method in (m for m in _REFIT_METHODS if m in ran):
+            row = [split, method, str(rec(summary, method=method, ratio=RATIOS[0])["items"])]
+            for r in RATIOS:
+                s = rec(summary, method=method, ratio=r)
+                diff = "-" if method == "kvzip" else paired_to_kvzip(d, method, r)
+                row += [_cell(s), _fit_cell(s, _records(d, method, r)), diff]
+            rows.append(row)
+    return rows
