@@ -29,6 +29,7 @@ import pytest
 
 from harness.launch import CompactorService, SGLangServer, free_port, start_all
 from harness.pd import PDRouter, pd_pair
+from harness.pool import fetch_metrics
 from harness.workload import (
     QUICK_ANSWER_TOKENS,
     compaction_args,
@@ -111,8 +112,10 @@ def _first_request(pd: PD, doc: str, question: str) -> tuple[dict[str, Any], flo
 
 def _ended(decode: SGLangServer) -> tuple[int, int]:
     """Decode's (installed, fallbacks) so far."""
-    ended = wait_for_compactions(decode, 0, TIMEOUT_S, progress=False)
-    return int(ended["installed_total"]), int(ended["fallbacks_total"])
+    m = fetch_metrics(decode.url)
+    ended = (m.get(f"sglang:compaction_{n}_total", 0.0) for n in ("installed", "fallbacks"))
+    installed, fallbacks = (int(x) for x in ended)
+    return installed, fallbacks
 
 
 def _wait_ended(decode: SGLangServer, since: tuple[int, int], n: int) -> dict[str, float]:
