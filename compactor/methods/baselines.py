@@ -142,6 +142,10 @@ class StreamingLLM(RefitOption, SelectingMethod):
         return Picked(Selection.from_mask(keep), {})
 
 
+# How KVzip reduces a key's attention over the reference queries to its score.
+_REDUCTIONS = ("max", "rms")
+
+
 @register_method("kvzip")
 @dataclasses.dataclass
 class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
@@ -157,25 +161,36 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
     global top-k of the scores of every layer's heads (:meth:`plan_layers`), so a layer whose
     heads read a few keys sharply keeps more of them than one that reads everything a little.
     ``non_uniform=True``: a layer's budget sum(t_h) is split over its KV heads the same way
-    (each head keeps >= 1). Report: {"budgets": the kept count per KV head}.
+    (each head keeps >= 1). ``reduce="rms"``: a key's score is the root mean square of its
+    attention over the queries (Attention Matching's highest-attention score) instead of the
+    max, the softmax and the splits as above. Report: {"budgets": the kept count per KV head}.
     """
 
     needs_suffix_lse: ClassVar[bool] = True
 
     non_uniform: bool = True
     layerwise: bool = False
+    reduce: str = "max"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("non_uniform", "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reduce not in _REDUCTIONS:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {self.reduce!r}")
 
     def score(self, x: LayerInput) -> torch.Tensor:
-        """Max attention [H, T] over the reference queries (and the group's heads)."""
-        return attention_probs(
-            x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
-        ).amax(1)
+        """Max (or RMS) attention [H, T] over the reference queries (and the group's heads)."""
+        return self._reduce(
+            attention_probs(x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse)
+        )
+
+    def _reduce(self, probs: torch.Tensor) -> torch.Tensor:
+        """[H, n, T] attention -> [H, T] key scores, by ``reduce`` over the queries."""
+        if self.reduce == "rms":
+            return probs.square().mean(1).sqrt()
+        return probs.amax(1)
 
     def pick(self, x: LayerInput) -> Picked:
         scores = self.score(x)
@@ -195,7 +210,7 @@ class KVzip(RefitOption, ScoreMethod, LayerBudgetPlanner):
         suffix: Sequence[torch.Tensor | None] = x.suffix_lse or [None] * x.L
         scores = torch.stack(
             [
-                attention_probs(k, q, scale, sinks=sk, suffix_lse=lse).amax(1)
+                self._reduce(attention_probs(k, q, scale, sinks=sk, suffix_lse=lse))
                 for k, q, sk, lse in zip(x.keys, x.queries, sinks, suffix, strict=True)
             ]
         )  # [L, H_kv, T]

@@ -73,7 +73,9 @@ METHOD_PARAMS: dict[str, dict[str, Param]] = {
         "window": Param("int", 0, "prefix"),
     },
     "streamingllm": {**_REFIT_OPTION, "n_sink": Param("int", 0, "prefix")},
-    "kvzip": {**_REFIT_OPTION, "non_uniform": Param("bool"), "layerwise": Param("bool")},
+    "kvzip": {
+        **_REFIT_OPTION, "non_uniform": Param("bool"), "layerwise": Param("bool"), "reduce": Param("str"),
+    },
     # `calibration` (a path on the server) is not settable by a request
     "compresskv": {
         **_REFIT_OPTION,

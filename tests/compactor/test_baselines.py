@@ -229,6 +229,20 @@ def test_kvzip_splits_the_budget_over_layers_by_a_global_top_k() -> None:
         get_method("kvzip", layerwise=1)
 
 
+def test_kvzip_rms_reduction_prefers_the_key_every_query_reads() -> None:
+    """One query reads key 0 alone; nine read key 1 with ~0.79 of their attention. The max
+    keeps key 0 (its one sharp reader), the RMS key 1 (read by most); bad names refused."""
+    keys = torch.tensor([[[10.0, 0, 0], [0, 1, 0], [0, 0, 0]]])
+    q = torch.zeros(1, 10, 3)
+    q[0, 0, 0] = 1.0
+    q[0, 1:, 1] = 2.0
+    x = LayerInput(keys, keys, q, (1,), 1.0)
+    assert get_method("kvzip").pick(x).selection.per_head()[0].tolist() == [0]
+    assert get_method("kvzip", reduce="rms").pick(x).selection.per_head()[0].tolist() == [1]
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        get_method("kvzip", reduce="mean")
+
+
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "streamingllm", "kvzip", "kvcompose"])
 def test_am_refit_reduces_output_error_on_fit_queries(name: str) -> None:
     k, v, q = _rand(H=2, T=64, n=48, seed=3)
