@@ -76,53 +76,16 @@ class StageClock:
 
 
 def timed_method(name: str, clock: StageClock, sync: Any = None, **params: Any) -> Any:
-    """The registered AM method `name`, its ``compact`` split into timed stages.
-
-    Same work as ``SelectingMethod.compact`` (pick, then the AM refit of
-    ``compactor.methods.refit``), in a subclass built here so that the pipeline accepts it
-    (``Hooks.method``).
-    """
-    import torch
-
+    """The registered AM method `name`, its ``compact`` timed stage by stage on `clock`
+    (``SelectingMethod.compact_in_stages``), in a subclass built here so that the pipeline
+    accepts it (``Hooks.method``)."""
     from compactor.methods import get_method
-    from compactor.methods.base import MethodResult
-    from compactor.methods.refit import fit_layer_beta, fit_layer_values
-    from compactor.methods.selection import keep_selected, pack_layer
 
     base = type(get_method(name, **params))
 
     def compact(self: Any, x: Any) -> Any:
         clock.queries_per_head = max(clock.queries_per_head, int(x.queries.shape[1]))
-        with clock.measure("selection", sync):
-            sel, report = self.pick(x)
-        spec = self.refit_spec()
-        if spec is None:
-            with clock.measure("values", sync):
-                return MethodResult(keep_selected(x.keys, x.values, sel), report)
-        idx = sel.indices
-        with clock.measure("beta", sync):
-            verbatim = self.held_verbatim(x, sel)
-            g = idx.unsqueeze(-1).expand(-1, -1, x.D)
-            ck, cv0 = torch.gather(x.keys, 1, g), torch.gather(x.values, 1, g).float()
-            beta = torch.zeros(idx.shape, device=x.keys.device)
-            if spec.fit_beta:
-                beta = fit_layer_beta(x.targets, sel, spec.beta_bounds, verbatim=verbatim)
-        with clock.measure("values", sync):
-            cv = cv0
-            if spec.fit_values:
-                cv = fit_layer_values(
-                    x.queries,
-                    ck,
-                    beta,
-                    sel,
-                    x.targets,
-                    sm_scale=x.scale,
-                    ridge=spec.value_ridge,
-                    prior=cv0,
-                    verbatim=verbatim,
-                )
-            layer = pack_layer(ck, cv, beta, sel, x.keys.dtype)
-        return MethodResult(layer, report)
+        return self.compact_in_stages(x, lambda stage: clock.measure(stage, sync))
 
     timed: Any = dataclasses.dataclass(type(f"Timed{base.__name__}", (base,), {"compact": compact}))
     return timed(**params)

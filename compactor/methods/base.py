@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 import torch
 
 from compactor.methods.context import check_sinks, check_suffix_lse
+from compactor.methods.refit import Stage, no_stage
 from compactor.methods.refit import refit as am_refit
 from compactor.methods.selection import Selection, keep_selected, pack_layer, topk_selection
 from compactor.methods.targets import Targets, reference_targets
@@ -213,10 +214,21 @@ class SelectingMethod(CompactionMethod):
     @final
     def compact(self, x: LayerInput) -> MethodResult:
         """Pick, then keep as is or refit (see :meth:`refit_spec`)."""
-        sel, report = self.pick(x)
+        return self.compact_in_stages(x, no_stage)
+
+    @final
+    def compact_in_stages(self, x: LayerInput, stage: Stage) -> MethodResult:
+        """:meth:`compact`, each of its stages ("selection", then "beta" and "values" of
+        the refit, or "values" alone when the picked entries are kept as they are) run
+        inside ``stage(name)``: a benchmark's clock (`benchmarks.offline.compaction_speed`)."""
+        with stage("selection"):
+            sel, report = self.pick(x)
         spec = self.refit_spec()
         if spec is None:
-            return MethodResult(keep_selected(x.keys, x.values, sel), report)
+            with stage("values"):
+                return MethodResult(keep_selected(x.keys, x.values, sel), report)
+        with stage("beta"):
+            verbatim = self.held_verbatim(x, sel)
         layer = am_refit(
             x.keys,
             x.values,
@@ -228,7 +240,8 @@ class SelectingMethod(CompactionMethod):
             fit_values=spec.fit_values,
             value_ridge=spec.value_ridge,
             targets=x.targets,
-            verbatim=self.held_verbatim(x, sel),
+            verbatim=verbatim,
+            stage=stage,
         )
         return MethodResult(layer, report)
 

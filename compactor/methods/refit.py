@@ -17,8 +17,10 @@ beyond ``block_bytes`` at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -31,10 +33,12 @@ __all__ = [
     "NNLS_ROUNDS",
     "NNLS_SOLVER",
     "PG_ITERS",
+    "Stage",
     "fit_beta_nnls",
     "fit_layer_beta",
     "fit_layer_values",
     "nnls_solver_for",
+    "no_stage",
     "refit",
     "selection_from_budgets",
 ]
@@ -52,6 +56,15 @@ NNLS_ROUNDS = 32
 NNLS_SOLVER = "auto"
 PG_ITERS = 2
 
+# A context manager per stage name ("beta", "values"), entered around that stage's work:
+# a benchmark's clock; `no_stage` everywhere else.
+Stage = Callable[[str], AbstractContextManager[object]]
+
+
+def no_stage(name: str) -> AbstractContextManager[object]:
+    """The :data:`Stage` that does nothing."""
+    return contextlib.nullcontext()
+
 
 def refit(
     keys: torch.Tensor,
@@ -68,6 +81,7 @@ def refit(
     nnls_rounds: int | None = NNLS_ROUNDS,
     targets: Targets | None = None,
     verbatim: torch.Tensor | None = None,
+    stage: Stage = no_stage,
 ) -> CompactedLayer:
     """NNLS beta + least-squares values for the kept keys of ``selection``.
 
@@ -85,6 +99,8 @@ def refit(
         verbatim: [H_kv, t_max] bool, kept entries that stay as they are (beta 0, their own
             values): the others' beta is fitted to the mass these leave, their values to
             the outputs these leave (None: every kept entry is fitted).
+        stage: entered around the "beta" work (the gathers, the targets, the NNLS) and the
+            "values" work (the value solve, the packing).
 
     Returns:
         CompactedLayer (keys = original kept keys in the input dtype, fitted values in
@@ -92,24 +108,26 @@ def refit(
     """
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(keys.shape[-1])
     idx = selection.indices
-    gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-    ck = torch.gather(keys, 1, gather)  # [H, t_max, D]
-    cv0 = torch.gather(values, 1, gather).float()
-    beta = torch.zeros(idx.shape, dtype=torch.float32, device=keys.device)
-    cv = cv0
-    tg = targets
-    if tg is None and (fit_beta or fit_values):
-        tg = reference_targets(keys, values, queries, scale)
-    if fit_beta and tg is not None and idx.shape[1] > 0:
-        beta = fit_layer_beta(
-            tg, selection, beta_bounds, ridge=nnls_ridge, rounds=nnls_rounds, verbatim=verbatim
-        )
-    if fit_values and tg is not None and idx.shape[1] > 0:
-        cv = fit_layer_values(
-            queries, ck, beta, selection, tg, sm_scale=scale, ridge=value_ridge, prior=cv0,
-            verbatim=verbatim,
-        )  # fmt: skip
-    return pack_layer(ck, cv, beta, selection, keys.dtype)
+    with stage("beta"):
+        gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        ck = torch.gather(keys, 1, gather)  # [H, t_max, D]
+        cv0 = torch.gather(values, 1, gather).float()
+        beta = torch.zeros(idx.shape, dtype=torch.float32, device=keys.device)
+        tg = targets
+        if tg is None and (fit_beta or fit_values):
+            tg = reference_targets(keys, values, queries, scale)
+        if fit_beta and tg is not None and idx.shape[1] > 0:
+            beta = fit_layer_beta(
+                tg, selection, beta_bounds, ridge=nnls_ridge, rounds=nnls_rounds, verbatim=verbatim
+            )
+    with stage("values"):
+        cv = cv0
+        if fit_values and tg is not None and idx.shape[1] > 0:
+            cv = fit_layer_values(
+                queries, ck, beta, selection, tg, sm_scale=scale, ridge=value_ridge, prior=cv0,
+                verbatim=verbatim,
+            )  # fmt: skip
+        return pack_layer(ck, cv, beta, selection, keys.dtype)
 
 
 def fit_layer_beta(
