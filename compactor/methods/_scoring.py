@@ -29,6 +29,8 @@ REFIT_MODES: dict[str, tuple[bool, bool]] = {
     "values": (False, True),
 }
 REFIT_CHOICES = (None, *REFIT_MODES)
+# What a sharp read holds verbatim through the refit (RefitOption.refit_hold).
+REFIT_HOLDS = ("keys", "heads")
 
 
 def attention_probs(
@@ -114,16 +116,22 @@ class RefitOption:
     least p of its attention (the sinks and, where the method has it, the query's own
     continuation in the softmax, as kvzip scores) stays as it is through the refit (beta 0,
     its own value), and the others are fitted to what it leaves (:meth:`held_verbatim`).
+    refit_hold: what such a sharp read holds: ``"keys"``, the key read; ``"heads"``, every
+    kept entry of its KV head (a head some query reads sharply is kept as selected, the fit
+    is spent on the heads that read diffusely).
     """
 
     refit: str | None = None
     refit_beta_bounds: tuple[float, float] = (-3.0, 3.0)
     refit_verbatim: float | None = None
+    refit_hold: str = "keys"
 
     def __post_init__(self) -> None:
         if self.refit not in REFIT_CHOICES:
             raise ValueError(f"refit must be one of {REFIT_CHOICES}, got {self.refit!r}")
         self.refit_verbatim = check_verbatim(self.refit_verbatim, self.refit)
+        if self.refit_hold not in REFIT_HOLDS:
+            raise ValueError(f"refit_hold must be one of {REFIT_HOLDS}, got {self.refit_hold!r}")
         try:
             lo, hi = (float(x) for x in self.refit_beta_bounds)
         except (TypeError, ValueError):
@@ -140,13 +148,17 @@ class RefitOption:
 
     def held_verbatim(self, x: LayerInput, selection: Selection) -> torch.Tensor | None:
         """The kept entries some reference query reads with >= refit_verbatim of its
-        attention ([H_kv, t_max] bool), or None without refit_verbatim."""
+        attention, or every kept entry of a head with such a read (``refit_hold="heads"``)
+        ([H_kv, t_max] bool); None without refit_verbatim."""
         if self.refit_verbatim is None:
             return None
         reads = attention_probs(
             x.keys, x.queries, x.scale, sinks=x.sinks, suffix_lse=x.suffix_lse
         ).amax(1)
-        return (torch.gather(reads, 1, selection.indices) >= self.refit_verbatim) & selection.mask
+        sharp = (torch.gather(reads, 1, selection.indices) >= self.refit_verbatim) & selection.mask
+        if self.refit_hold == "heads":
+            return sharp.any(1, keepdim=True) & selection.mask
+        return sharp
 
 
 def check_verbatim(value: Any, refit: str | None) -> float | None:

@@ -46,7 +46,7 @@ class Param(NamedTuple):
 
 _REFIT = {"refit": Param("str"), "refit_beta_bounds": Param("pair", -20.0, 20.0)}
 # the selection baselines' (RefitOption) refit: the above and the keys it holds verbatim
-_REFIT_OPTION = {**_REFIT, "refit_verbatim": Param("float", 0.0, 1.0)}
+_REFIT_OPTION = {**_REFIT, "refit_verbatim": Param("float", 0.0, 1.0), "refit_hold": Param("str")}
 _RIDGE = Param("float", 0.0, 1e3)
 _OMP = {
     "k": Param("int", 1, "prefix"),

@@ -100,6 +100,26 @@ def test_kvzip_holds_the_keys_a_query_reads_sharply_verbatim() -> None:
     assert torch.equal(whole.values, plain.values) and not bool(whole.beta.any())
 
 
+def test_kvzip_holds_a_head_a_query_reads_sharply_whole() -> None:
+    """refit_hold="heads": head 1 (query 4 reads key 17 sharply) is kept as selected, every
+    entry of it; heads 0 and 2 (no read >= 0.5) are fitted as by the plain refit."""
+    k, v, q = _layer(H=3, T=45, n=31, seed=6)
+    k[1, 17] = 6 * q[1, 4] / q[1, 4].norm()
+    budgets = [7, 9, 5]
+    plain = get_method("kvzip").compact_layer(k, v, q, budgets)
+    fitted = get_method("kvzip", refit="am").compact_layer(k, v, q, budgets)
+    m = get_method("kvzip", refit="am", refit_verbatim=0.5, refit_hold="heads")
+    held = m.compact_layer(k, v, q, budgets)
+    lo, hi = int(held.indptr[1]), int(held.indptr[2])
+    assert torch.equal(held.values[lo:hi], plain.values[lo:hi])
+    assert not bool(held.beta[lo:hi].any())
+    for a, b in ((0, lo), (hi, int(held.indptr[3]))):
+        torch.testing.assert_close(held.values[a:b], fitted.values[a:b])
+        torch.testing.assert_close(held.beta[a:b], fitted.beta[a:b])
+    with pytest.raises(ValueError, match="refit_hold must be one of"):
+        get_method("kvzip", refit="am", refit_verbatim=0.5, refit_hold="layers")
+
+
 @pytest.mark.parametrize(
     "params",
     [
