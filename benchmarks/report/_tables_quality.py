@@ -166,15 +166,26 @@ def _equal_memory(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-@table("quality_am_refit", "quality_am_refit.json", "am_refit_speed/compaction_speed.json")
+@table(
+    "quality_am_refit",
+    "quality_am_refit.json",
+    "quality_am_heads.json",
+    "quality_kvzip_rms.json",
+    "am_refit_speed/compaction_speed.json",
+    "am_heads_speed/compaction_speed.json",
+)
 def _quality_am_refit(data: list[dict[str, Any]]) -> list[list[str]]:
-    """Per method of the quality file (not `full`), at each of its ratios: the log-prob gap /
-    agreement / output error on the held-out future queries; then the method's compaction
-    (the fit alone, CPU seconds) at the speed file's T and ratio."""
-    records = [r for r in data[0]["records"] if r["method"] != "full"]
-    speed = data[1]["records"]
+    """Per method of the quality files (all but the last two; not `full`; a method in
+    several, kvzip, from the first), at each of their ratios: the log-prob gap / agreement /
+    output error on the held-out future queries; then the method's compaction (the fit
+    alone, CPU seconds) at the speed files' (the last two) T and ratio, from the first speed
+    file that ran it ("-" where none did)."""
+    records = [r for d in data[:-2] for r in d["records"] if r["method"] != "full"]
+    speeds = data[-2:]
     ratios = sorted({r["ratio"] for r in records}, reverse=True)
-    T, ratio = speed[0]["T"], data[1]["meta"]["ratio"]
+    T, ratio = speeds[0]["records"][0]["T"], speeds[0]["meta"]["ratio"]
+    if any((d["records"][0]["T"], d["meta"]["ratio"]) != (T, ratio) for d in speeds):
+        raise ValueError("the speed files ran at different T or ratios")
     head = ["method", *(f"{1 / x:.0f}x: log-prob gap / agreement / output error" for x in ratios),
             f"compaction at T = {T}, {1 / ratio:.0f}x: CPU s"]  # fmt: skip
     rows = [head]
@@ -185,6 +196,6 @@ def _quality_am_refit(data: list[dict[str, Any]]) -> list[list[str]]:
             cells.append(
                 f"{num(r['logppl_gap'])} / {r['agreement']:.2f} / {num(r['output_rel_err'])}"
             )
-        s = rec(speed, method=method)
-        rows.append([method, *cells, f"{s['cpu_s']['compaction']:.1f}"])
+        timed = [r for d in speeds for r in d["records"] if r["method"] == method]
+        rows.append([method, *cells, f"{timed[0]['cpu_s']['compaction']:.1f}" if timed else "-"])
     return rows

@@ -4,8 +4,9 @@ held-out run, ruler/ruler.json (`ruler`, and per haystack `ruler_haystacks`), ou
 kvpress's KVzip at 10x and at 20x on more of its items (`ruler_10x`, `ruler_20x`), the same at
 ~4k tokens (`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our
 kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), the
-defaults before and after they were chosen on it (`ruler_defaults`), and our kvzip's two
-framings of the repeat (`ruler_repeat`)."""
+defaults before and after they were chosen on it (`ruler_defaults`), our kvzip's two
+framings of the repeat (`ruler_repeat`), and the tasks beyond the 2k needles: multi-key needles
+at ~4k tokens and variable tracking (`ruler_breadth`)."""
 
 from __future__ import annotations
 
@@ -274,3 +275,34 @@ def _right(data: dict[str, Any], method: str) -> dict[float, dict[tuple[Any, ...
         if r["method"] == method and r["setting"] == "agnostic":
             got.setdefault(r["ratio"], {})[item_key(r)] = r["score"] == 1.0
     return got
+
+
+# Breadth beyond the 2k needles: (what, file). Query-agnostic, held-out.
+_BREADTH = (
+    ("multi-key needles, ~4k tokens", "ruler/ruler_4k_multikey_merged.json"),
+    ("variable tracking, ~2k tokens", "ruler/ruler_2k_vt.json"),
+)
+
+
+@table("ruler_breadth", *(f for _, f in _BREADTH))
+def _ruler_breadth(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per file of `_BREADTH` and method: items, stock's accuracy and mean score (a vt answer
+    scores the share of the variables it names), then at 10x and 20x the retention / accuracy,
+    the mean score and the per-token agreement (kvpress's runs generate only: "-")."""
+    rows = [["task", "method", "items", "stock: accuracy / mean score",
+             *(f"{x}: retention / accuracy, mean score, agreement" for x in ("10x", "20x"))]]  # fmt: skip
+    for (what, _), d in zip(_BREADTH, data, strict=True):
+        summary = [s for s in overall(d["summary"]) if s["setting"] == "agnostic"]
+        for method in dict.fromkeys(s["method"] for s in summary):
+            first = rec(summary, method=method, ratio=0.1)
+            recs = [r for r in d["items"] if r["method"] == method and r["setting"] == "agnostic"]
+            stock = {item_key(r): r["stock_score"] for r in recs}
+            row = [what, method, str(first["items"]),
+                   f"{first['stock_accuracy']:.2f} / {sum(stock.values()) / len(stock):.2f}"]  # fmt: skip
+            for r in (0.1, 0.05):
+                s = rec(summary, method=method, ratio=r)
+                scores = [x["score"] for x in recs if x["ratio"] == r]
+                agree = "-" if s.get("token_agreement") is None else f"{s['token_agreement']:.2f}"
+                row.append(f"{_ruler_cell(s)}, {sum(scores) / len(scores):.2f}, {agree}")
+            rows.append(row)
+    return rows
