@@ -1,7 +1,7 @@
 """Renderers of the RULER-style suite's Attention Matching tables (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): where
 the AM fit loses the needle, lever by lever from am-highest to kvzip (`ruler_am_decomposition`);
-kvzip with the AM refit against kvzip, dev and held-out (`ruler_am_refit`); a method against
+the AM family's candidates against kvzip, dev and held-out (`ruler_am_refit`); a method against
 kvzip on the same items (`paired_to_kvzip`)."""
 
 from __future__ import annotations

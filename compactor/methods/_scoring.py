@@ -132,6 +132,10 @@ class RefitOption:
         self.refit_verbatim = check_verbatim(self.refit_verbatim, self.refit)
         if self.refit_hold not in REFIT_HOLDS:
             raise ValueError(f"refit_hold must be one of {REFIT_HOLDS}, got {self.refit_hold!r}")
+        if self.refit_hold != "keys" and self.refit_verbatim is None:
+            raise ValueError(
+                f"refit_hold={self.refit_hold!r} needs refit_verbatim (what a sharp read is)"
+            )
         try:
             lo, hi = (float(x) for x in self.refit_beta_bounds)
         except (TypeError, ValueError):

@@ -118,6 +118,8 @@ def test_kvzip_holds_a_head_a_query_reads_sharply_whole() -> None:
         torch.testing.assert_close(held.beta[a:b], fitted.beta[a:b])
     with pytest.raises(ValueError, match="refit_hold must be one of"):
         get_method("kvzip", refit="am", refit_verbatim=0.5, refit_hold="layers")
+    with pytest.raises(ValueError, match="refit_hold='heads' needs refit_verbatim"):
+        get_method("kvzip", refit="am", refit_hold="heads")
 
 
 @pytest.mark.parametrize(
