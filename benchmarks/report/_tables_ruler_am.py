@@ -2,7 +2,8 @@
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): where
 the AM fit loses the needle, lever by lever from am-highest to kvzip (`ruler_am_decomposition`);
 the AM family's candidates against kvzip, dev and held-out (`ruler_am_refit`); a method against
-kvzip on the same items (`paired_to_kvzip`)."""
+another on the same items (`paired_to`); the default's choice on the headline's held-out items
+(`ruler_default`)."""
 
 from __future__ import annotations
 
@@ -77,17 +78,17 @@ def _ruler_am_decomposition(data: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def paired_to_kvzip(data: dict[str, Any], method: str, ratio: float) -> str:
-    """`method`'s retention minus kvzip's at `ratio` with the paired 95% interval, and the
+def paired_to(data: dict[str, Any], method: str, ratio: float, other: str = "kvzip") -> str:
+    """`method`'s retention minus `other`'s at `ratio` with the paired 95% interval, and the
     items each answers right where the other is wrong: "+0.05 [-0.02, +0.12] (3 / 1)".
 
     Raises:
         ValueError: the two ran on different items.
     """
     right = [{item_key(r): r["score"] == 1.0 for r in _records(data, m, ratio)}
-             for m in (method, "kvzip")]  # fmt: skip
+             for m in (method, other)]  # fmt: skip
     if right[0].keys() != right[1].keys():
-        raise ValueError(f"{method} and kvzip at {1 / ratio:.0f}x ran on different items")
+        raise ValueError(f"{method} and {other} at {1 / ratio:.0f}x ran on different items")
     stock = {item_key(r): r["stock_score"] == 1.0 for r in data["items"]}
     keys = list(right[0])
     diff, ci = retention_difference(
@@ -128,7 +129,39 @@ def _ruler_am_refit(data: list[dict[str, Any]]) -> list[list[str]]:
             row = [split, method, str(rec(summary, method=method, ratio=RATIOS[0])["items"])]
             for r in RATIOS:
                 s = rec(summary, method=method, ratio=r)
-                diff = "-" if method == "kvzip" else paired_to_kvzip(d, method, r)
+                diff = "-" if method == "kvzip" else paired_to(d, method, r)
                 row += [_cell(s), _fit_cell(s, _records(d, method, r)), diff]
             rows.append(row)
+    return rows
+
+
+# The default's choice reported on held-out: the candidate chosen on dev, kvzip (the default
+# it would replace) and kvpress's KVzip, on the same held-out items at each compression (at
+# 20x the headline's 88 items; at 10x 88 of its 256; at 50x the 16 of the first table).
+_DEFAULT_ROWS = (("kvzip", "kvzip"), ("kvzip:reduce=rms", "kvzip:reduce=rms"),
+                 ("kvpress's KVzip", "kvpress:kvzip"))  # fmt: skip
+
+
+@table("ruler_default", "ruler/ruler_2k_default.json")
+def _ruler_default(data: list[dict[str, Any]]) -> list[list[str]]:
+    """Per compression, then per method of `_DEFAULT_ROWS`: items, retention / accuracy,
+    agreement / log-prob gap (kvpress's rows have none), and the retention minus kvzip's and
+    minus kvpress's KVzip's with the paired interval (right alone: it / the other)."""
+    summary = [s for s in overall(data[0]["summary"]) if s["setting"] == "agnostic"]
+    rows = [["compression", "method", "items", "retention / accuracy", "agreement / log-prob gap",
+             "- kvzip's [paired 95%] (right alone: it / kvzip)",
+             "- kvpress KVzip's [paired 95%] (right alone: it / KVzip)"]]  # fmt: skip
+    ratios = {s["ratio"] for s in summary if s["method"] == _DEFAULT_ROWS[1][1]}
+    for r in sorted(ratios, reverse=True):
+        x = f"{1 / r:.0f}x"
+        first = rec(summary, method="kvzip", ratio=r)
+        rows.append([x, "stock", str(first["items"]), f"accuracy {first['stock_accuracy']:.2f}",
+                     "1.00 / 0", "-", "-"])  # fmt: skip
+        for label, method in _DEFAULT_ROWS:
+            s = rec(summary, method=method, ratio=r)
+            agree = s.get("token_agreement")  # kvpress's rows have none
+            fit = "-" if agree is None else f"{agree:.2f} / {s['logprob_gap']:.2f}"
+            diffs = ["-" if other == method else paired_to(data[0], method, r, other)
+                     for other in ("kvzip", "kvpress:kvzip")]  # fmt: skip
+            rows.append([x, label, str(s["items"]), _cell(s), fit, *diffs])
     return rows

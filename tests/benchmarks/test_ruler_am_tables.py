@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.report._tables_ruler_am import paired_to_kvzip
+from benchmarks.report._tables_ruler_am import paired_to
 
 
 def _items(scores: dict[str, list[float]], stock: list[float]) -> list[dict[str, Any]]:
@@ -22,7 +22,7 @@ def _items(scores: dict[str, list[float]], stock: list[float]) -> list[dict[str,
 def test_paired_difference_and_the_items_each_keeps_alone() -> None:
     stock = [1.0, 1.0, 1.0, 1.0, 0.0]
     items = _items({"kvzip": [1.0, 1.0, 0.0, 0.0, 0.0], "x": [1.0, 1.0, 1.0, 1.0, 1.0]}, stock)
-    cell = paired_to_kvzip({"items": items}, "x", 0.1)
+    cell = paired_to({"items": items}, "x", 0.1)
     # 4 of stock's 4 against 2 of 4; x is also right on the item stock gets wrong
     assert cell.startswith("+0.50 [") and cell.endswith("(3 / 0)")
 
@@ -31,4 +31,4 @@ def test_methods_on_different_items_are_refused() -> None:
     items = _items({"kvzip": [1.0, 1.0], "x": [1.0, 0.0]}, [1.0, 1.0])
     items = [r for r in items if not (r["method"] == "x" and r["seed"] == 1001)]
     with pytest.raises(ValueError, match="different items"):
-        paired_to_kvzip({"items": items}, "x", 0.1)
+        paired_to({"items": items}, "x", 0.1)
