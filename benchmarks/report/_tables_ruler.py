@@ -1,12 +1,14 @@
 """Renderers of the RULER-style suite's tables (registered in
 `benchmarks.report._tables_lib.TABLES`, listed by benchmarks/report/readme_tables.py): the
-held-out run, ruler/ruler.json (`ruler`, and per haystack `ruler_haystacks`), our kvzip against
-kvpress's KVzip at 10x and at 20x on more of its items (`ruler_10x`, `ruler_20x`), the same at
-~4k tokens (`ruler_4k`) and our kvzip there with its query cap lifted (`ruler_4k_queries`), our
-kvzip as the sinks and then the queries' own tokens joined its softmax (`ruler_kvzip`), the
-defaults before and after they were chosen on it (`ruler_defaults`), our kvzip's two
-framings of the repeat (`ruler_repeat`), and the tasks beyond the 2k needles: multi-key needles
-at ~4k tokens and variable tracking (`ruler_breadth`)."""
+held-out run, ruler/ruler.json (`ruler`, and per haystack `ruler_haystacks`; the same table of
+the plugin's spec on the dev items with kvzip and the default's candidate,
+`ruler_plugin_candidate`), our kvzip against kvpress's KVzip at 10x and at 20x on more of its
+items (`ruler_10x`, `ruler_20x`), the same at ~4k tokens (`ruler_4k`) and our kvzip there with
+its query cap lifted (`ruler_4k_queries`), our kvzip as the sinks and then the queries' own
+tokens joined its softmax (`ruler_kvzip`), the defaults before and after they were chosen on it
+(`ruler_defaults`), our kvzip's two framings of the repeat (`ruler_repeat`), and the tasks
+beyond the 2k needles: multi-key needles at ~4k tokens and variable tracking
+(`ruler_breadth`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def _ruler_10x_20x(summary: list[dict[str, Any]], **match: Any) -> list[str]:
     return [*(_ruler_cell(s) for s in picked), agree]
 
 
+@table("ruler_plugin_candidate", "ruler/ruler_dev_plugin_candidate.json")
 @table("ruler", "ruler/ruler.json")
 def _ruler(data: list[dict[str, Any]]) -> list[list[str]]:
     """All tasks and haystacks together: per setting and method, one column per compression.
