@@ -70,7 +70,7 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     """Stock's accuracy, then per method at `ratio`: retention with its interval and accuracy,
     per-token agreement, and the items it answers right where the other answers wrong (the
     exact McNemar p of those two counts on its row); on ours, its retention minus KVzip's with
-    the paired interval (:func:`retention_difference`).
+    the paired interval (:func:`paired`).
 
     Raises:
         ValueError: the two methods ran on different items (the message names the table).
@@ -81,12 +81,7 @@ def _head_to_head(data: list[dict[str, Any]], ratio: float) -> list[list[str]]:
     if right[0].keys() != right[1].keys():
         name = f"ruler_{1 / ratio:.0f}x"
         raise ValueError(f"{name}: {len(right[0])} and {len(right[1])} items differ")
-    only = [sum(a[k] and not b[k] for k in a) for a, b in (right, right[::-1])]
-    stock = {item_key(r): r["stock_score"] == 1.0 for r in data[0]["items"]}
-    keys = list(right[0])
-    diff, ci = retention_difference(
-        [stock[k] for k in keys], [right[0][k] for k in keys], [right[1][k] for k in keys]
-    )
+    diff, ci, *only = paired(data[0], right[0], right[1])
     rows = [["method", "items", "retention [95% interval] / accuracy", "per-token agreement",
              "right where the other is wrong", "retention, ours - KVzip [paired 95%]"]]  # fmt: skip
     first = picked[0]
@@ -269,6 +264,20 @@ def _ruler_repeat(data: list[dict[str, Any]]) -> list[list[str]]:
               for r in (0.1, 0.05)]  # fmt: skip
         rows.append([split, source, *at, " / ".join(only)])
     return rows
+
+
+def paired(
+    data: dict[str, Any], a: dict[tuple[Any, ...], bool], b: dict[tuple[Any, ...], bool]
+) -> tuple[float | None, tuple[float, float] | None, int, int]:
+    """Of two methods' right answers on the same items of `data` ({item: right}): a's
+    retention minus b's with its paired 95% interval (:func:`retention_difference`; None where
+    stock is right on no item), and the items a answers right where b is wrong, and b where a."""
+    stock = {item_key(r): r["stock_score"] == 1.0 for r in data["items"]}
+    keys = list(a)
+    diff, ci = retention_difference([stock[k] for k in keys], [a[k] for k in keys],
+                                    [b[k] for k in keys])  # fmt: skip
+    return (diff, ci, sum(a[k] and not b[k] for k in keys),
+            sum(b[k] and not a[k] for k in keys))  # fmt: skip
 
 
 def _right(data: dict[str, Any], method: str) -> dict[float, dict[tuple[Any, ...], bool]]:

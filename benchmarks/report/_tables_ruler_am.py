@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.offline.ruler_results import item_key, overall
 from benchmarks.report._tables_lib import rec, table
-from compactor.eval.paired import retention_difference
+from benchmarks.report._tables_ruler import paired
 
 RATIOS = (0.1, 0.05)
 
@@ -89,12 +89,7 @@ def paired_to(data: dict[str, Any], method: str, ratio: float, other: str = "kvz
              for m in (method, other)]  # fmt: skip
     if right[0].keys() != right[1].keys():
         raise ValueError(f"{method} and {other} at {1 / ratio:.0f}x ran on different items")
-    stock = {item_key(r): r["stock_score"] == 1.0 for r in data["items"]}
-    keys = list(right[0])
-    diff, ci = retention_difference(
-        [stock[k] for k in keys], [right[0][k] for k in keys], [right[1][k] for k in keys]
-    )
-    a, b = (sum(x[k] and not y[k] for k in keys) for x, y in (right, right[::-1]))
+    diff, ci, a, b = paired(data, right[0], right[1])
     if diff is None or ci is None:
         return f"- ({a} / {b})"
     return f"{diff:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] ({a} / {b})"
